@@ -1,0 +1,291 @@
+//! The key layout of DESIGN.md §2: building keys and parsing them back.
+//!
+//! Owns: every string that names a key or a prefix in the store. Nothing else in chanwatch
+//! formats a key by hand, so the layout can change in one place.
+//!
+//! Must not: touch values or the store.
+
+use std::fmt;
+
+use crate::error::KeyError;
+use crate::types::{ChannelName, NodeId};
+
+/// The segment under `channel/` that parks channels while no node is alive.
+pub const REMAINING: &str = "remaining";
+
+/// Who a channel key belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ChannelOwner {
+    /// A live (or dead, not yet cleaned up) node.
+    Node(NodeId),
+    /// Parked under `channel/remaining/` because no node was alive.
+    Remaining,
+}
+
+impl fmt::Display for ChannelOwner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ChannelOwner::Node(id) => write!(f, "{id}"),
+            ChannelOwner::Remaining => f.write_str(REMAINING),
+        }
+    }
+}
+
+/// A parsed `{root}/channel/{owner}/{channel}` key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ChannelKey {
+    /// Node ID or `remaining`.
+    pub owner: ChannelOwner,
+    /// The channel.
+    pub channel: ChannelName,
+}
+
+/// Builds and parses keys under one root prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    root: String,
+}
+
+impl Keys {
+    /// A layout under `root` (default `chanwatch`).
+    ///
+    /// # Errors
+    /// [`KeyError::Malformed`] when the root is empty, starts or ends with `/`, holds `//`, or
+    /// characters outside `[A-Za-z0-9._/-]`.
+    pub fn new(root: impl Into<String>) -> Result<Self, KeyError> {
+        let root = root.into();
+        let bad = |why: &str| KeyError::Malformed {
+            key: root.clone(),
+            why: format!(
+                "root prefix {why}; use something like \"chanwatch\" or \"prod/chanwatch\""
+            ),
+        };
+        if root.is_empty() {
+            return Err(bad("is empty"));
+        }
+        if root.starts_with('/') || root.ends_with('/') || root.contains("//") {
+            return Err(bad("must not start or end with '/' or hold '//'"));
+        }
+        if !root
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'))
+        {
+            return Err(bad("holds characters outside [A-Za-z0-9._/-]"));
+        }
+        Ok(Keys { root })
+    }
+
+    /// The root prefix without a trailing slash.
+    pub fn root(&self) -> &str {
+        &self.root
+    }
+
+    /// `{root}/` — everything chanwatch owns.
+    pub fn all_prefix(&self) -> String {
+        format!("{}/", self.root)
+    }
+
+    /// `{root}/id/node`: the last node ID handed out.
+    pub fn node_id_counter(&self) -> String {
+        format!("{}/id/node", self.root)
+    }
+
+    /// `{root}/session/node/`.
+    pub fn sessions_prefix(&self) -> String {
+        format!("{}/session/node/", self.root)
+    }
+
+    /// `{root}/session/node/{id}`.
+    pub fn session(&self, id: NodeId) -> String {
+        format!("{}/session/node/{id}", self.root)
+    }
+
+    /// Parses `{root}/session/node/{id}`.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the key is elsewhere or the ID is not canonical decimal.
+    pub fn parse_session(&self, key: &str) -> Result<NodeId, KeyError> {
+        let rest = strip(key, &self.sessions_prefix())?;
+        rest.parse()
+            .map_err(|_| malformed(key, "node id is not a decimal number"))
+    }
+
+    /// `{root}/coord/leader`.
+    pub fn leader(&self) -> String {
+        format!("{}/coord/leader", self.root)
+    }
+
+    /// `{root}/channel/` — every assignment.
+    pub fn channels_prefix(&self) -> String {
+        format!("{}/channel/", self.root)
+    }
+
+    /// `{root}/channel/{owner}/` — one owner's assignments.
+    pub fn owner_prefix(&self, owner: ChannelOwner) -> String {
+        format!("{}/channel/{owner}/", self.root)
+    }
+
+    /// `{root}/channel/{owner}/{channel}`.
+    pub fn channel(&self, owner: ChannelOwner, channel: &ChannelName) -> String {
+        format!("{}/channel/{owner}/{channel}", self.root)
+    }
+
+    /// Parses `{root}/channel/{owner}/{channel}`.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the key is elsewhere, the owner is neither a node ID nor `remaining`,
+    /// or the channel name is invalid.
+    pub fn parse_channel(&self, key: &str) -> Result<ChannelKey, KeyError> {
+        let rest = strip(key, &self.channels_prefix())?;
+        let (owner, name) = rest
+            .split_once('/')
+            .ok_or_else(|| malformed(key, "expected channel/{node id|remaining}/{channel}"))?;
+        let owner = if owner == REMAINING {
+            ChannelOwner::Remaining
+        } else {
+            ChannelOwner::Node(
+                owner
+                    .parse()
+                    .map_err(|_| malformed(key, "owner is neither a node id nor 'remaining'"))?,
+            )
+        };
+        let channel = ChannelName::new(name).map_err(|e| malformed(key, &e.to_string()))?;
+        Ok(ChannelKey { owner, channel })
+    }
+
+    /// `{root}/checkpoint/`.
+    pub fn checkpoints_prefix(&self) -> String {
+        format!("{}/checkpoint/", self.root)
+    }
+
+    /// `{root}/checkpoint/{channel}`.
+    pub fn checkpoint(&self, channel: &ChannelName) -> String {
+        format!("{}/checkpoint/{channel}", self.root)
+    }
+
+    /// Parses `{root}/checkpoint/{channel}`.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the key is elsewhere or the channel name is invalid.
+    pub fn parse_checkpoint(&self, key: &str) -> Result<ChannelName, KeyError> {
+        let rest = strip(key, &self.checkpoints_prefix())?;
+        ChannelName::new(rest).map_err(|e| malformed(key, &e.to_string()))
+    }
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Keys {
+            root: "chanwatch".to_owned(),
+        }
+    }
+}
+
+fn strip<'k>(key: &'k str, prefix: &str) -> Result<&'k str, KeyError> {
+    key.strip_prefix(prefix)
+        .ok_or_else(|| KeyError::WrongPrefix {
+            key: key.to_owned(),
+            prefix: prefix.to_owned(),
+        })
+}
+
+fn malformed(key: &str, why: &str) -> KeyError {
+    KeyError::Malformed {
+        key: key.to_owned(),
+        why: why.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn keys_follow_the_design_layout() {
+        let k = Keys::new("cw").expect("root");
+        let c = ChannelName::new("ch1").expect("name");
+        assert_eq!(k.node_id_counter(), "cw/id/node");
+        assert_eq!(k.session(NodeId(7)), "cw/session/node/7");
+        assert_eq!(k.leader(), "cw/coord/leader");
+        assert_eq!(
+            k.channel(ChannelOwner::Node(NodeId(7)), &c),
+            "cw/channel/7/ch1"
+        );
+        assert_eq!(
+            k.channel(ChannelOwner::Remaining, &c),
+            "cw/channel/remaining/ch1"
+        );
+        assert_eq!(k.checkpoint(&c), "cw/checkpoint/ch1");
+        // A node's prefix must not be a prefix of another node's prefix.
+        assert!(!k
+            .owner_prefix(ChannelOwner::Node(NodeId(12)))
+            .starts_with(&k.owner_prefix(ChannelOwner::Node(NodeId(1)))));
+    }
+
+    #[test]
+    fn bad_keys_are_typed_errors() {
+        let k = Keys::default();
+        for bad in [
+            "chanwatch/channel/",
+            "chanwatch/channel/7",
+            "chanwatch/channel/07/c",
+            "chanwatch/channel/x/c",
+            "chanwatch/channel/7/",
+            "chanwatch/channel/7/a/b",
+            "chanwatch/channel/remaining/",
+            "other/channel/7/c",
+        ] {
+            assert!(k.parse_channel(bad).is_err(), "{bad:?} parsed");
+        }
+        assert!(k.parse_session("chanwatch/session/node/").is_err());
+        assert!(k.parse_session("chanwatch/session/node/-1").is_err());
+        assert!(k.parse_checkpoint("chanwatch/checkpoint/a/b").is_err());
+    }
+
+    #[test]
+    fn bad_roots_are_refused() {
+        for bad in ["", "/x", "x/", "a//b", "a b", "ä"] {
+            assert!(Keys::new(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(Keys::new("prod/chanwatch-1").is_ok());
+    }
+
+    fn owner_strategy() -> impl Strategy<Value = ChannelOwner> {
+        prop_oneof![
+            Just(ChannelOwner::Remaining),
+            any::<u64>().prop_map(|n| ChannelOwner::Node(NodeId(n))),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn channel_keys_round_trip(
+            root in "[a-z]{1,8}(/[a-z0-9._-]{1,8}){0,2}",
+            owner in owner_strategy(),
+            channel in crate::types::tests::name_strategy(),
+        ) {
+            let k = Keys::new(root).expect("valid root");
+            let key = k.channel(owner, &channel);
+            prop_assert!(key.starts_with(&k.owner_prefix(owner)));
+            prop_assert_eq!(k.parse_channel(&key).expect("parses"), ChannelKey { owner, channel: channel.clone() });
+            prop_assert_eq!(k.parse_checkpoint(&k.checkpoint(&channel)).expect("checkpoint"), channel);
+        }
+
+        #[test]
+        fn session_keys_round_trip(id in any::<u64>()) {
+            let k = Keys::default();
+            prop_assert_eq!(k.parse_session(&k.session(NodeId(id))).expect("parses"), NodeId(id));
+        }
+
+        #[test]
+        fn key_parsers_never_panic(s in ".{0,80}", tail in ".{0,40}") {
+            let k = Keys::default();
+            let _ = k.parse_channel(&s);
+            let _ = k.parse_session(&s);
+            let _ = k.parse_checkpoint(&s);
+            let _ = k.parse_channel(&format!("chanwatch/channel/{tail}"));
+            let _ = k.parse_session(&format!("chanwatch/session/node/{tail}"));
+        }
+    }
+}

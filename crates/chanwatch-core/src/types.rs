@@ -1,0 +1,620 @@
+//! Domain types of DESIGN.md §2 and their JSON encoding.
+//!
+//! Owns: identifiers (`NodeId`, `Epoch`, `ChannelName`), channel values (`ChannelInfo`,
+//! `VChannelInfo`, `Progress`), session values (`NodeSession`, `CoordSession`) and
+//! `Checkpoint`. Every value type keeps unknown JSON fields in `extra` so that a newer writer's
+//! fields survive a read-modify-write by an older reader.
+//!
+//! Must not: know where values are stored (that is [`crate::keys`]) or decide transitions.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::{DecodeError, NameError};
+
+/// Version written in the `v` field of [`ChannelInfo`]. A reader refuses a larger one rather
+/// than guess at its meaning.
+pub const CHANNEL_INFO_VERSION: u64 = 1;
+
+/// Cap on the encoded size of [`VChannelInfo`]: 128 moves of this size stay under etcd's
+/// request limit only if each is small, and Milvus once built a 3.4 MB txn from channel info.
+pub const MAX_VCHANNEL_BYTES: usize = 64 * 1024;
+
+/// Longest allowed channel name in bytes.
+pub const MAX_CHANNEL_NAME_BYTES: usize = 255;
+
+/// A node's identity. Handed out once from the `{root}/id/node` counter and never reused, so a
+/// restarted node always starts with an empty prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct NodeId(pub u64);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl FromStr for NodeId {
+    type Err = DecodeError;
+
+    /// Parses the decimal form used in keys and in the ID counter. Leading zeros and signs are
+    /// refused so that each ID has exactly one key.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let canonical = !s.is_empty()
+            && s.bytes().all(|b| b.is_ascii_digit())
+            && (s == "0" || !s.starts_with('0'));
+        match (canonical, s.parse::<u64>()) {
+            (true, Ok(n)) => Ok(NodeId(n)),
+            _ => Err(DecodeError::NotDecimal {
+                value: s.chars().take(64).collect(),
+            }),
+        }
+    }
+}
+
+/// The assignment generation of one channel. Grows by one on every (re)assignment; checkpoints
+/// and acknowledgements carrying a smaller epoch are stale and refused.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct Epoch(pub u64);
+
+impl Epoch {
+    /// The epoch that follows this one.
+    #[must_use]
+    pub fn next(self) -> Epoch {
+        Epoch(self.0.saturating_add(1))
+    }
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A validated channel name: 1-255 bytes of `[A-Za-z0-9._-]`, not a reserved word.
+///
+/// The character set keeps names safe as a single key segment (no `/`) and in URLs.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(transparent)]
+pub struct ChannelName(String);
+
+impl ChannelName {
+    /// Validates and wraps a name.
+    ///
+    /// # Errors
+    /// [`NameError`] saying which rule the name breaks.
+    pub fn new(name: impl Into<String>) -> Result<Self, NameError> {
+        let name = name.into();
+        if name.is_empty() {
+            return Err(NameError::Empty);
+        }
+        if name.len() > MAX_CHANNEL_NAME_BYTES {
+            return Err(NameError::TooLong { len: name.len() });
+        }
+        if let Some((at, ch)) = name
+            .char_indices()
+            .find(|&(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        {
+            return Err(NameError::BadChar { name, ch, at });
+        }
+        // "." and ".." would be path-like segments in URLs of the admin API.
+        if name == "." || name == ".." {
+            return Err(NameError::Reserved(name));
+        }
+        Ok(ChannelName(name))
+    }
+
+    /// The name as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ChannelName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for ChannelName {
+    type Err = NameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ChannelName::new(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for ChannelName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ChannelName::new(s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Where a channel is in its assignment lifecycle (DESIGN.md §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ChannelState {
+    /// Assigned to a node, which has not yet acknowledged it.
+    ToWatch,
+    /// The node runs the channel.
+    Watched,
+    /// The node tried and failed to load the channel; the coordinator will reassign it.
+    WatchFailed,
+    /// The coordinator asked the node to stop the channel before a move.
+    ToRelease,
+    /// The node stopped the channel; the coordinator may now move it.
+    Released,
+}
+
+impl ChannelState {
+    /// All states, in lifecycle order.
+    pub const ALL: [ChannelState; 5] = [
+        ChannelState::ToWatch,
+        ChannelState::Watched,
+        ChannelState::WatchFailed,
+        ChannelState::ToRelease,
+        ChannelState::Released,
+    ];
+
+    /// The name used in JSON and in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChannelState::ToWatch => "ToWatch",
+            ChannelState::Watched => "Watched",
+            ChannelState::WatchFailed => "WatchFailed",
+            ChannelState::ToRelease => "ToRelease",
+            ChannelState::Released => "Released",
+        }
+    }
+}
+
+impl fmt::Display for ChannelState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Load progress a node writes into the value while a load runs; the watch timeout counts from
+/// `updated_at_ms`, so a slow but live load is never churned.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    /// 0-100.
+    pub percent: u8,
+    /// Unix milliseconds of the node's clock when it wrote this.
+    pub updated_at_ms: u64,
+}
+
+/// What a node needs to restore a channel: the stream position to seek to and the segments it
+/// owns. Opaque to chanwatch apart from its size cap.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct VChannelInfo {
+    /// The collection this channel belongs to.
+    #[serde(default)]
+    pub collection_id: u64,
+    /// Where to resume consuming (opaque to chanwatch, e.g. an encoded message ID).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seek_position: Option<String>,
+    /// Segments that still receive data.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unflushed_segment_ids: Vec<i64>,
+    /// Segments already flushed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flushed_segment_ids: Vec<i64>,
+    /// Free-form metadata for the channel handler.
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub metadata: Map<String, Value>,
+    /// Fields this build does not know, kept verbatim.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl VChannelInfo {
+    /// Parses user-supplied vchannel JSON (from `ctl add-channel --vchannel` or the API) and
+    /// checks its size cap.
+    ///
+    /// # Errors
+    /// [`DecodeError::Json`] for bad JSON, [`DecodeError::Invalid`] when over 64 KiB.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let info: VChannelInfo =
+            serde_json::from_slice(bytes).map_err(|source| DecodeError::Json {
+                what: "vchannel info",
+                source,
+            })?;
+        info.check_size()?;
+        Ok(info)
+    }
+
+    /// Checks the 64 KiB cap on the encoded form.
+    ///
+    /// # Errors
+    /// [`DecodeError::Invalid`] naming the size and the cap.
+    pub fn check_size(&self) -> Result<(), DecodeError> {
+        let len = encoded_len(self);
+        if len > MAX_VCHANNEL_BYTES {
+            return Err(DecodeError::Invalid {
+                what: "vchannel info",
+                why: format!(
+                    "it is {len} bytes encoded; the limit is {MAX_VCHANNEL_BYTES} bytes \
+                     (keep large state outside chanwatch and store a reference)"
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The value of `{root}/channel/{id}/{channel}` and `{root}/channel/remaining/{channel}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChannelInfo {
+    /// Format version, [`CHANNEL_INFO_VERSION`].
+    pub v: u64,
+    /// The channel this value describes; must match the key.
+    pub channel: ChannelName,
+    /// Lifecycle state.
+    pub state: ChannelState,
+    /// Assignment generation.
+    pub epoch: Epoch,
+    /// Unix milliseconds when this assignment (this epoch) began; timeouts resume from it after
+    /// a coordinator failover.
+    pub start_time_ms: u64,
+    /// What the node needs to restore the channel.
+    #[serde(default)]
+    pub vchannel: VChannelInfo,
+    /// Why the channel is in this state (e.g. the load error of `WatchFailed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Load progress, written by the node while a load runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+    /// Fields this build does not know, kept verbatim.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl ChannelInfo {
+    /// A fresh assignment in `ToWatch`.
+    pub fn new(
+        channel: ChannelName,
+        epoch: Epoch,
+        start_time_ms: u64,
+        vchannel: VChannelInfo,
+    ) -> Self {
+        ChannelInfo {
+            v: CHANNEL_INFO_VERSION,
+            channel,
+            state: ChannelState::ToWatch,
+            epoch,
+            start_time_ms,
+            vchannel,
+            reason: None,
+            progress: None,
+            extra: Map::new(),
+        }
+    }
+
+    /// Encodes to the JSON stored in the key.
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+
+    /// Decodes and validates a stored value.
+    ///
+    /// # Errors
+    /// [`DecodeError`] for bad JSON, an unknown future version, a bad channel name or an
+    /// oversized vchannel. Never panics, whatever the bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let info: ChannelInfo = decode(bytes, "channel info")?;
+        if info.v > CHANNEL_INFO_VERSION || info.v == 0 {
+            return Err(DecodeError::Version {
+                what: "channel info",
+                found: info.v,
+                supported: CHANNEL_INFO_VERSION,
+            });
+        }
+        info.vchannel.check_size()?;
+        Ok(info)
+    }
+}
+
+/// The value of `{root}/session/node/{id}`, attached to the node's lease.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSession {
+    /// The node's ID (also in the key).
+    pub id: NodeId,
+    /// Where the node's admin HTTP listens, if anywhere.
+    #[serde(default)]
+    pub admin_addr: String,
+    /// chanwatch version of the node.
+    #[serde(default)]
+    pub version: String,
+    /// Unix milliseconds when the session began.
+    pub started_at_ms: u64,
+    /// Relative capacity for weighted assignment; 0 means "default".
+    #[serde(default)]
+    pub capacity: u32,
+    /// Fields this build does not know, kept verbatim.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl NodeSession {
+    /// Encodes to JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+    /// Decodes a stored value.
+    ///
+    /// # Errors
+    /// [`DecodeError::Json`] when the bytes are not a node session.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        decode(bytes, "node session")
+    }
+}
+
+/// The value of `{root}/coord/leader`, attached to the leader's lease.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CoordSession {
+    /// A unique ID of the coordinator process (for logs and `ctl`).
+    pub id: String,
+    /// Where the leader's admin API listens; `ctl` sends writes there.
+    pub admin_addr: String,
+    /// Unix milliseconds when this coordinator started.
+    pub started_at_ms: u64,
+    /// Fields this build does not know, kept verbatim.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl CoordSession {
+    /// Encodes to JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+    /// Decodes a stored value.
+    ///
+    /// # Errors
+    /// [`DecodeError::Json`] when the bytes are not a coordinator session.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        decode(bytes, "coordinator session")
+    }
+}
+
+/// The value of `{root}/checkpoint/{channel}`: how far the owner has consumed. Written only by
+/// a txn that compares the channel's current epoch, so a stale owner cannot move it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// The epoch of the assignment under which this was written.
+    pub epoch: Epoch,
+    /// Opaque stream position.
+    pub position: String,
+    /// Unix milliseconds of the writer's clock.
+    pub updated_at_ms: u64,
+    /// Fields this build does not know, kept verbatim.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Checkpoint {
+    /// Encodes to JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+    /// Decodes a stored value.
+    ///
+    /// # Errors
+    /// [`DecodeError::Json`] when the bytes are not a checkpoint.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        decode(bytes, "checkpoint")
+    }
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing these plain structs to a Vec cannot fail: all map keys are strings and there
+    // is no I/O. Fall back to an empty object rather than panic if that ever changes.
+    serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec())
+}
+
+fn encoded_len<T: Serialize>(value: &T) -> usize {
+    encode(value).len()
+}
+
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], what: &'static str) -> Result<T, DecodeError> {
+    serde_json::from_slice(bytes).map_err(|source| DecodeError::Json { what, source })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn channel_names_follow_the_rules() {
+        assert!(ChannelName::new("by-dev-rootcoord-dml_0_123v0").is_ok());
+        assert_eq!(ChannelName::new(""), Err(NameError::Empty));
+        assert!(matches!(
+            ChannelName::new("a/b"),
+            Err(NameError::BadChar { ch: '/', at: 1, .. })
+        ));
+        assert!(matches!(
+            ChannelName::new("é"),
+            Err(NameError::BadChar { .. })
+        ));
+        assert_eq!(
+            ChannelName::new("x".repeat(256)),
+            Err(NameError::TooLong { len: 256 })
+        );
+        assert!(ChannelName::new("x".repeat(255)).is_ok());
+        assert!(matches!(
+            ChannelName::new(".."),
+            Err(NameError::Reserved(_))
+        ));
+    }
+
+    #[test]
+    fn node_ids_have_one_canonical_form() {
+        assert_eq!("42".parse::<NodeId>().ok(), Some(NodeId(42)));
+        assert_eq!("0".parse::<NodeId>().ok(), Some(NodeId(0)));
+        for bad in ["", "042", "+1", "-1", "1a", "18446744073709551616"] {
+            assert!(bad.parse::<NodeId>().is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn channel_info_keeps_unknown_fields() {
+        let raw = br#"{"v":1,"channel":"c1","state":"Watched","epoch":3,"start_time_ms":5,
+            "vchannel":{"collection_id":7,"shiny":true},"future_field":{"a":1}}"#;
+        let info = ChannelInfo::decode(raw).expect("decodes");
+        assert_eq!(info.state, ChannelState::Watched);
+        assert_eq!(
+            info.extra.get("future_field"),
+            Some(&serde_json::json!({"a":1}))
+        );
+        assert_eq!(info.vchannel.extra.get("shiny"), Some(&Value::Bool(true)));
+        let again = ChannelInfo::decode(&info.encode()).expect("re-decodes");
+        assert_eq!(again, info);
+    }
+
+    #[test]
+    fn channel_info_refuses_future_versions_and_bad_names() {
+        let v2 = br#"{"v":2,"channel":"c","state":"Watched","epoch":1,"start_time_ms":0}"#;
+        assert!(matches!(
+            ChannelInfo::decode(v2),
+            Err(DecodeError::Version { found: 2, .. })
+        ));
+        let bad = br#"{"v":1,"channel":"a b","state":"Watched","epoch":1,"start_time_ms":0}"#;
+        assert!(matches!(
+            ChannelInfo::decode(bad),
+            Err(DecodeError::Json { .. })
+        ));
+        let state = br#"{"v":1,"channel":"c","state":"Dancing","epoch":1,"start_time_ms":0}"#;
+        assert!(ChannelInfo::decode(state).is_err());
+    }
+
+    #[test]
+    fn oversized_vchannel_is_refused_with_the_limit_in_the_message() {
+        let big = format!(
+            r#"{{"metadata":{{"blob":"{}"}}}}"#,
+            "x".repeat(MAX_VCHANNEL_BYTES)
+        );
+        let err = VChannelInfo::from_json(big.as_bytes()).expect_err("over the cap");
+        assert!(err.to_string().contains("65536"), "{err}");
+        let ok = format!(r#"{{"metadata":{{"blob":"{}"}}}}"#, "x".repeat(1000));
+        assert!(VChannelInfo::from_json(ok.as_bytes()).is_ok());
+    }
+
+    pub(crate) fn name_strategy() -> impl Strategy<Value = ChannelName> {
+        "[A-Za-z0-9._-]{1,40}"
+            .prop_filter("reserved", |s| s != "." && s != "..")
+            .prop_map(|s| ChannelName::new(s).expect("valid by construction"))
+    }
+
+    fn state_strategy() -> impl Strategy<Value = ChannelState> {
+        proptest::sample::select(ChannelState::ALL.to_vec())
+    }
+
+    fn json_leaf() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            ".{0,12}".prop_map(Value::String),
+        ]
+    }
+
+    fn extra_strategy(known: &'static [&'static str]) -> impl Strategy<Value = Map<String, Value>> {
+        proptest::collection::btree_map("x_[a-z]{1,6}", json_leaf(), 0..3).prop_map(move |m| {
+            m.into_iter()
+                .filter(|(k, _)| !known.contains(&k.as_str()))
+                .collect()
+        })
+    }
+
+    fn vchannel_strategy() -> impl Strategy<Value = VChannelInfo> {
+        (
+            any::<u64>(),
+            proptest::option::of("[ -~]{0,20}"),
+            proptest::collection::vec(any::<i64>(), 0..4),
+            proptest::collection::vec(any::<i64>(), 0..4),
+            proptest::collection::btree_map("[a-z]{1,6}", json_leaf(), 0..3),
+            extra_strategy(&[]),
+        )
+            .prop_map(
+                |(collection_id, seek_position, unflushed, flushed, meta, extra)| VChannelInfo {
+                    collection_id,
+                    seek_position,
+                    unflushed_segment_ids: unflushed,
+                    flushed_segment_ids: flushed,
+                    metadata: meta.into_iter().collect(),
+                    extra,
+                },
+            )
+    }
+
+    prop_compose! {
+        fn channel_info_strategy()(
+            channel in name_strategy(),
+            state in state_strategy(),
+            epoch in any::<u64>(),
+            start in any::<u64>(),
+            vchannel in vchannel_strategy(),
+            reason in proptest::option::of(".{0,30}"),
+            progress in proptest::option::of((0u8..=100, any::<u64>())),
+            extra in extra_strategy(&[]),
+        ) -> ChannelInfo {
+            ChannelInfo {
+                v: CHANNEL_INFO_VERSION, channel, state, epoch: Epoch(epoch), start_time_ms: start,
+                vchannel, reason,
+                progress: progress.map(|(percent, updated_at_ms)| Progress { percent, updated_at_ms }),
+                extra,
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn channel_info_round_trips(info in channel_info_strategy()) {
+            let decoded = ChannelInfo::decode(&info.encode()).expect("round trip");
+            prop_assert_eq!(decoded, info);
+        }
+
+        #[test]
+        fn sessions_and_checkpoints_round_trip(
+            id in any::<u64>(), addr in "[ -~]{0,30}", started in any::<u64>(),
+            capacity in any::<u32>(), epoch in any::<u64>(), pos in ".{0,30}",
+            extra in extra_strategy(&[]),
+        ) {
+            let node = NodeSession {
+                id: NodeId(id), admin_addr: addr.clone(), version: "0.1.0".into(),
+                started_at_ms: started, capacity, extra: extra.clone(),
+            };
+            prop_assert_eq!(NodeSession::decode(&node.encode()).expect("node"), node);
+            let coord = CoordSession {
+                id: format!("c{id}"), admin_addr: addr, started_at_ms: started, extra: extra.clone(),
+            };
+            prop_assert_eq!(CoordSession::decode(&coord.encode()).expect("coord"), coord);
+            let cp = Checkpoint { epoch: Epoch(epoch), position: pos, updated_at_ms: started, extra };
+            prop_assert_eq!(Checkpoint::decode(&cp.encode()).expect("checkpoint"), cp);
+        }
+
+        #[test]
+        fn decoders_never_panic_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = ChannelInfo::decode(&bytes);
+            let _ = NodeSession::decode(&bytes);
+            let _ = CoordSession::decode(&bytes);
+            let _ = Checkpoint::decode(&bytes);
+            let _ = VChannelInfo::from_json(&bytes);
+            let _ = std::str::from_utf8(&bytes).map(|s| s.parse::<NodeId>());
+        }
+
+        #[test]
+        fn node_ids_round_trip(n in any::<u64>()) {
+            prop_assert_eq!(n.to_string().parse::<NodeId>().ok(), Some(NodeId(n)));
+        }
+    }
+}
