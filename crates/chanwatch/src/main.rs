@@ -1,1 +1,33 @@
-fn main() {}
+//! The `chanwatch` binary: parses flags, builds the parts, runs the chosen subcommand.
+//!
+//! Owns: the command line (every flag also from a `CHANWATCH_*` environment variable),
+//! logging set-up and the mapping of errors to one clear line and a non-zero exit.
+//!
+//! Must not: hold control-plane logic; that lives in the library crates.
+
+mod bench;
+mod cli;
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    let cli = cli::Cli::parse();
+    cli::init_logging(&cli.global);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(cli::run(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! Plain data of the store API: key-values, compares, txn operations and results, watch
+//! events, leases and limits.
+//!
+//! Owns: the vocabulary shared by the trait and both backends, modelled on etcd's v3 API so
+//! the etcd backend is a thin translation.
+//!
+//! Must not: know about channels or the key layout.
+
+use std::time::Duration;
+
+/// A store revision: a global counter that grows by one with every write txn.
+pub type Revision = i64;
+
+/// A lease identifier handed out by [`crate::MetaStore::grant`].
+pub type LeaseId = i64;
+
+/// One key with its value and MVCC metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The key.
+    pub key: String,
+    /// The value (empty for a DELETE event's `kv`).
+    pub value: Vec<u8>,
+    /// Revision of the txn that created this key (since its last delete).
+    pub create_revision: Revision,
+    /// Revision of the txn that last wrote this key.
+    pub mod_revision: Revision,
+    /// Number of writes since creation (1 after the first put; 0 in a DELETE event).
+    pub version: i64,
+    /// Lease the key is attached to, if any.
+    pub lease: Option<LeaseId>,
+}
+
+/// The result of a range read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RangeResponse {
+    /// Matching keys in key order.
+    pub kvs: Vec<KeyValue>,
+    /// The store revision the read was served at: watch from `revision + 1` to see every later
+    /// change and none twice.
+    pub revision: Revision,
+}
+
+/// How a compare relates the key's field to the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompareOp {
+    /// Equal.
+    Equal,
+    /// Not equal.
+    NotEqual,
+    /// Field < target.
+    Less,
+    /// Field > target.
+    Greater,
+}
+
+/// Which field of a key a compare looks at, and the target value.
+///
+/// As in etcd, a missing key has create revision, mod revision and version 0, and every value
+/// compare on it fails (whatever the operator).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompareTarget {
+    /// The value bytes.
+    Value(Vec<u8>),
+    /// The mod revision.
+    ModRevision(Revision),
+    /// The create revision (0 when the key does not exist).
+    CreateRevision(Revision),
+    /// The version (0 when the key does not exist).
+    Version(i64),
+}
+
+/// One condition of a txn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Compare {
+    /// The key compared.
+    pub key: String,
+    /// The relation.
+    pub op: CompareOp,
+    /// Field and target.
+    pub target: CompareTarget,
+}
+
+impl Compare {
+    /// `key`'s mod revision is `rev` (the key is unchanged since it was read).
+    pub fn mod_revision(key: impl Into<String>, rev: Revision) -> Self {
+        Compare {
+            key: key.into(),
+            op: CompareOp::Equal,
+            target: CompareTarget::ModRevision(rev),
+        }
+    }
+    /// `key`'s create revision is `rev` (the same incarnation of the key still exists).
+    pub fn create_revision(key: impl Into<String>, rev: Revision) -> Self {
+        Compare {
+            key: key.into(),
+            op: CompareOp::Equal,
+            target: CompareTarget::CreateRevision(rev),
+        }
+    }
+    /// `key`'s value equals `value`.
+    pub fn value(key: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        Compare {
+            key: key.into(),
+            op: CompareOp::Equal,
+            target: CompareTarget::Value(value.into()),
+        }
+    }
+    /// `key`'s version relates to `version` by `op`.
+    pub fn version(key: impl Into<String>, op: CompareOp, version: i64) -> Self {
+        Compare {
+            key: key.into(),
+            op,
+            target: CompareTarget::Version(version),
+        }
+    }
+    /// `key` exists.
+    pub fn exists(key: impl Into<String>) -> Self {
+        Self::version(key, CompareOp::Greater, 0)
+    }
+    /// `key` does not exist.
+    pub fn absent(key: impl Into<String>) -> Self {
+        Self::version(key, CompareOp::Equal, 0)
+    }
+}
+
+/// One operation of a txn branch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxnOp {
+    /// Write `value` to `key`, attached to `lease` if given.
+    Put {
+        /// The key.
+        key: String,
+        /// The value.
+        value: Vec<u8>,
+        /// Lease to attach; `None` detaches any previous lease.
+        lease: Option<LeaseId>,
+    },
+    /// Delete `key` if it exists.
+    Delete {
+        /// The key.
+        key: String,
+    },
+    /// Delete every key starting with `prefix`.
+    DeletePrefix {
+        /// The prefix.
+        prefix: String,
+    },
+    /// Read `key` as of this txn.
+    Get {
+        /// The key.
+        key: String,
+    },
+}
+
+impl TxnOp {
+    /// A put without a lease.
+    pub fn put(key: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        TxnOp::Put {
+            key: key.into(),
+            value: value.into(),
+            lease: None,
+        }
+    }
+    /// A put attached to `lease`.
+    pub fn put_with_lease(
+        key: impl Into<String>,
+        value: impl Into<Vec<u8>>,
+        lease: LeaseId,
+    ) -> Self {
+        TxnOp::Put {
+            key: key.into(),
+            value: value.into(),
+            lease: Some(lease),
+        }
+    }
+    /// A single-key delete.
+    pub fn delete(key: impl Into<String>) -> Self {
+        TxnOp::Delete { key: key.into() }
+    }
+    /// A prefix delete.
+    pub fn delete_prefix(prefix: impl Into<String>) -> Self {
+        TxnOp::DeletePrefix {
+            prefix: prefix.into(),
+        }
+    }
+    /// A single-key read.
+    pub fn get(key: impl Into<String>) -> Self {
+        TxnOp::Get { key: key.into() }
+    }
+
+    fn approx_bytes(&self) -> usize {
+        // Field tags, lengths and the lease ID of the protobuf encoding: a small constant.
+        const OVERHEAD: usize = 16;
+        OVERHEAD
+            + match self {
+                TxnOp::Put { key, value, .. } => key.len() + value.len(),
+                TxnOp::Delete { key } | TxnOp::Get { key } => key.len(),
+                TxnOp::DeletePrefix { prefix } => 2 * prefix.len(),
+            }
+    }
+}
+
+/// A transaction: if every compare holds, run `then`, else run `otherwise`, atomically at one
+/// new revision (a txn that writes nothing does not advance the revision).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Txn {
+    /// Conditions, all of which must hold for `then` to run.
+    pub compares: Vec<Compare>,
+    /// Operations when all compares hold.
+    pub then: Vec<TxnOp>,
+    /// Operations when a compare fails.
+    pub otherwise: Vec<TxnOp>,
+}
+
+impl Txn {
+    /// An empty txn (it succeeds and does nothing).
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Adds conditions.
+    #[must_use]
+    pub fn when(mut self, compares: impl IntoIterator<Item = Compare>) -> Self {
+        self.compares.extend(compares);
+        self
+    }
+    /// Adds operations to the success branch.
+    #[must_use]
+    pub fn and_then(mut self, ops: impl IntoIterator<Item = TxnOp>) -> Self {
+        self.then.extend(ops);
+        self
+    }
+    /// Adds operations to the failure branch.
+    #[must_use]
+    pub fn or_else(mut self, ops: impl IntoIterator<Item = TxnOp>) -> Self {
+        self.otherwise.extend(ops);
+        self
+    }
+
+    /// Approximate encoded size in bytes, for the request-size limit.
+    pub fn approx_bytes(&self) -> usize {
+        let compares: usize = self
+            .compares
+            .iter()
+            .map(|c| {
+                16 + c.key.len()
+                    + match &c.target {
+                        CompareTarget::Value(v) => v.len(),
+                        _ => 8,
+                    }
+            })
+            .sum();
+        let ops: usize = self
+            .then
+            .iter()
+            .chain(&self.otherwise)
+            .map(TxnOp::approx_bytes)
+            .sum();
+        compares + ops
+    }
+
+    /// Checks the txn against `limits` the way etcd does: each of the compare, then and else
+    /// lists may hold at most `max_txn_ops` entries, and the request must fit `max_request_bytes`.
+    ///
+    /// # Errors
+    /// [`crate::StoreError::TooManyOps`] or [`crate::StoreError::RequestTooLarge`].
+    pub fn check(&self, limits: &Limits) -> crate::StoreResult<()> {
+        let ops = self
+            .compares
+            .len()
+            .max(self.then.len())
+            .max(self.otherwise.len());
+        if ops > limits.max_txn_ops {
+            return Err(crate::StoreError::TooManyOps {
+                ops,
+                max: limits.max_txn_ops,
+            });
+        }
+        let bytes = self.approx_bytes();
+        if bytes > limits.max_request_bytes {
+            return Err(crate::StoreError::RequestTooLarge {
+                bytes,
+                max: limits.max_request_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The result of one operation of the branch that ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpResponse {
+    /// A put ran.
+    Put,
+    /// A delete or prefix delete ran and removed `deleted` keys.
+    Delete {
+        /// Number of keys removed.
+        deleted: u64,
+    },
+    /// A get ran.
+    Get {
+        /// The key, if it existed.
+        kv: Option<KeyValue>,
+    },
+}
+
+/// The result of a txn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TxnResponse {
+    /// Whether every compare held (the `then` branch ran).
+    pub succeeded: bool,
+    /// The store revision after the txn (unchanged if it wrote nothing).
+    pub revision: Revision,
+    /// One response per operation of the branch that ran.
+    pub responses: Vec<OpResponse>,
+}
+
+/// Kind of a watch event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// The key was written.
+    Put,
+    /// The key was deleted (explicitly or by lease expiry).
+    Delete,
+}
+
+/// One change of one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchEvent {
+    /// Put or delete.
+    pub kind: EventKind,
+    /// The key after the change. For a delete: key, `mod_revision` = the delete's revision,
+    /// empty value, version 0.
+    pub kv: KeyValue,
+    /// The key before the change, if it existed.
+    pub prev_kv: Option<KeyValue>,
+}
+
+/// Events of one or more whole revisions, in revision order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchBatch {
+    /// The events, ordered by `kv.mod_revision`; a revision's events are never split across
+    /// batches.
+    pub events: Vec<WatchEvent>,
+}
+
+/// Request limits, defaulting to etcd's server defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Most entries in each of a txn's compare, then and else lists (etcd `--max-txn-ops`).
+    pub max_txn_ops: usize,
+    /// Largest request in bytes (etcd `--max-request-bytes`).
+    pub max_request_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_txn_ops: 128,
+            max_request_bytes: 1_572_864,
+        }
+    }
+}
+
+/// A granted lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Its ID.
+    pub id: LeaseId,
+    /// The TTL the store granted (may be larger than asked: etcd has a minimum).
+    pub ttl: Duration,
+}
