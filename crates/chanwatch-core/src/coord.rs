@@ -1,0 +1,1507 @@
+//! The coordinator's decisions, as a pure state machine.
+//!
+//! Owns: the coordinator's view of the store (sessions, assignment keys with their mod
+//! revisions, undecodable keys), the moves it has in flight, and [`CoordState::plan`], which
+//! turns the view and the time into transactions to run. Level-triggered: every call
+//! re-derives what to do from the whole view, so a missed event or a lost txn only delays
+//! the fix until the next call (DESIGN.md §3 "Nothing waits on an event alone").
+//!
+//! Must not: do I/O or read the clock. The runtime feeds store events in
+//! ([`CoordState::apply_put`], [`CoordState::apply_delete`], [`CoordState::reset`]), passes
+//! `now_ms`, runs the returned [`PlannedTxn`]s (adding its leader guard), and reports each
+//! success back with [`CoordState::applied`].
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use crate::keys::{ChannelOwner, Keys};
+use crate::types::{
+    ChannelInfo, ChannelName, ChannelState, Epoch, NodeId, NodeSession, VChannelInfo,
+};
+
+/// Tunables of the planner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoordConfig {
+    /// A `ToWatch` with no progress for this long is reassigned.
+    pub watch_timeout_ms: u64,
+    /// A `ToRelease` not `Released` within this long is force-moved.
+    pub release_timeout_ms: u64,
+    /// How long a node that failed or timed out a channel is avoided for that channel.
+    pub failed_node_backoff_ms: u64,
+    /// Most operations (and compares) in one txn, including the runtime's leader guard.
+    pub max_txn_ops: usize,
+    /// Most bytes of values in one txn, kept under etcd's request limit.
+    pub max_txn_bytes: usize,
+    /// Most balance/drain moves in flight at once.
+    pub max_concurrent_moves: usize,
+}
+
+impl Default for CoordConfig {
+    fn default() -> Self {
+        CoordConfig {
+            watch_timeout_ms: 30_000,
+            release_timeout_ms: 30_000,
+            failed_node_backoff_ms: 30_000,
+            max_txn_ops: 128,
+            max_txn_bytes: 1024 * 1024,
+            max_concurrent_moves: 16,
+        }
+    }
+}
+
+/// Why a channel's assignment changed; used in logs and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// A new channel was registered.
+    Assign,
+    /// Its node's session is gone.
+    Failover,
+    /// No node is alive; parked under `remaining`.
+    Park,
+    /// A node appeared; taken out of `remaining`.
+    Unpark,
+    /// Not acknowledged in time, or the load failed.
+    Timeout,
+    /// Moved to even out load.
+    Balance,
+    /// Moved off a draining node.
+    Drain,
+    /// Moved by an operator.
+    Manual,
+    /// Removed by an operator.
+    Remove,
+    /// A second key for the same channel was removed.
+    Dedupe,
+}
+
+impl Cause {
+    /// Label used in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Assign => "assign",
+            Cause::Failover => "failover",
+            Cause::Park => "park",
+            Cause::Unpark => "unpark",
+            Cause::Timeout => "timeout",
+            Cause::Balance => "balance",
+            Cause::Drain => "drain",
+            Cause::Manual => "manual",
+            Cause::Remove => "remove",
+            Cause::Dedupe => "dedupe",
+        }
+    }
+}
+
+/// One assignment key as the coordinator last saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Node or `remaining`.
+    pub owner: ChannelOwner,
+    /// The decoded value.
+    pub info: ChannelInfo,
+    /// Mod revision of the key, for compare-and-swap.
+    pub mod_revision: i64,
+}
+
+/// A condition of a planned txn: the key still has `mod_revision` (0: the key is absent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Guard {
+    /// Owner part of the key.
+    pub owner: ChannelOwner,
+    /// Channel part of the key.
+    pub channel: ChannelName,
+    /// Expected mod revision; 0 means "must not exist".
+    pub mod_revision: i64,
+}
+
+/// One write of a planned txn.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// Put `info` at `channel/{owner}/{info.channel}`.
+    Put {
+        /// Owner part of the key.
+        owner: ChannelOwner,
+        /// The value.
+        info: ChannelInfo,
+    },
+    /// Delete `channel/{owner}/{channel}`.
+    Delete {
+        /// Owner part of the key.
+        owner: ChannelOwner,
+        /// Channel part of the key.
+        channel: ChannelName,
+    },
+}
+
+/// What a planned txn does to one channel, for logs and metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Transition {
+    /// The channel.
+    pub channel: ChannelName,
+    /// Why.
+    pub cause: Cause,
+    /// Owner before (`None`: new channel).
+    #[serde(serialize_with = "ser_owner_opt")]
+    pub from: Option<ChannelOwner>,
+    /// Owner after (`None`: removed).
+    #[serde(serialize_with = "ser_owner_opt")]
+    pub to: Option<ChannelOwner>,
+    /// State written (`None`: removed).
+    pub state: Option<ChannelState>,
+    /// Epoch written.
+    pub epoch: Epoch,
+}
+
+fn ser_owner_opt<S: serde::Serializer>(o: &Option<ChannelOwner>, s: S) -> Result<S::Ok, S::Error> {
+    match o {
+        None => s.serialize_none(),
+        Some(ChannelOwner::Remaining) => s.serialize_str("remaining"),
+        Some(ChannelOwner::Node(id)) => s.serialize_u64(id.0),
+    }
+}
+
+/// A txn for the runtime to run: all `guards` hold → all `ops` apply, atomically.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedTxn {
+    /// Compare-and-swap conditions (the runtime adds its leader guard).
+    pub guards: Vec<Guard>,
+    /// Writes; never more than `max_txn_ops - 1`.
+    pub ops: Vec<Op>,
+    /// One line per channel touched.
+    pub transitions: Vec<Transition>,
+}
+
+/// One channel's change, never split across txns.
+#[derive(Debug, Clone, PartialEq)]
+struct Change {
+    guards: Vec<Guard>,
+    ops: Vec<Op>,
+    transition: Transition,
+}
+
+/// A move in flight: the channel was asked to release and will go to `to`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PendingMove {
+    to: NodeId,
+    since_ms: u64,
+    cause: Cause,
+}
+
+/// Refusals of admin requests. None is retryable as is; each says what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    /// The channel is already registered.
+    #[error("channel {0} already exists")]
+    AlreadyExists(ChannelName),
+    /// The channel is not registered.
+    #[error("channel {0} does not exist")]
+    UnknownChannel(ChannelName),
+    /// The node has no live session.
+    #[error("node {0} is not alive")]
+    UnknownNode(NodeId),
+    /// The node is draining and takes no channels.
+    #[error("node {0} is draining and takes no channels")]
+    Draining(NodeId),
+    /// The channel is already moving.
+    #[error("channel {0} is already being moved; wait for the move to finish")]
+    Busy(ChannelName),
+    /// The channel is already on that node.
+    #[error("channel {0} is already on node {1}")]
+    AlreadyThere(ChannelName, NodeId),
+}
+
+/// One row of a balance plan: move `channel` from `from` to `to`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlannedMove {
+    /// The channel.
+    pub channel: ChannelName,
+    /// Its node now.
+    pub from: NodeId,
+    /// Where it goes.
+    pub to: NodeId,
+}
+
+/// The coordinator's view and memory. See the module docs.
+#[derive(Debug, Clone)]
+pub struct CoordState {
+    keys: Keys,
+    config: CoordConfig,
+    nodes: BTreeMap<NodeId, NodeSession>,
+    /// Normally one entry per channel; more only if the store was edited by hand.
+    channels: BTreeMap<ChannelName, BTreeMap<ChannelOwner, Entry>>,
+    /// Keys under the managed prefixes whose value or key does not decode: reported, never
+    /// overwritten or deleted.
+    corrupt: BTreeMap<String, String>,
+    moves: BTreeMap<ChannelName, PendingMove>,
+    /// Per channel, a node to avoid until a time (it failed or timed out the channel).
+    avoid: BTreeMap<ChannelName, (NodeId, u64)>,
+    /// When a `WatchFailed` was first seen, for the single-node retry back-off.
+    failed_seen: BTreeMap<ChannelName, u64>,
+    draining: BTreeSet<NodeId>,
+}
+
+/// What a key under the root turned out to be.
+enum Decoded {
+    Session(NodeId, NodeSession),
+    Channel(ChannelOwner, ChannelInfo),
+    Ignored,
+}
+
+impl CoordState {
+    /// An empty view.
+    pub fn new(keys: Keys, config: CoordConfig) -> Self {
+        CoordState {
+            keys,
+            config,
+            nodes: BTreeMap::new(),
+            channels: BTreeMap::new(),
+            corrupt: BTreeMap::new(),
+            moves: BTreeMap::new(),
+            avoid: BTreeMap::new(),
+            failed_seen: BTreeMap::new(),
+            draining: BTreeSet::new(),
+        }
+    }
+
+    /// The planner's configuration.
+    pub fn config(&self) -> &CoordConfig {
+        &self.config
+    }
+
+    fn decode(&mut self, key: &str, value: &[u8]) -> Decoded {
+        if key.starts_with(&self.keys.sessions_prefix()) {
+            let parsed = self
+                .keys
+                .parse_session(key)
+                .map_err(|e| e.to_string())
+                .and_then(|id| {
+                    NodeSession::decode(value)
+                        .map(|s| (id, s))
+                        .map_err(|e| e.to_string())
+                });
+            return match parsed {
+                Ok((id, s)) => {
+                    self.corrupt.remove(key);
+                    Decoded::Session(id, s)
+                }
+                Err(e) => {
+                    self.corrupt.insert(key.to_owned(), e);
+                    Decoded::Ignored
+                }
+            };
+        }
+        if key.starts_with(&self.keys.channels_prefix()) {
+            let parsed = self
+                .keys
+                .parse_channel(key)
+                .map_err(|e| e.to_string())
+                .and_then(|ck| {
+                    let info = ChannelInfo::decode(value).map_err(|e| e.to_string())?;
+                    if info.channel != ck.channel {
+                        return Err(format!(
+                            "value names channel {} but the key names {}",
+                            info.channel, ck.channel
+                        ));
+                    }
+                    Ok((ck.owner, info))
+                });
+            return match parsed {
+                Ok((owner, info)) => {
+                    self.corrupt.remove(key);
+                    Decoded::Channel(owner, info)
+                }
+                Err(e) => {
+                    self.corrupt.insert(key.to_owned(), e);
+                    Decoded::Ignored
+                }
+            };
+        }
+        Decoded::Ignored
+    }
+
+    /// Applies a PUT seen in the store. Returns the decode error if the value is corrupt
+    /// (the key is then reported by [`CoordState::corrupt`] and left alone).
+    pub fn apply_put(&mut self, key: &str, value: &[u8], mod_revision: i64) -> Option<String> {
+        match self.decode(key, value) {
+            Decoded::Session(id, s) => {
+                self.nodes.insert(id, s);
+                None
+            }
+            Decoded::Channel(owner, info) => {
+                let channel = info.channel.clone();
+                self.channels.entry(channel).or_default().insert(
+                    owner,
+                    Entry {
+                        owner,
+                        info,
+                        mod_revision,
+                    },
+                );
+                None
+            }
+            Decoded::Ignored => self.corrupt.get(key).cloned(),
+        }
+    }
+
+    /// Applies a DELETE seen in the store.
+    pub fn apply_delete(&mut self, key: &str) {
+        self.corrupt.remove(key);
+        if let Ok(id) = self.keys.parse_session(key) {
+            self.nodes.remove(&id);
+            self.draining.remove(&id);
+        } else if let Ok(ck) = self.keys.parse_channel(key) {
+            if let Some(entries) = self.channels.get_mut(&ck.channel) {
+                entries.remove(&ck.owner);
+                if entries.is_empty() {
+                    self.channels.remove(&ck.channel);
+                    self.moves.remove(&ck.channel);
+                    self.avoid.remove(&ck.channel);
+                    self.failed_seen.remove(&ck.channel);
+                }
+            }
+        }
+    }
+
+    /// Replaces the whole view with a fresh list (after start, compaction or a broken watch).
+    /// Memory of moves in flight is kept for channels that still exist.
+    pub fn reset<'a>(&mut self, kvs: impl IntoIterator<Item = (&'a str, &'a [u8], i64)>) {
+        self.nodes.clear();
+        self.channels.clear();
+        self.corrupt.clear();
+        for (key, value, rev) in kvs {
+            self.apply_put(key, value, rev);
+        }
+        let channels = &self.channels;
+        self.moves.retain(|c, _| channels.contains_key(c));
+        self.avoid.retain(|c, _| channels.contains_key(c));
+        self.failed_seen.retain(|c, _| channels.contains_key(c));
+        let nodes = &self.nodes;
+        self.draining.retain(|n| nodes.contains_key(n));
+    }
+
+    /// Records that a planned txn committed at `revision`, so the next plan does not repeat
+    /// it before the watch echoes it.
+    pub fn applied(&mut self, txn: &PlannedTxn, revision: i64) {
+        for op in &txn.ops {
+            match op {
+                Op::Delete { owner, channel } => {
+                    let key = self.keys.channel(*owner, channel);
+                    self.apply_delete(&key);
+                }
+                Op::Put { owner, info } => {
+                    self.channels
+                        .entry(info.channel.clone())
+                        .or_default()
+                        .insert(
+                            *owner,
+                            Entry {
+                                owner: *owner,
+                                info: info.clone(),
+                                mod_revision: revision,
+                            },
+                        );
+                }
+            }
+        }
+    }
+
+    /// Live nodes and their sessions.
+    pub fn nodes(&self) -> &BTreeMap<NodeId, NodeSession> {
+        &self.nodes
+    }
+
+    /// Every assignment entry, by channel.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.channels.values().flat_map(|m| m.values())
+    }
+
+    /// The entry of one channel (the highest epoch if there are several).
+    pub fn entry(&self, channel: &ChannelName) -> Option<&Entry> {
+        self.channels
+            .get(channel)
+            .and_then(|m| m.values().max_by_key(|e| e.info.epoch))
+    }
+
+    /// Number of registered channels.
+    pub fn channel_count(&self) -> usize {
+        self.channels.len()
+    }
+
+    /// Keys whose value does not decode, with the reason.
+    pub fn corrupt(&self) -> &BTreeMap<String, String> {
+        &self.corrupt
+    }
+
+    /// Nodes being drained.
+    pub fn draining(&self) -> &BTreeSet<NodeId> {
+        &self.draining
+    }
+
+    /// Moves in flight (`ToRelease` sent, waiting for `Released`).
+    pub fn moves_in_flight(&self) -> usize {
+        self.moves.len()
+    }
+
+    /// Channels per live node, counting moves in flight at their target.
+    pub fn loads(&self) -> BTreeMap<NodeId, usize> {
+        let mut loads: BTreeMap<NodeId, usize> = self.nodes.keys().map(|&n| (n, 0)).collect();
+        for (channel, entries) in &self.channels {
+            let Some(e) = entries.values().max_by_key(|e| e.info.epoch) else {
+                continue;
+            };
+            let node = match (self.moves.get(channel), e.owner) {
+                (Some(m), _) => m.to,
+                (None, ChannelOwner::Node(n)) => n,
+                (None, ChannelOwner::Remaining) => continue,
+            };
+            if let Some(l) = loads.get_mut(&node) {
+                *l += 1;
+            }
+        }
+        loads
+    }
+
+    fn assignable(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes
+            .keys()
+            .copied()
+            .filter(|n| !self.draining.contains(n))
+    }
+
+    /// Least-loaded assignable node, ties by ID, skipping `avoid`.
+    fn least_loaded(
+        &self,
+        loads: &BTreeMap<NodeId, usize>,
+        avoid: Option<NodeId>,
+    ) -> Option<NodeId> {
+        self.assignable()
+            .filter(|n| Some(*n) != avoid)
+            .min_by_key(|n| (loads.get(n).copied().unwrap_or(0), *n))
+    }
+
+    fn avoided(&self, channel: &ChannelName, now_ms: u64) -> Option<NodeId> {
+        self.avoid
+            .get(channel)
+            .filter(|(_, until)| *until > now_ms)
+            .map(|(n, _)| *n)
+    }
+
+    /// Registers a new channel on the least-loaded node, or under `remaining`.
+    ///
+    /// # Errors
+    /// [`AdminError::AlreadyExists`].
+    pub fn add_channel(
+        &self,
+        channel: ChannelName,
+        vchannel: VChannelInfo,
+        now_ms: u64,
+    ) -> Result<PlannedTxn, AdminError> {
+        if self.channels.contains_key(&channel) {
+            return Err(AdminError::AlreadyExists(channel));
+        }
+        let loads = self.loads();
+        let owner = self
+            .least_loaded(&loads, None)
+            .map_or(ChannelOwner::Remaining, ChannelOwner::Node);
+        let info = ChannelInfo::new(channel.clone(), Epoch(1), now_ms, vchannel);
+        let change = Change {
+            guards: vec![Guard {
+                owner,
+                channel: channel.clone(),
+                mod_revision: 0,
+            }],
+            transition: Transition {
+                channel,
+                cause: Cause::Assign,
+                from: None,
+                to: Some(owner),
+                state: Some(info.state),
+                epoch: info.epoch,
+            },
+            ops: vec![Op::Put { owner, info }],
+        };
+        Ok(self.pack(vec![change]).remove(0))
+    }
+
+    /// Removes a channel: deletes every key it has. Its node stops it on the DELETE.
+    ///
+    /// # Errors
+    /// [`AdminError::UnknownChannel`].
+    pub fn remove_channel(&self, channel: &ChannelName) -> Result<PlannedTxn, AdminError> {
+        let entries = self
+            .channels
+            .get(channel)
+            .ok_or_else(|| AdminError::UnknownChannel(channel.clone()))?;
+        let mut changes = Vec::new();
+        for e in entries.values() {
+            changes.push(Change {
+                guards: vec![guard(e)],
+                ops: vec![Op::Delete {
+                    owner: e.owner,
+                    channel: channel.clone(),
+                }],
+                transition: Transition {
+                    channel: channel.clone(),
+                    cause: Cause::Remove,
+                    from: Some(e.owner),
+                    to: None,
+                    state: None,
+                    epoch: e.info.epoch,
+                },
+            });
+        }
+        Ok(merge(self.pack(changes)))
+    }
+
+    /// Moves a channel to `to`, break-before-make (`ToRelease` first). A channel that is not
+    /// running (`ToWatch`, `WatchFailed`, parked) moves at once.
+    ///
+    /// # Errors
+    /// Unknown channel or node, draining target, a move already in flight, or already there.
+    pub fn move_channel(
+        &mut self,
+        channel: &ChannelName,
+        to: NodeId,
+        now_ms: u64,
+    ) -> Result<PlannedTxn, AdminError> {
+        let e = self
+            .entry(channel)
+            .cloned()
+            .ok_or_else(|| AdminError::UnknownChannel(channel.clone()))?;
+        if !self.nodes.contains_key(&to) {
+            return Err(AdminError::UnknownNode(to));
+        }
+        if self.draining.contains(&to) {
+            return Err(AdminError::Draining(to));
+        }
+        if self.moves.contains_key(channel) {
+            return Err(AdminError::Busy(channel.clone()));
+        }
+        if e.owner == ChannelOwner::Node(to) {
+            return Err(AdminError::AlreadyThere(channel.clone(), to));
+        }
+        let change = match e.info.state {
+            ChannelState::Watched | ChannelState::ToRelease => {
+                self.moves.insert(
+                    channel.clone(),
+                    PendingMove {
+                        to,
+                        since_ms: now_ms,
+                        cause: Cause::Manual,
+                    },
+                );
+                release(&e, Cause::Manual)
+            }
+            _ => reassign(&e, ChannelOwner::Node(to), Cause::Manual, now_ms),
+        };
+        Ok(self.pack(vec![change]).remove(0))
+    }
+
+    /// Marks a node as draining: it gets no new channels and the planner moves its channels
+    /// off, break-before-make, at most `max_concurrent_moves` at a time.
+    ///
+    /// # Errors
+    /// [`AdminError::UnknownNode`].
+    pub fn drain(&mut self, node: NodeId) -> Result<(), AdminError> {
+        if !self.nodes.contains_key(&node) {
+            return Err(AdminError::UnknownNode(node));
+        }
+        self.draining.insert(node);
+        Ok(())
+    }
+
+    /// The moves balance would make now, without making them.
+    pub fn balance_plan(&self) -> Vec<PlannedMove> {
+        let mut sim = self.clone();
+        sim.config.max_concurrent_moves = usize::MAX;
+        sim.moves.clear();
+        let mut out = Vec::new();
+        sim.plan_balance(0, &mut Vec::new(), &mut out);
+        out
+    }
+
+    /// Everything that should change now. See the module docs.
+    pub fn plan(&mut self, now_ms: u64) -> Vec<PlannedTxn> {
+        let mut changes = Vec::new();
+        self.plan_dedupe(&mut changes);
+        self.plan_orphans(now_ms, &mut changes);
+        self.plan_timeouts(now_ms, &mut changes);
+        self.plan_releases(now_ms, &mut changes);
+        self.plan_drains(now_ms, &mut changes);
+        self.plan_balance(now_ms, &mut changes, &mut Vec::new());
+        self.pack(changes)
+    }
+
+    /// More than one key for a channel: keep the highest epoch.
+    fn plan_dedupe(&self, changes: &mut Vec<Change>) {
+        for (channel, entries) in &self.channels {
+            if entries.len() < 2 {
+                continue;
+            }
+            let keep = entries
+                .values()
+                .max_by_key(|e| (e.info.epoch, e.owner != ChannelOwner::Remaining))
+                .map(|e| e.owner);
+            for e in entries.values().filter(|e| Some(e.owner) != keep) {
+                changes.push(Change {
+                    guards: vec![guard(e)],
+                    ops: vec![Op::Delete {
+                        owner: e.owner,
+                        channel: channel.clone(),
+                    }],
+                    transition: Transition {
+                        channel: channel.clone(),
+                        cause: Cause::Dedupe,
+                        from: Some(e.owner),
+                        to: None,
+                        state: None,
+                        epoch: e.info.epoch,
+                    },
+                });
+            }
+        }
+    }
+
+    /// Channels of dead nodes go to live nodes (or `remaining`); parked ones come back.
+    fn plan_orphans(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let mut loads = self.loads();
+        let mut planned = Vec::new();
+        for (channel, entries) in &self.channels {
+            if entries.len() != 1 {
+                continue; // dedupe first
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let cause = match e.owner {
+                ChannelOwner::Node(n) if !self.nodes.contains_key(&n) => Cause::Failover,
+                ChannelOwner::Remaining => Cause::Unpark,
+                ChannelOwner::Node(_) => continue,
+            };
+            let target = self
+                .least_loaded(&loads, self.avoided(channel, now_ms))
+                .or_else(|| self.least_loaded(&loads, None));
+            match target {
+                Some(target) => {
+                    *loads.entry(target).or_default() += 1;
+                    planned.push(reassign(e, ChannelOwner::Node(target), cause, now_ms));
+                }
+                None if cause == Cause::Failover => {
+                    planned.push(park(e));
+                }
+                None => {}
+            }
+        }
+        for c in &planned {
+            self.moves.remove(&c.transition.channel);
+        }
+        changes.extend(planned);
+    }
+
+    fn plan_timeouts(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let mut loads = self.loads();
+        let backoff = self.config.failed_node_backoff_ms;
+        let mut planned = Vec::new();
+        let mut newly_avoided = Vec::new();
+        for (channel, entries) in &self.channels {
+            if entries.len() != 1 {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let ChannelOwner::Node(node) = e.owner else {
+                continue;
+            };
+            if !self.nodes.contains_key(&node) {
+                continue;
+            }
+            let timed_out = match e.info.state {
+                ChannelState::ToWatch => {
+                    let last = e.info.progress.as_ref().map_or(e.info.start_time_ms, |p| {
+                        p.updated_at_ms.max(e.info.start_time_ms)
+                    });
+                    now_ms.saturating_sub(last) > self.config.watch_timeout_ms
+                }
+                ChannelState::WatchFailed => true,
+                _ => false,
+            };
+            if !timed_out {
+                continue;
+            }
+            let target = match self.least_loaded(&loads, Some(node)) {
+                Some(t) => t,
+                None => {
+                    // The only node: retry there once the back-off has passed.
+                    let since = self.failed_seen.get(channel).copied().unwrap_or(now_ms);
+                    if e.info.state == ChannelState::WatchFailed
+                        && now_ms.saturating_sub(since) < backoff
+                    {
+                        if !self.failed_seen.contains_key(channel) {
+                            newly_avoided.push((channel.clone(), None));
+                        }
+                        continue;
+                    }
+                    node
+                }
+            };
+            if let Some(l) = loads.get_mut(&target) {
+                *l += 1;
+            }
+            newly_avoided.push((channel.clone(), Some(node)));
+            planned.push(reassign(
+                e,
+                ChannelOwner::Node(target),
+                Cause::Timeout,
+                now_ms,
+            ));
+        }
+        for (channel, node) in newly_avoided {
+            match node {
+                Some(n) => {
+                    self.avoid.insert(channel.clone(), (n, now_ms + backoff));
+                    self.failed_seen.remove(&channel);
+                }
+                None => {
+                    self.failed_seen.insert(channel, now_ms);
+                }
+            }
+        }
+        changes.extend(planned);
+    }
+
+    /// Finish moves whose channel is `Released`; force those stuck in `ToRelease`.
+    fn plan_releases(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let mut loads = self.loads();
+        let mut done = Vec::new();
+        let mut adopt = Vec::new();
+        for (channel, entries) in &self.channels {
+            if entries.len() != 1 {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let ChannelOwner::Node(from) = e.owner else {
+                continue;
+            };
+            if !matches!(
+                e.info.state,
+                ChannelState::ToRelease | ChannelState::Released
+            ) {
+                continue;
+            }
+            let pending = match self.moves.get(channel) {
+                Some(m) => *m,
+                None => {
+                    // A move begun by an earlier leader: pick a target now.
+                    let avoid = Some(from);
+                    let to = self.least_loaded(&loads, avoid).unwrap_or(from);
+                    let m = PendingMove {
+                        to,
+                        since_ms: now_ms,
+                        cause: Cause::Balance,
+                    };
+                    adopt.push((channel.clone(), m));
+                    m
+                }
+            };
+            let forced = e.info.state == ChannelState::ToRelease
+                && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms;
+            if e.info.state == ChannelState::Released || forced {
+                // The target may have died or started draining meanwhile.
+                let to = if self.nodes.contains_key(&pending.to)
+                    && !self.draining.contains(&pending.to)
+                {
+                    pending.to
+                } else {
+                    match self
+                        .least_loaded(&loads, Some(from))
+                        .or_else(|| self.least_loaded(&loads, None))
+                    {
+                        Some(t) => t,
+                        None => continue,
+                    }
+                };
+                if let Some(l) = loads.get_mut(&to) {
+                    *l += 1;
+                }
+                let cause = if forced {
+                    Cause::Timeout
+                } else {
+                    pending.cause
+                };
+                done.push((
+                    channel.clone(),
+                    reassign(e, ChannelOwner::Node(to), cause, now_ms),
+                ));
+            }
+        }
+        for (c, m) in adopt {
+            self.moves.insert(c, m);
+        }
+        for (channel, change) in done {
+            self.moves.remove(&channel);
+            changes.push(change);
+        }
+    }
+
+    fn plan_drains(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        if self.draining.is_empty() {
+            return;
+        }
+        let mut loads = self.loads();
+        let mut budget = self
+            .config
+            .max_concurrent_moves
+            .saturating_sub(self.moves.len());
+        let mut new_moves = Vec::new();
+        for (channel, entries) in &self.channels {
+            if budget == 0 {
+                break;
+            }
+            if entries.len() != 1 || self.moves.contains_key(channel) {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let ChannelOwner::Node(from) = e.owner else {
+                continue;
+            };
+            if !self.draining.contains(&from) || !self.nodes.contains_key(&from) {
+                continue;
+            }
+            let Some(to) = self.least_loaded(&loads, Some(from)) else {
+                return;
+            };
+            *loads.entry(to).or_default() += 1;
+            budget -= 1;
+            match e.info.state {
+                ChannelState::Watched => {
+                    new_moves.push((
+                        channel.clone(),
+                        PendingMove {
+                            to,
+                            since_ms: now_ms,
+                            cause: Cause::Drain,
+                        },
+                    ));
+                    changes.push(release(e, Cause::Drain));
+                }
+                ChannelState::ToWatch => {
+                    changes.push(reassign(e, ChannelOwner::Node(to), Cause::Drain, now_ms))
+                }
+                _ => {}
+            }
+        }
+        self.moves.extend(new_moves);
+    }
+
+    /// Move `Watched` channels from the most to the least loaded node until max - min <= 1,
+    /// with at most `max_concurrent_moves` in flight. `dry` collects the moves (for
+    /// `balance --dry-run`) in place of real releases.
+    fn plan_balance(&mut self, now_ms: u64, changes: &mut Vec<Change>, dry: &mut Vec<PlannedMove>) {
+        let mut loads: BTreeMap<NodeId, usize> = self
+            .loads()
+            .into_iter()
+            .filter(|(n, _)| !self.draining.contains(n))
+            .collect();
+        if loads.len() < 2 {
+            return;
+        }
+        // Channels that can move, per node: Watched and not mid-transition.
+        let mut movable: BTreeMap<NodeId, Vec<ChannelName>> = BTreeMap::new();
+        for (channel, entries) in &self.channels {
+            if entries.len() != 1 || self.moves.contains_key(channel) {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            if let (ChannelOwner::Node(n), ChannelState::Watched) = (e.owner, e.info.state) {
+                movable.entry(n).or_default().push(channel.clone());
+            }
+        }
+        while self.moves.len() < self.config.max_concurrent_moves {
+            let Some((&max_node, &max)) = loads
+                .iter()
+                .max_by_key(|(n, l)| (**l, std::cmp::Reverse(**n)))
+            else {
+                break;
+            };
+            let Some((&min_node, &min)) = loads.iter().min_by_key(|(n, l)| (**l, **n)) else {
+                break;
+            };
+            if max <= min + 1 {
+                break;
+            }
+            let Some(channel) = movable.get_mut(&max_node).and_then(Vec::pop) else {
+                // Everything on the busiest node is mid-transition; wait for it.
+                break;
+            };
+            *loads.entry(max_node).or_default() -= 1;
+            *loads.entry(min_node).or_default() += 1;
+            dry.push(PlannedMove {
+                channel: channel.clone(),
+                from: max_node,
+                to: min_node,
+            });
+            if let Some(e) = self.entry(&channel).cloned() {
+                changes.push(release(&e, Cause::Balance));
+            }
+            self.moves.insert(
+                channel,
+                PendingMove {
+                    to: min_node,
+                    since_ms: now_ms,
+                    cause: Cause::Balance,
+                },
+            );
+        }
+    }
+
+    /// Packs changes into txns within the op and byte limits; one change is never split.
+    fn pack(&self, changes: Vec<Change>) -> Vec<PlannedTxn> {
+        // One compare slot is the runtime's leader guard.
+        let max_ops = self.config.max_txn_ops.saturating_sub(1).max(2);
+        let mut out: Vec<PlannedTxn> = Vec::new();
+        let mut cur = PlannedTxn {
+            guards: Vec::new(),
+            ops: Vec::new(),
+            transitions: Vec::new(),
+        };
+        let mut cur_bytes = 0usize;
+        for c in changes {
+            let bytes: usize = c.ops.iter().map(op_bytes).sum();
+            let full = cur.ops.len() + c.ops.len() > max_ops
+                || cur.guards.len() + c.guards.len() > max_ops
+                || (cur_bytes + bytes > self.config.max_txn_bytes && !cur.ops.is_empty());
+            if full {
+                out.push(std::mem::replace(
+                    &mut cur,
+                    PlannedTxn {
+                        guards: Vec::new(),
+                        ops: Vec::new(),
+                        transitions: Vec::new(),
+                    },
+                ));
+                cur_bytes = 0;
+            }
+            cur_bytes += bytes;
+            cur.guards.extend(c.guards);
+            cur.ops.extend(c.ops);
+            cur.transitions.push(c.transition);
+        }
+        if !cur.ops.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+}
+
+/// Joins txns produced for one admin request (removal of a channel with duplicates).
+fn merge(txns: Vec<PlannedTxn>) -> PlannedTxn {
+    let mut out = PlannedTxn {
+        guards: Vec::new(),
+        ops: Vec::new(),
+        transitions: Vec::new(),
+    };
+    for t in txns {
+        out.guards.extend(t.guards);
+        out.ops.extend(t.ops);
+        out.transitions.extend(t.transitions);
+    }
+    out
+}
+
+fn op_bytes(op: &Op) -> usize {
+    match op {
+        Op::Put { info, .. } => info.encode().len() + 300,
+        Op::Delete { .. } => 300,
+    }
+}
+
+fn guard(e: &Entry) -> Guard {
+    Guard {
+        owner: e.owner,
+        channel: e.info.channel.clone(),
+        mod_revision: e.mod_revision,
+    }
+}
+
+/// Delete the old key and put `ToWatch` with the next epoch under `to`, in one txn.
+fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -> Change {
+    let mut info = e.info.clone();
+    info.state = ChannelState::ToWatch;
+    info.epoch = info.epoch.next();
+    info.start_time_ms = now_ms;
+    info.progress = None;
+    info.reason = Some(cause.as_str().to_owned());
+    let mut ops = Vec::with_capacity(2);
+    if e.owner != to {
+        ops.push(Op::Delete {
+            owner: e.owner,
+            channel: info.channel.clone(),
+        });
+    }
+    let transition = Transition {
+        channel: info.channel.clone(),
+        cause,
+        from: Some(e.owner),
+        to: Some(to),
+        state: Some(info.state),
+        epoch: info.epoch,
+    };
+    ops.push(Op::Put { owner: to, info });
+    Change {
+        guards: vec![guard(e)],
+        ops,
+        transition,
+    }
+}
+
+/// Park under `remaining`: no node owns it, so the epoch stays.
+fn park(e: &Entry) -> Change {
+    let mut info = e.info.clone();
+    info.state = ChannelState::ToWatch;
+    info.progress = None;
+    info.reason = Some(Cause::Park.as_str().to_owned());
+    let transition = Transition {
+        channel: info.channel.clone(),
+        cause: Cause::Park,
+        from: Some(e.owner),
+        to: Some(ChannelOwner::Remaining),
+        state: Some(info.state),
+        epoch: info.epoch,
+    };
+    Change {
+        guards: vec![guard(e)],
+        ops: vec![
+            Op::Delete {
+                owner: e.owner,
+                channel: info.channel.clone(),
+            },
+            Op::Put {
+                owner: ChannelOwner::Remaining,
+                info,
+            },
+        ],
+        transition,
+    }
+}
+
+/// Ask the owner to stop the channel (first half of a break-before-make move).
+fn release(e: &Entry, cause: Cause) -> Change {
+    let mut info = e.info.clone();
+    info.state = ChannelState::ToRelease;
+    info.reason = Some(cause.as_str().to_owned());
+    let transition = Transition {
+        channel: info.channel.clone(),
+        cause,
+        from: Some(e.owner),
+        to: Some(e.owner),
+        state: Some(info.state),
+        epoch: info.epoch,
+    };
+    Change {
+        guards: vec![guard(e)],
+        ops: vec![Op::Put {
+            owner: e.owner,
+            info,
+        }],
+        transition,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Progress;
+
+    fn name(s: &str) -> ChannelName {
+        ChannelName::new(s).expect("valid")
+    }
+
+    fn session(id: u64) -> NodeSession {
+        NodeSession {
+            id: NodeId(id),
+            admin_addr: String::new(),
+            version: "t".into(),
+            started_at_ms: 0,
+            capacity: 0,
+            extra: Default::default(),
+        }
+    }
+
+    fn info(ch: &str, state: ChannelState, epoch: u64, start: u64) -> ChannelInfo {
+        let mut i = ChannelInfo::new(name(ch), Epoch(epoch), start, VChannelInfo::default());
+        i.state = state;
+        i
+    }
+
+    struct World {
+        state: CoordState,
+        keys: Keys,
+        rev: i64,
+    }
+
+    impl World {
+        fn new(config: CoordConfig) -> Self {
+            let keys = Keys::default();
+            World {
+                state: CoordState::new(keys.clone(), config),
+                keys,
+                rev: 100,
+            }
+        }
+        fn node(&mut self, id: u64) {
+            self.rev += 1;
+            let key = self.keys.session(NodeId(id));
+            self.state.apply_put(&key, &session(id).encode(), self.rev);
+        }
+        fn kill(&mut self, id: u64) {
+            self.state.apply_delete(&self.keys.session(NodeId(id)));
+        }
+        fn put(&mut self, owner: ChannelOwner, i: ChannelInfo) -> i64 {
+            self.rev += 1;
+            let key = self.keys.channel(owner, &i.channel);
+            assert_eq!(self.state.apply_put(&key, &i.encode(), self.rev), None);
+            self.rev
+        }
+        /// Plans and applies everything, as a runtime whose txns all succeed would.
+        fn settle(&mut self, now: u64) -> Vec<PlannedTxn> {
+            let txns = self.state.plan(now);
+            for t in &txns {
+                self.rev += 1;
+                self.state.applied(t, self.rev);
+            }
+            txns
+        }
+        fn owner_of(&self, ch: &str) -> (ChannelOwner, ChannelState, Epoch) {
+            let e = self.state.entry(&name(ch)).expect("exists");
+            (e.owner, e.info.state, e.info.epoch)
+        }
+    }
+
+    fn n(id: u64) -> ChannelOwner {
+        ChannelOwner::Node(NodeId(id))
+    }
+
+    #[test]
+    fn add_channel_goes_to_the_least_loaded_node_with_epoch_one() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        let txn = w
+            .state
+            .add_channel(name("b"), VChannelInfo::default(), 7)
+            .expect("new");
+        assert_eq!(
+            txn.guards,
+            vec![Guard {
+                owner: n(2),
+                channel: name("b"),
+                mod_revision: 0
+            }]
+        );
+        assert_eq!(
+            txn.ops,
+            vec![Op::Put {
+                owner: n(2),
+                info: info("b", ChannelState::ToWatch, 1, 7)
+            }]
+        );
+        assert_eq!(
+            w.state.add_channel(name("a"), VChannelInfo::default(), 7),
+            Err(AdminError::AlreadyExists(name("a")))
+        );
+    }
+
+    #[test]
+    fn add_channel_with_no_node_alive_parks_it() {
+        let w = World::new(CoordConfig::default());
+        let txn = w
+            .state
+            .add_channel(name("a"), VChannelInfo::default(), 0)
+            .expect("new");
+        assert!(matches!(
+            &txn.ops[..],
+            [Op::Put {
+                owner: ChannelOwner::Remaining,
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn failover_moves_only_the_dead_nodes_channels_with_the_next_epoch() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.node(2);
+        w.node(3);
+        let rev_a = w.put(n(1), info("a", ChannelState::Watched, 4, 0));
+        w.put(n(2), info("b", ChannelState::Watched, 1, 0));
+        w.put(n(3), info("c", ChannelState::Watched, 1, 0));
+        w.kill(1);
+        let txns = w.state.plan(50);
+        assert_eq!(txns.len(), 1);
+        let mut moved = info("a", ChannelState::ToWatch, 5, 50);
+        moved.reason = Some("failover".into());
+        assert_eq!(
+            txns[0].guards,
+            vec![Guard {
+                owner: n(1),
+                channel: name("a"),
+                mod_revision: rev_a
+            }]
+        );
+        assert_eq!(
+            txns[0].ops,
+            vec![
+                Op::Delete {
+                    owner: n(1),
+                    channel: name("a")
+                },
+                Op::Put {
+                    owner: n(2),
+                    info: moved
+                }
+            ]
+        );
+        assert_eq!(txns[0].transitions[0].cause, Cause::Failover);
+    }
+
+    #[test]
+    fn failover_with_no_node_alive_parks_under_remaining_and_a_new_node_gets_everything() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.put(n(1), info("a", ChannelState::Watched, 2, 0));
+        w.put(n(1), info("b", ChannelState::Watched, 3, 0));
+        w.kill(1);
+        w.settle(10);
+        assert_eq!(
+            w.owner_of("a"),
+            (ChannelOwner::Remaining, ChannelState::ToWatch, Epoch(2))
+        );
+        assert_eq!(
+            w.owner_of("b"),
+            (ChannelOwner::Remaining, ChannelState::ToWatch, Epoch(3))
+        );
+        assert!(w.settle(20).is_empty(), "nothing to do while no node lives");
+        w.node(2);
+        let txns = w.settle(30);
+        assert!(txns
+            .iter()
+            .flat_map(|t| &t.transitions)
+            .all(|t| t.cause == Cause::Unpark));
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(3)));
+        assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(4)));
+    }
+
+    #[test]
+    fn a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is() {
+        let cfg = CoordConfig {
+            watch_timeout_ms: 1_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        let mut slow = info("slow", ChannelState::ToWatch, 1, 0);
+        slow.progress = Some(Progress {
+            percent: 50,
+            updated_at_ms: 900,
+        });
+        w.put(n(1), slow);
+        w.put(n(1), info("hung", ChannelState::ToWatch, 1, 0));
+        assert!(w.state.plan(1_000).is_empty(), "nothing has timed out yet");
+        let txns = w.settle(1_500);
+        let moved: Vec<&str> = txns
+            .iter()
+            .flat_map(|t| &t.transitions)
+            .map(|t| t.channel.as_str())
+            .collect();
+        assert_eq!(moved, ["hung"]);
+        assert_eq!(w.owner_of("hung"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        assert_eq!(w.owner_of("slow"), (n(1), ChannelState::ToWatch, Epoch(1)));
+    }
+
+    #[test]
+    fn watch_failed_goes_to_another_node_at_once() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        let txns = w.settle(5);
+        assert_eq!(txns[0].transitions[0].cause, Cause::Timeout);
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
+    }
+
+    #[test]
+    fn watch_failed_on_the_only_node_is_retried_there_after_the_backoff() {
+        let cfg = CoordConfig {
+            failed_node_backoff_ms: 1_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        assert!(w.settle(100).is_empty());
+        assert!(w.settle(900).is_empty());
+        let txns = w.settle(1_200);
+        assert_eq!(txns.len(), 1);
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::ToWatch, Epoch(2)));
+        // Same key: a put, no delete.
+        assert!(matches!(&txns[0].ops[..], [Op::Put { .. }]));
+    }
+
+    #[test]
+    fn balance_is_break_before_make_and_bounded() {
+        let cfg = CoordConfig {
+            max_concurrent_moves: 2,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        for i in 0..6 {
+            w.put(n(1), info(&format!("c{i}"), ChannelState::Watched, 1, 0));
+        }
+        w.node(2);
+        let txns = w.settle(10);
+        let t: Vec<&Transition> = txns.iter().flat_map(|t| &t.transitions).collect();
+        assert_eq!(t.len(), 2, "at most 2 moves in flight");
+        assert!(t
+            .iter()
+            .all(|t| t.cause == Cause::Balance && t.state == Some(ChannelState::ToRelease)));
+        assert!(w.settle(11).is_empty(), "no more moves until one finishes");
+        // The node releases one: the coordinator moves it to node 2 and starts another.
+        let ch = t[0].channel.clone();
+        let mut released = w.state.entry(&ch).expect("exists").info.clone();
+        released.state = ChannelState::Released;
+        w.put(n(1), released);
+        let txns = w.settle(12);
+        let t: Vec<&Transition> = txns.iter().flat_map(|t| &t.transitions).collect();
+        assert_eq!(t[0].channel, ch);
+        assert_eq!(
+            (t[0].to, t[0].state, t[0].epoch),
+            (Some(n(2)), Some(ChannelState::ToWatch), Epoch(2))
+        );
+        assert_eq!(t.len(), 2, "one move done, one new move started");
+        assert_eq!(w.state.moves_in_flight(), 2);
+    }
+
+    #[test]
+    fn balance_plan_reaches_within_one_with_the_minimum_moves() {
+        let mut w = World::new(CoordConfig::default());
+        for id in 1..=3 {
+            w.node(id);
+        }
+        for i in 0..10 {
+            w.put(n(1), info(&format!("c{i:02}"), ChannelState::Watched, 1, 0));
+        }
+        let plan = w.state.balance_plan();
+        // 10/0/0 -> 4/3/3: 6 moves, the minimum.
+        assert_eq!(plan.len(), 6);
+        assert!(plan.iter().all(|m| m.from == NodeId(1)));
+        assert_eq!(w.state.moves_in_flight(), 0, "a dry run changes nothing");
+    }
+
+    #[test]
+    fn a_stuck_release_is_forced_after_the_release_timeout() {
+        let cfg = CoordConfig {
+            release_timeout_ms: 1_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        let txn = w
+            .state
+            .move_channel(&name("a"), NodeId(2), 0)
+            .expect("move");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
+        assert_eq!(w.owner_of("a").1, ChannelState::ToRelease);
+        assert!(w.settle(500).is_empty());
+        w.settle(1_500);
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
+    }
+
+    #[test]
+    fn big_failovers_are_packed_within_the_op_limit_without_splitting_a_move() {
+        let cfg = CoordConfig {
+            max_txn_ops: 9,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        for i in 0..10 {
+            w.put(n(1), info(&format!("c{i}"), ChannelState::Watched, 1, 0));
+        }
+        w.kill(1);
+        let txns = w.state.plan(0);
+        // 8 ops per txn (one compare slot is the leader guard) = 4 moves of delete+put.
+        assert_eq!(
+            txns.iter().map(|t| t.transitions.len()).collect::<Vec<_>>(),
+            [4, 4, 2]
+        );
+        for t in &txns {
+            assert!(t.ops.len() <= 8 && t.guards.len() <= 8);
+            assert_eq!(t.ops.len(), 2 * t.transitions.len());
+        }
+    }
+
+    #[test]
+    fn corrupt_values_are_reported_and_left_alone() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        let key = "chanwatch/channel/1/bad";
+        assert!(w.state.apply_put(key, b"{not json", 5).is_some());
+        assert!(w.state.corrupt().contains_key(key));
+        assert!(w.state.plan(0).is_empty());
+        w.state.apply_delete(key);
+        assert!(w.state.corrupt().is_empty());
+    }
+
+    #[test]
+    fn a_duplicate_key_is_removed_keeping_the_highest_epoch() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 3, 0));
+        w.put(n(2), info("a", ChannelState::Watched, 2, 0));
+        let txns = w.settle(0);
+        assert_eq!(
+            txns[0].ops,
+            vec![Op::Delete {
+                owner: n(2),
+                channel: name("a")
+            }]
+        );
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::Watched, Epoch(3)));
+    }
+
+    #[test]
+    fn drain_moves_everything_off_and_assigns_nothing_new_there() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        w.put(n(1), info("b", ChannelState::ToWatch, 1, 0));
+        w.state.drain(NodeId(1)).expect("live");
+        w.settle(0);
+        assert_eq!(w.owner_of("a").1, ChannelState::ToRelease);
+        assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        let txn = w
+            .state
+            .add_channel(name("c"), VChannelInfo::default(), 0)
+            .expect("new");
+        assert!(matches!(&txn.ops[..], [Op::Put { owner, .. }] if *owner == n(2)));
+    }
+}
