@@ -26,6 +26,7 @@
 pub mod coord;
 pub mod error;
 pub mod keys;
+pub mod node;
 pub mod types;
 
 pub use error::{DecodeError, KeyError, NameError};

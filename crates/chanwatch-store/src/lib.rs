@@ -35,6 +35,7 @@ pub mod clock;
 pub mod embedded;
 pub mod error;
 pub mod etcd;
+pub mod listwatch;
 pub mod types;
 
 use std::pin::Pin;
@@ -47,6 +48,7 @@ pub use clock::Clock;
 pub use embedded::{EmbeddedOptions, EmbeddedStore};
 pub use error::{StoreError, StoreResult};
 pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
+pub use listwatch::{ListWatch, Update};
 pub use types::{
     Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Limits, OpResponse,
     RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,

@@ -1,0 +1,551 @@
+//! A node's decisions, as a pure state machine.
+//!
+//! Owns: what the node believes about each channel under its prefix (the value and mod
+//! revision it last saw, and what its runner is doing), and the commands that follow from an
+//! event: start or stop a runner, and write an acknowledgement by compare-and-swap on the mod
+//! revision it last saw (so a stale ack for an old assignment never lands).
+//!
+//! Must not: do I/O, run handlers or read the clock. The runtime feeds events in and carries
+//! the commands out; `now_ms` arrives inside the events that need it.
+
+use std::collections::BTreeMap;
+
+use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, Progress};
+
+/// What the runner of a channel is doing, as far as the machine knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The handler is loading the channel.
+    Loading,
+    /// Loaded and acknowledged (or being acknowledged) as `Watched`.
+    Running,
+    /// The load failed; nothing runs.
+    Failed,
+    /// Asked to stop; `release_ack` says whether to acknowledge `Released` afterwards.
+    Stopping {
+        /// Acknowledge `Released` once stopped (a `ToRelease`), or not (a DELETE).
+        release_ack: bool,
+    },
+    /// Nothing runs.
+    Stopped,
+}
+
+/// The node's memory of one channel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Local {
+    /// The value last seen (or written by us).
+    pub info: ChannelInfo,
+    /// Its mod revision, for the next compare-and-swap.
+    pub mod_revision: i64,
+    /// The runner's phase.
+    pub phase: Phase,
+}
+
+/// Inputs of the machine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeEvent {
+    /// A PUT of `channel/{me}/{channel}` (from the watch or a relist).
+    Put {
+        /// The decoded value.
+        info: ChannelInfo,
+        /// Its mod revision.
+        mod_revision: i64,
+    },
+    /// A DELETE of `channel/{me}/{channel}`.
+    Delete {
+        /// The channel.
+        channel: ChannelName,
+    },
+    /// The handler's load finished for `epoch`.
+    LoadDone {
+        /// The channel.
+        channel: ChannelName,
+        /// The epoch it loaded for.
+        epoch: Epoch,
+        /// `Err(reason)` when the load failed.
+        result: Result<(), String>,
+    },
+    /// The handler reported load progress.
+    Progress {
+        /// The channel.
+        channel: ChannelName,
+        /// The epoch it loads for.
+        epoch: Epoch,
+        /// Progress to publish.
+        progress: Progress,
+    },
+    /// The runner stopped after a [`NodeCommand::Stop`].
+    Stopped {
+        /// The channel.
+        channel: ChannelName,
+    },
+    /// An acknowledgement txn finished: `Some(rev)` committed at `rev`, `None` its compare
+    /// failed (the assignment changed; the watch brings the new value).
+    AckDone {
+        /// The channel.
+        channel: ChannelName,
+        /// New mod revision, if committed.
+        committed: Option<i64>,
+    },
+}
+
+/// Outputs of the machine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeCommand {
+    /// Start a runner for this assignment.
+    Start {
+        /// The assignment.
+        info: ChannelInfo,
+    },
+    /// Stop the channel's runner, cancelling a load in progress.
+    Stop {
+        /// The channel.
+        channel: ChannelName,
+    },
+    /// Write `info` if the key's mod revision is still `expect_mod_revision`.
+    Ack {
+        /// The value to write.
+        info: ChannelInfo,
+        /// The mod revision it must still have.
+        expect_mod_revision: i64,
+    },
+}
+
+/// The machine. See the module docs.
+#[derive(Debug, Clone, Default)]
+pub struct NodeMachine {
+    channels: BTreeMap<ChannelName, Local>,
+}
+
+impl NodeMachine {
+    /// No channels.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What the node believes about its channels.
+    pub fn channels(&self) -> &BTreeMap<ChannelName, Local> {
+        &self.channels
+    }
+
+    /// Channels whose runner is loading or running.
+    pub fn active(&self) -> impl Iterator<Item = &ChannelName> {
+        self.channels
+            .iter()
+            .filter(|(_, l)| matches!(l.phase, Phase::Loading | Phase::Running))
+            .map(|(c, _)| c)
+    }
+
+    /// Replaces the view with a fresh list: channels missing from it are deleted.
+    pub fn reset(&mut self, list: Vec<(ChannelInfo, i64)>) -> Vec<NodeCommand> {
+        let listed: std::collections::BTreeSet<ChannelName> =
+            list.iter().map(|(i, _)| i.channel.clone()).collect();
+        let gone: Vec<ChannelName> = self
+            .channels
+            .keys()
+            .filter(|c| !listed.contains(*c))
+            .cloned()
+            .collect();
+        let mut out = Vec::new();
+        for channel in gone {
+            out.extend(self.step(NodeEvent::Delete { channel }));
+        }
+        for (info, mod_revision) in list {
+            out.extend(self.step(NodeEvent::Put { info, mod_revision }));
+        }
+        out
+    }
+
+    /// Feeds one event; returns the commands to carry out, in order.
+    pub fn step(&mut self, event: NodeEvent) -> Vec<NodeCommand> {
+        match event {
+            NodeEvent::Put { info, mod_revision } => self.on_put(info, mod_revision),
+            NodeEvent::Delete { channel } => match self.channels.remove(&channel) {
+                Some(l) if l.phase != Phase::Stopped && l.phase != Phase::Failed => {
+                    vec![NodeCommand::Stop { channel }]
+                }
+                _ => vec![],
+            },
+            NodeEvent::LoadDone {
+                channel,
+                epoch,
+                result,
+            } => {
+                let Some(l) = self.channels.get_mut(&channel) else {
+                    return vec![];
+                };
+                if l.phase != Phase::Loading || l.info.epoch != epoch {
+                    return vec![];
+                }
+                let mut info = l.info.clone();
+                info.progress = None;
+                match result {
+                    Ok(()) => {
+                        l.phase = Phase::Running;
+                        info.state = ChannelState::Watched;
+                        info.reason = None;
+                    }
+                    Err(reason) => {
+                        l.phase = Phase::Failed;
+                        info.state = ChannelState::WatchFailed;
+                        info.reason = Some(reason);
+                    }
+                }
+                vec![NodeCommand::Ack {
+                    info,
+                    expect_mod_revision: l.mod_revision,
+                }]
+            }
+            NodeEvent::Progress {
+                channel,
+                epoch,
+                progress,
+            } => {
+                let Some(l) = self.channels.get(&channel) else {
+                    return vec![];
+                };
+                if l.phase != Phase::Loading
+                    || l.info.epoch != epoch
+                    || l.info.state != ChannelState::ToWatch
+                {
+                    return vec![];
+                }
+                let mut info = l.info.clone();
+                info.progress = Some(progress);
+                vec![NodeCommand::Ack {
+                    info,
+                    expect_mod_revision: l.mod_revision,
+                }]
+            }
+            NodeEvent::Stopped { channel } => {
+                let Some(l) = self.channels.get_mut(&channel) else {
+                    return vec![];
+                };
+                let Phase::Stopping { release_ack } = l.phase else {
+                    return vec![];
+                };
+                l.phase = Phase::Stopped;
+                if release_ack && l.info.state == ChannelState::ToRelease {
+                    let mut info = l.info.clone();
+                    info.state = ChannelState::Released;
+                    return vec![NodeCommand::Ack {
+                        info,
+                        expect_mod_revision: l.mod_revision,
+                    }];
+                }
+                vec![]
+            }
+            NodeEvent::AckDone { channel, committed } => {
+                if let (Some(l), Some(rev)) = (self.channels.get_mut(&channel), committed) {
+                    l.mod_revision = l.mod_revision.max(rev);
+                }
+                vec![]
+            }
+        }
+    }
+
+    fn on_put(&mut self, info: ChannelInfo, mod_revision: i64) -> Vec<NodeCommand> {
+        let channel = info.channel.clone();
+        let prev = self.channels.get(&channel).cloned();
+        if let Some(p) = &prev {
+            if mod_revision < p.mod_revision {
+                return vec![]; // an echo older than what we already know
+            }
+        }
+        let same_epoch = prev.as_ref().is_some_and(|p| p.info.epoch == info.epoch);
+        let phase = prev.as_ref().map(|p| p.phase);
+        let active = matches!(phase, Some(Phase::Loading | Phase::Running));
+        let mut out = Vec::new();
+        let new_phase = match info.state {
+            ChannelState::ToWatch | ChannelState::Watched if same_epoch && active => {
+                let phase = phase.unwrap_or(Phase::Loading);
+                if phase == Phase::Running && info.state == ChannelState::ToWatch {
+                    // We loaded it but the Watched ack did not land: acknowledge again.
+                    let mut ack = info.clone();
+                    ack.state = ChannelState::Watched;
+                    ack.progress = None;
+                    ack.reason = None;
+                    out.push(NodeCommand::Ack {
+                        info: ack,
+                        expect_mod_revision: mod_revision,
+                    });
+                }
+                phase
+            }
+            ChannelState::ToWatch | ChannelState::Watched => {
+                if active || matches!(phase, Some(Phase::Stopping { .. })) {
+                    out.push(NodeCommand::Stop {
+                        channel: channel.clone(),
+                    });
+                }
+                out.push(NodeCommand::Start { info: info.clone() });
+                Phase::Loading
+            }
+            ChannelState::WatchFailed | ChannelState::Released => {
+                if active {
+                    out.push(NodeCommand::Stop {
+                        channel: channel.clone(),
+                    });
+                    Phase::Stopping { release_ack: false }
+                } else {
+                    phase.unwrap_or(Phase::Stopped)
+                }
+            }
+            ChannelState::ToRelease => match phase {
+                Some(Phase::Loading | Phase::Running) => {
+                    out.push(NodeCommand::Stop {
+                        channel: channel.clone(),
+                    });
+                    Phase::Stopping { release_ack: true }
+                }
+                Some(Phase::Stopping { .. }) => Phase::Stopping { release_ack: true },
+                _ => {
+                    let mut ack = info.clone();
+                    ack.state = ChannelState::Released;
+                    out.push(NodeCommand::Ack {
+                        info: ack,
+                        expect_mod_revision: mod_revision,
+                    });
+                    Phase::Stopped
+                }
+            },
+        };
+        self.channels.insert(
+            channel,
+            Local {
+                info,
+                mod_revision,
+                phase: new_phase,
+            },
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::VChannelInfo;
+
+    fn info(ch: &str, state: ChannelState, epoch: u64) -> ChannelInfo {
+        let mut i = ChannelInfo::new(
+            ChannelName::new(ch).expect("valid"),
+            Epoch(epoch),
+            0,
+            VChannelInfo::default(),
+        );
+        i.state = state;
+        i
+    }
+    fn name(s: &str) -> ChannelName {
+        ChannelName::new(s).expect("valid")
+    }
+
+    #[test]
+    fn to_watch_starts_then_acks_watched_against_the_revision_seen() {
+        let mut m = NodeMachine::new();
+        let a = info("a", ChannelState::ToWatch, 1);
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: a.clone(),
+                mod_revision: 10
+            }),
+            vec![NodeCommand::Start { info: a.clone() }]
+        );
+        let mut watched = a.clone();
+        watched.state = ChannelState::Watched;
+        assert_eq!(
+            m.step(NodeEvent::LoadDone {
+                channel: name("a"),
+                epoch: Epoch(1),
+                result: Ok(())
+            }),
+            vec![NodeCommand::Ack {
+                info: watched.clone(),
+                expect_mod_revision: 10
+            }]
+        );
+        assert_eq!(
+            m.step(NodeEvent::AckDone {
+                channel: name("a"),
+                committed: Some(11)
+            }),
+            vec![]
+        );
+        // The echo of our own ack changes nothing.
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: watched,
+                mod_revision: 11
+            }),
+            vec![]
+        );
+        assert_eq!(m.channels()[&name("a")].phase, Phase::Running);
+    }
+
+    #[test]
+    fn a_failed_load_acks_watch_failed_with_the_reason() {
+        let mut m = NodeMachine::new();
+        m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 1),
+            mod_revision: 5,
+        });
+        let cmds = m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Err("disk full".into()),
+        });
+        let mut failed = info("a", ChannelState::WatchFailed, 1);
+        failed.reason = Some("disk full".into());
+        assert_eq!(
+            cmds,
+            vec![NodeCommand::Ack {
+                info: failed,
+                expect_mod_revision: 5
+            }]
+        );
+    }
+
+    #[test]
+    fn progress_is_written_only_while_loading_the_current_epoch() {
+        let mut m = NodeMachine::new();
+        m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 2),
+            mod_revision: 5,
+        });
+        let p = Progress {
+            percent: 40,
+            updated_at_ms: 1000,
+        };
+        let cmds = m.step(NodeEvent::Progress {
+            channel: name("a"),
+            epoch: Epoch(2),
+            progress: p.clone(),
+        });
+        assert!(
+            matches!(&cmds[..], [NodeCommand::Ack { info, expect_mod_revision: 5 }] if info.progress == Some(p.clone()))
+        );
+        assert_eq!(
+            m.step(NodeEvent::Progress {
+                channel: name("a"),
+                epoch: Epoch(1),
+                progress: p
+            }),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn to_release_stops_then_acks_released() {
+        let mut m = NodeMachine::new();
+        m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 1),
+            mod_revision: 5,
+        });
+        m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Ok(()),
+        });
+        let rel = info("a", ChannelState::ToRelease, 1);
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: rel,
+                mod_revision: 9
+            }),
+            vec![NodeCommand::Stop { channel: name("a") }]
+        );
+        let cmds = m.step(NodeEvent::Stopped { channel: name("a") });
+        assert_eq!(
+            cmds,
+            vec![NodeCommand::Ack {
+                info: info("a", ChannelState::Released, 1),
+                expect_mod_revision: 9
+            }]
+        );
+    }
+
+    #[test]
+    fn delete_during_a_load_stops_it_at_once_and_a_late_load_result_is_ignored() {
+        let mut m = NodeMachine::new();
+        m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 1),
+            mod_revision: 5,
+        });
+        assert_eq!(
+            m.step(NodeEvent::Delete { channel: name("a") }),
+            vec![NodeCommand::Stop { channel: name("a") }]
+        );
+        assert_eq!(
+            m.step(NodeEvent::LoadDone {
+                channel: name("a"),
+                epoch: Epoch(1),
+                result: Ok(())
+            }),
+            vec![]
+        );
+        assert!(m.channels().is_empty());
+    }
+
+    #[test]
+    fn a_new_epoch_restarts_the_channel_and_drops_the_old_load() {
+        let mut m = NodeMachine::new();
+        m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 1),
+            mod_revision: 5,
+        });
+        let a2 = info("a", ChannelState::ToWatch, 2);
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: a2.clone(),
+                mod_revision: 8
+            }),
+            vec![
+                NodeCommand::Stop { channel: name("a") },
+                NodeCommand::Start { info: a2 }
+            ]
+        );
+        assert_eq!(
+            m.step(NodeEvent::LoadDone {
+                channel: name("a"),
+                epoch: Epoch(1),
+                result: Ok(())
+            }),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn relist_deletes_what_is_gone_and_starts_what_is_new() {
+        let mut m = NodeMachine::new();
+        m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 1),
+            mod_revision: 5,
+        });
+        let b = info("b", ChannelState::ToWatch, 1);
+        let cmds = m.reset(vec![(b.clone(), 7)]);
+        assert_eq!(
+            cmds,
+            vec![
+                NodeCommand::Stop { channel: name("a") },
+                NodeCommand::Start { info: b }
+            ]
+        );
+    }
+
+    #[test]
+    fn to_release_of_a_channel_not_running_acks_released_at_once() {
+        let mut m = NodeMachine::new();
+        let cmds = m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToRelease, 3),
+            mod_revision: 5,
+        });
+        assert_eq!(
+            cmds,
+            vec![NodeCommand::Ack {
+                info: info("a", ChannelState::Released, 3),
+                expect_mod_revision: 5
+            }]
+        );
+    }
+}
