@@ -223,6 +223,43 @@ pub struct PlannedMove {
     pub to: NodeId,
 }
 
+/// One channel as `ctl channels --json` prints it (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ChannelRow {
+    /// The channel.
+    pub channel: ChannelName,
+    /// Owning node, `null` when parked under `remaining`.
+    pub node: Option<u64>,
+    /// State.
+    pub state: ChannelState,
+    /// Epoch.
+    pub epoch: u64,
+    /// When this assignment began (Unix ms).
+    pub start_time_ms: u64,
+    /// Why it is in this state, if recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Load progress in percent, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<u8>,
+}
+
+/// One node as `ctl nodes --json` prints it (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct NodeRow {
+    /// Node ID.
+    pub id: u64,
+    /// Its admin address.
+    pub admin_addr: String,
+    /// Channels assigned to it.
+    pub channels: usize,
+    /// When its session began (Unix ms).
+    pub started_at_ms: u64,
+    /// Whether it is being drained.
+    #[serde(default)]
+    pub draining: bool,
+}
+
 /// The coordinator's view and memory. See the module docs.
 #[derive(Debug, Clone)]
 pub struct CoordState {
@@ -331,6 +368,15 @@ impl CoordState {
             }
             Decoded::Channel(owner, info) => {
                 let channel = info.channel.clone();
+                let known = self
+                    .channels
+                    .get(&channel)
+                    .and_then(|m| m.get(&owner))
+                    .map_or(0, |e| e.mod_revision);
+                if mod_revision < known {
+                    // An echo older than what we applied after our own txn: ignore it.
+                    return None;
+                }
                 self.channels.entry(channel).or_default().insert(
                     owner,
                     Entry {
@@ -624,14 +670,78 @@ impl CoordState {
 
     /// Everything that should change now. See the module docs.
     pub fn plan(&mut self, now_ms: u64) -> Vec<PlannedTxn> {
+        self.forget_failed_moves(now_ms);
         let mut changes = Vec::new();
         self.plan_dedupe(&mut changes);
         self.plan_orphans(now_ms, &mut changes);
         self.plan_timeouts(now_ms, &mut changes);
         self.plan_releases(now_ms, &mut changes);
-        self.plan_drains(now_ms, &mut changes);
-        self.plan_balance(now_ms, &mut changes, &mut Vec::new());
+        // Loads are computed from the view, which does not yet show the changes planned
+        // above: start new moves only in a round that planned nothing else, so they are
+        // based on the view those changes produced.
+        if changes.is_empty() {
+            self.plan_drains(now_ms, &mut changes);
+            self.plan_balance(now_ms, &mut changes, &mut Vec::new());
+        }
         self.pack(changes)
+    }
+
+    /// A move whose release txn never landed (its compare failed) would block the channel
+    /// forever: forget it once it is older than the release timeout.
+    fn forget_failed_moves(&mut self, now_ms: u64) {
+        let timeout = self.config.release_timeout_ms;
+        let channels = &self.channels;
+        self.moves.retain(|c, m| {
+            let releasing = channels.get(c).is_some_and(|es| {
+                es.values().any(|e| {
+                    matches!(
+                        e.info.state,
+                        ChannelState::ToRelease | ChannelState::Released
+                    )
+                })
+            });
+            releasing || now_ms.saturating_sub(m.since_ms) <= timeout
+        });
+    }
+
+    /// One row per channel, for `ctl channels` and the admin API.
+    pub fn channel_rows(&self) -> Vec<ChannelRow> {
+        self.channels
+            .values()
+            .flat_map(|m| m.values())
+            .map(|e| ChannelRow {
+                channel: e.info.channel.clone(),
+                node: match e.owner {
+                    ChannelOwner::Node(n) => Some(n.0),
+                    ChannelOwner::Remaining => None,
+                },
+                state: e.info.state,
+                epoch: e.info.epoch.0,
+                start_time_ms: e.info.start_time_ms,
+                reason: e.info.reason.clone(),
+                progress: e.info.progress.as_ref().map(|p| p.percent),
+            })
+            .collect()
+    }
+
+    /// One row per live node, for `ctl nodes` and the admin API.
+    pub fn node_rows(&self) -> Vec<NodeRow> {
+        let mut counts: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for e in self.entries() {
+            if let ChannelOwner::Node(n) = e.owner {
+                *counts.entry(n).or_default() += 1;
+            }
+        }
+        self.nodes
+            .iter()
+            .map(|(id, s)| NodeRow {
+                id: id.0,
+                admin_addr: s.admin_addr.clone(),
+                channels: counts.get(id).copied().unwrap_or(0),
+                started_at_ms: s.started_at_ms,
+                draining: self.draining.contains(id),
+            })
+            .collect()
     }
 
     /// More than one key for a channel: keep the highest epoch.
@@ -1390,7 +1500,15 @@ mod tests {
             (t[0].to, t[0].state, t[0].epoch),
             (Some(n(2)), Some(ChannelState::ToWatch), Epoch(2))
         );
-        assert_eq!(t.len(), 2, "one move done, one new move started");
+        assert_eq!(
+            t.len(),
+            1,
+            "new moves wait for a round that sees the finished one"
+        );
+        let txns = w.settle(13);
+        let t: Vec<&Transition> = txns.iter().flat_map(|t| &t.transitions).collect();
+        assert_eq!(t.len(), 1, "one new move started");
+        assert_eq!(t[0].state, Some(ChannelState::ToRelease));
         assert_eq!(w.state.moves_in_flight(), 2);
     }
 
@@ -1503,5 +1621,81 @@ mod tests {
             .add_channel(name("c"), VChannelInfo::default(), 0)
             .expect("new");
         assert!(matches!(&txn.ops[..], [Op::Put { owner, .. }] if *owner == n(2)));
+    }
+}
+
+#[cfg(test)]
+mod convergence_tests {
+    use super::*;
+
+    #[test]
+    fn balance_converges_and_stops_moving() {
+        let keys = Keys::default();
+        let mut s = CoordState::new(keys.clone(), CoordConfig::default());
+        let mut rev = 1;
+        for id in 1..=2u64 {
+            rev += 1;
+            let sess = NodeSession {
+                id: NodeId(id),
+                admin_addr: String::new(),
+                version: String::new(),
+                started_at_ms: 0,
+                capacity: 0,
+                extra: Default::default(),
+            };
+            s.apply_put(&keys.session(NodeId(id)), &sess.encode(), rev);
+        }
+        for i in 0..21 {
+            let owner = ChannelOwner::Node(NodeId(1 + (i % 2)));
+            let mut info = ChannelInfo::new(
+                ChannelName::new(format!("c{i:02}")).expect("valid"),
+                Epoch(1),
+                0,
+                VChannelInfo::default(),
+            );
+            info.state = ChannelState::Watched;
+            rev += 1;
+            s.apply_put(&keys.channel(owner, &info.channel), &info.encode(), rev);
+        }
+        rev += 1;
+        let sess = NodeSession {
+            id: NodeId(3),
+            admin_addr: String::new(),
+            version: String::new(),
+            started_at_ms: 0,
+            capacity: 0,
+            extra: Default::default(),
+        };
+        s.apply_put(&keys.session(NodeId(3)), &sess.encode(), rev);
+        let mut total_moves = 0;
+        for round in 0..50 {
+            let txns = s.plan(round);
+            for t in &txns {
+                rev += 1;
+                s.applied(t, rev);
+                total_moves += t
+                    .transitions
+                    .iter()
+                    .filter(|t| t.state == Some(ChannelState::ToWatch))
+                    .count();
+            }
+            // Nodes answer: ToRelease -> Released, ToWatch -> Watched.
+            let entries: Vec<Entry> = s.entries().cloned().collect();
+            for e in entries {
+                let mut info = e.info.clone();
+                info.state = match info.state {
+                    ChannelState::ToRelease => ChannelState::Released,
+                    ChannelState::ToWatch => ChannelState::Watched,
+                    other => other,
+                };
+                if info != e.info {
+                    rev += 1;
+                    s.apply_put(&keys.channel(e.owner, &info.channel), &info.encode(), rev);
+                }
+            }
+        }
+        let loads: Vec<usize> = s.loads().values().copied().collect();
+        assert_eq!(loads, [7, 7, 7]);
+        assert_eq!(total_moves, 7, "moves beyond the minimum");
     }
 }

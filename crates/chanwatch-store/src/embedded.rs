@@ -137,6 +137,12 @@ impl EmbeddedStore {
         self.lock().revision
     }
 
+    /// Fault injection: ends every open watch stream at once, as a broken connection to etcd
+    /// would. Watchers must relist or watch again.
+    pub fn break_watches(&self) {
+        self.lock().watchers.clear();
+    }
+
     /// Number of live keys (for metrics and benchmarks).
     pub fn len(&self) -> usize {
         self.lock().kvs.len()

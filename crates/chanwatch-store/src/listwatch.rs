@@ -89,6 +89,11 @@ impl ListWatch {
         self.rx.recv().await
     }
 
+    /// The next update if one is already waiting.
+    pub fn try_next(&mut self) -> Option<Update> {
+        self.rx.try_recv().ok()
+    }
+
     /// Asks for a fresh list (periodic reconcile). The next `Reset` reflects it.
     pub fn relist(&self) {
         self.relist.notify_one();

@@ -51,6 +51,7 @@ pub struct EtcdFixture {
     child: Child,
     client_url: String,
     data_dir: tempfile::TempDir,
+    command: Vec<String>,
 }
 
 /// Finds the etcd binary.
@@ -112,30 +113,25 @@ impl EtcdFixture {
         let peer_port = free_port()?;
         let client_url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let log = std::fs::File::create(data_dir.path().join("etcd.log"))?;
-        let child = Command::new(&bin)
-            .arg("--name=fixture")
-            .arg(format!(
-                "--data-dir={}",
-                data_dir.path().join("data").display()
-            ))
-            .arg(format!("--listen-client-urls={client_url}"))
-            .arg(format!("--advertise-client-urls={client_url}"))
-            .arg(format!("--listen-peer-urls={peer_url}"))
-            .arg(format!("--initial-advertise-peer-urls={peer_url}"))
-            .arg(format!("--initial-cluster=fixture={peer_url}"))
-            .arg("--initial-cluster-state=new")
-            .arg("--log-level=warn")
-            .args(&options.extra_args)
-            .env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()?;
+        let mut command = vec![
+            bin.display().to_string(),
+            "--name=fixture".to_owned(),
+            format!("--data-dir={}", data_dir.path().join("data").display()),
+            format!("--listen-client-urls={client_url}"),
+            format!("--advertise-client-urls={client_url}"),
+            format!("--listen-peer-urls={peer_url}"),
+            format!("--initial-advertise-peer-urls={peer_url}"),
+            format!("--initial-cluster=fixture={peer_url}"),
+            "--initial-cluster-state=new".to_owned(),
+            "--log-level=warn".to_owned(),
+        ];
+        command.extend(options.extra_args);
+        let child = spawn(&command, data_dir.path())?;
         let fixture = EtcdFixture {
             child,
             client_url,
             data_dir,
+            command,
         };
         fixture.wait_healthy(Duration::from_secs(20)).await?;
         Ok(fixture)
@@ -159,6 +155,18 @@ impl EtcdFixture {
         })
     }
 
+    /// Kills etcd and starts it again on the same ports and data: every client connection
+    /// and watch breaks, no data is lost.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when it does not come back within 20 s.
+    pub async fn restart(&mut self) -> Result<(), FixtureError> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn(&self.command, self.data_dir.path())?;
+        self.wait_healthy(Duration::from_secs(20)).await
+    }
+
     /// The client URL, e.g. `http://127.0.0.1:41234`.
     pub fn endpoint(&self) -> &str {
         &self.client_url
@@ -171,6 +179,21 @@ impl EtcdFixture {
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
+}
+
+fn spawn(command: &[String], dir: &Path) -> Result<Child, FixtureError> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("etcd.log"))?;
+    let (bin, args) = command.split_first().ok_or(FixtureError::NoBinary)?;
+    Ok(Command::new(bin)
+        .args(args)
+        .env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?)
 }
 
 impl Drop for EtcdFixture {

@@ -1,0 +1,505 @@
+//! The scenarios of the control plane, written once for every backend.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use chanwatch_coord::ApiError;
+use chanwatch_core::{ChannelName, ChannelState, VChannelInfo};
+use chanwatch_node::handler::Behaviour;
+use chanwatch_store::{Compare, Txn, TxnOp};
+
+use crate::cluster::{retry_not_ready, Backend, Cluster, TTL, WATCH_TIMEOUT};
+
+const SETTLE: Duration = Duration::from_secs(20);
+
+fn no_double_ownership(c: &Cluster) -> Result<()> {
+    let overlaps = c.handler.overlaps();
+    ensure!(
+        overlaps.is_empty(),
+        "channels ran on two nodes at once: {overlaps:#?}"
+    );
+    Ok(())
+}
+
+pub async fn assign_balances_30_channels_over_3_nodes_10_10_10(c: Cluster) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let nodes = [c.spawn_node(), c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "3 nodes registered", |v| v.nodes.len() == 3)
+        .await?;
+    c.add_channels(&coord, "ch", 30).await?;
+    let view = c
+        .wait_until(SETTLE, "30 channels Watched", |v| {
+            v.all_watched_on_live_nodes(30)
+        })
+        .await?;
+    ensure!(view.counts() == [10, 10, 10], "counts {:?}", view.counts());
+    ensure!(
+        view.channels.iter().all(|r| r.epoch == 1),
+        "a channel was moved needlessly"
+    );
+    no_double_ownership(&c)
+}
+
+pub async fn a_killed_nodes_channels_and_only_its_are_watched_elsewhere_within_ttl_plus_2s(
+    c: Cluster,
+) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let mut nodes = vec![c.spawn_node(), c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "3 nodes", |v| v.nodes.len() == 3)
+        .await?;
+    c.add_channels(&coord, "ch", 30).await?;
+    let before = c
+        .wait_until(SETTLE, "30 Watched", |v| v.all_watched_on_live_nodes(30))
+        .await?;
+
+    let victim = nodes.remove(0);
+    let dead = c.kill_node(victim).context("victim had an id")?;
+    let moved: Vec<ChannelName> = before.on(dead);
+    let started = tokio::time::Instant::now();
+    let after = c
+        .wait_until(
+            TTL + Duration::from_secs(2),
+            "the dead node's channels Watched elsewhere",
+            |v| v.nodes.len() == 2 && v.all_watched_on_live_nodes(30),
+        )
+        .await?;
+    let took = started.elapsed();
+    for row in &after.channels {
+        let was = before
+            .channels
+            .iter()
+            .find(|b| b.channel == row.channel)
+            .context("channel vanished")?;
+        if moved.contains(&row.channel) {
+            ensure!(
+                row.epoch == was.epoch + 1,
+                "{} moved with epoch {} -> {}",
+                row.channel,
+                was.epoch,
+                row.epoch
+            );
+        } else {
+            ensure!(
+                row.node == was.node && row.epoch == was.epoch,
+                "{} moved although its node lives",
+                row.channel
+            );
+        }
+    }
+    eprintln!(
+        "failover of {} channels took {took:?} after the kill (ttl {TTL:?})",
+        moved.len()
+    );
+    no_double_ownership(&c)
+}
+
+pub async fn all_nodes_dead_parks_everything_in_remaining_and_a_new_node_gets_all(
+    c: Cluster,
+) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let nodes = vec![c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
+        .await?;
+    c.add_channels(&coord, "ch", 8).await?;
+    c.wait_until(SETTLE, "8 Watched", |v| v.all_watched_on_live_nodes(8))
+        .await?;
+    for n in nodes {
+        c.kill_node(n);
+    }
+    c.wait_until(SETTLE, "all 8 in remaining", |v| {
+        v.nodes.is_empty() && v.channels.len() == 8 && v.channels.iter().all(|r| r.node.is_none())
+    })
+    .await?;
+    // A channel registered while no node lives is parked too.
+    retry_not_ready(|| {
+        coord.handle.add_channel(
+            ChannelName::new("late").expect("valid"),
+            VChannelInfo::default(),
+        )
+    })
+    .await?;
+    let fresh = c.spawn_node();
+    let id = c.wait_node_id(&fresh).await?;
+    let view = c
+        .wait_until(SETTLE, "the new node watches all 9", |v| {
+            v.all_watched_on_live_nodes(9)
+        })
+        .await?;
+    ensure!(view.channels.iter().all(|r| r.node == Some(id.0)));
+    no_double_ownership(&c)
+}
+
+pub async fn a_joining_node_gets_balanced_with_no_channel_run_by_two_nodes_at_once(
+    c: Cluster,
+) -> Result<()> {
+    // Loads take a while, so moves overlap in time if break-before-make were broken.
+    c.handler.set_default(Behaviour::Load {
+        delay: Duration::from_millis(100),
+    });
+    let coord = c.spawn_coord("c1");
+    let first = [c.spawn_node(), c.spawn_node()];
+    for n in &first {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
+        .await?;
+    c.add_channels(&coord, "ch", 21).await?;
+    c.wait_until(SETTLE, "21 Watched", |v| v.all_watched_on_live_nodes(21))
+        .await?;
+    let joiner = c.spawn_node();
+    let id = c.wait_node_id(&joiner).await?;
+    let view = c
+        .wait_until(SETTLE, "balanced over 3 nodes", |v| {
+            v.nodes.len() == 3 && v.all_watched_on_live_nodes(21) && v.counts() == [7, 7, 7]
+        })
+        .await?;
+    ensure!(view.on(id).len() == 7);
+    no_double_ownership(&c)
+}
+
+pub async fn a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is(
+    c: Cluster,
+) -> Result<()> {
+    c.handler.set(
+        "slow",
+        Behaviour::Slow {
+            delay: WATCH_TIMEOUT * 2,
+        },
+    );
+    c.handler.set("hung", Behaviour::Hang);
+    let coord = c.spawn_coord("c1");
+    let nodes = [c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
+        .await?;
+    for name in ["slow", "hung"] {
+        retry_not_ready(|| {
+            coord.handle.add_channel(
+                ChannelName::new(name).expect("valid"),
+                VChannelInfo::default(),
+            )
+        })
+        .await?;
+    }
+    // The hung one is reassigned for timeout; the slow one loads for 2x the timeout without
+    // being reassigned (balance may move it once it is Watched, which is fine).
+    let started = tokio::time::Instant::now();
+    let view = c
+        .wait_until(WATCH_TIMEOUT * 3, "hung reassigned", |v| {
+            v.channels
+                .iter()
+                .any(|r| r.channel.as_str() == "hung" && r.epoch >= 2)
+        })
+        .await?;
+    let hung = view
+        .channels
+        .iter()
+        .find(|r| r.channel.as_str() == "hung")
+        .context("hung")?;
+    ensure!(hung.reason.as_deref() == Some("timeout"), "{hung:?}");
+    tokio::time::sleep_until(started + WATCH_TIMEOUT * 2 + Duration::from_secs(1)).await;
+    let first = c
+        .handler
+        .intervals()
+        .into_iter()
+        .find(|i| i.channel.as_str() == "slow" && i.epoch.0 == 1)
+        .context("slow never ran at epoch 1")?;
+    let ran = first
+        .end_ms
+        .unwrap_or(u64::MAX)
+        .saturating_sub(first.start_ms);
+    ensure!(
+        ran >= (WATCH_TIMEOUT * 2).as_millis() as u64,
+        "the slow load was cut off after {ran} ms: it was reassigned while making progress"
+    );
+    no_double_ownership(&c)
+}
+
+pub async fn a_failed_load_is_moved_to_another_node(c: Cluster) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let a = c.spawn_node();
+    let a_id = c.wait_node_id(&a).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "1 node", |v| v.nodes.len() == 1)
+        .await?;
+    c.handler.set("flaky", Behaviour::Fail);
+    retry_not_ready(|| {
+        coord.handle.add_channel(
+            ChannelName::new("flaky").expect("valid"),
+            VChannelInfo::default(),
+        )
+    })
+    .await?;
+    c.wait_until(SETTLE, "flaky WatchFailed", |v| {
+        v.channels
+            .iter()
+            .any(|r| r.state == ChannelState::WatchFailed)
+    })
+    .await?;
+    c.handler.set(
+        "flaky",
+        Behaviour::Load {
+            delay: Duration::ZERO,
+        },
+    );
+    let b = c.spawn_node();
+    let b_id = c.wait_node_id(&b).await?;
+    let view = c
+        .wait_until(SETTLE, "flaky Watched on the other node", |v| {
+            v.all_watched_on_live_nodes(1)
+        })
+        .await?;
+    ensure!(
+        view.channels[0].node == Some(b_id.0),
+        "stayed on the failing node {a_id}"
+    );
+    Ok(())
+}
+
+pub async fn delete_during_a_load_cancels_it(c: Cluster) -> Result<()> {
+    c.handler.set("doomed", Behaviour::Hang);
+    let coord = c.spawn_coord("c1");
+    let n = c.spawn_node();
+    c.wait_node_id(&n).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "1 node", |v| v.nodes.len() == 1)
+        .await?;
+    let name = ChannelName::new("doomed")?;
+    retry_not_ready(|| {
+        coord
+            .handle
+            .add_channel(name.clone(), VChannelInfo::default())
+    })
+    .await?;
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    while !c.handler.running().contains_key(&name) {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the load never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    retry_not_ready(|| coord.handle.remove_channel(name.clone())).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while c.handler.running().contains_key(&name) {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the load was not cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ensure!(c.view().await?.channels.is_empty());
+    Ok(())
+}
+
+pub async fn a_broken_watch_after_compaction_forces_a_relist_with_no_lost_channel(
+    mut c: Cluster,
+) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let nodes = vec![c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
+        .await?;
+    c.add_channels(&coord, "ch", 10).await?;
+    c.wait_until(SETTLE, "10 Watched", |v| v.all_watched_on_live_nodes(10))
+        .await?;
+    let rev = c.store.range("none/").await?.revision;
+    c.store.compact(rev).await?;
+    // Break every watch: nobody can resume from an old revision now; they must relist.
+    match &mut c.backend {
+        Backend::Embedded(store) => store.break_watches(),
+        Backend::Etcd(fixture) => fixture.restart().await?,
+    }
+    // Changes made while watches are broken must not be lost.
+    c.add_channels(&coord, "after", 4).await?;
+    c.wait_until(SETTLE, "14 Watched after the relist", |v| {
+        v.all_watched_on_live_nodes(14)
+    })
+    .await?;
+    no_double_ownership(&c)
+}
+
+pub async fn a_killed_leader_is_replaced_by_the_standby_with_no_assignment_lost(
+    c: Cluster,
+) -> Result<()> {
+    let leader = c.spawn_coord("c1");
+    c.wait_leader_ready(&leader).await?;
+    let standby = c.spawn_coord("c2");
+    let nodes = [c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
+        .await?;
+    c.add_channels(&leader, "ch", 10).await?;
+    let before = c
+        .wait_until(SETTLE, "10 Watched", |v| v.all_watched_on_live_nodes(10))
+        .await?;
+    // A standby refuses writes and says where the leader is.
+    let err = standby
+        .handle
+        .add_channel(ChannelName::new("x")?, VChannelInfo::default())
+        .await;
+    ensure!(
+        matches!(&err, Err(ApiError::NotLeader { leader_addr: Some(a) }) if a == "c1.invalid:1"),
+        "{err:?}"
+    );
+
+    leader.proc.kill();
+    let started = tokio::time::Instant::now();
+    let mut status = standby.proc.status.clone();
+    tokio::time::timeout(TTL + Duration::from_secs(2), status.wait_for(|s| s.ready))
+        .await
+        .context("the standby did not take over within ttl + 2 s")??;
+    let took = started.elapsed();
+    ensure!(
+        took <= TTL + Duration::from_secs(1),
+        "takeover took {took:?} (> ttl + 1 s)"
+    );
+    let after = c.view().await?;
+    ensure!(
+        after.channels == before.channels,
+        "assignments changed across the leader failover"
+    );
+    // The new leader works.
+    c.add_channels(&standby, "new", 2).await?;
+    c.wait_until(SETTLE, "12 Watched", |v| v.all_watched_on_live_nodes(12))
+        .await?;
+    eprintln!("standby took over {took:?} after the leader was killed (ttl {TTL:?})");
+    Ok(())
+}
+
+pub async fn a_deposed_leader_cannot_write(c: Cluster) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    c.wait_leader_ready(&coord).await?;
+    let n = c.spawn_node();
+    c.wait_node_id(&n).await?;
+    // Someone else takes the leader key (as if our lease had expired and a standby won).
+    let key = c.keys.leader();
+    let resp = c
+        .store
+        .txn(
+            Txn::new()
+                .when([Compare::exists(&key)])
+                .and_then([TxnOp::delete(&key)]),
+        )
+        .await?;
+    ensure!(resp.succeeded);
+    c.store
+        .txn(Txn::new().and_then([TxnOp::put(
+            &key,
+            br#"{"id":"usurper","admin_addr":"u:1","started_at_ms":0}"#.to_vec(),
+        )]))
+        .await?;
+    let r = coord
+        .handle
+        .add_channel(ChannelName::new("nope")?, VChannelInfo::default())
+        .await;
+    ensure!(r.is_err(), "a deposed leader's write succeeded: {r:?}");
+    ensure!(
+        c.view().await?.channels.is_empty(),
+        "a deposed leader wrote a channel"
+    );
+    let mut status = coord.proc.status.clone();
+    tokio::time::timeout(SETTLE, status.wait_for(|s| !s.leader))
+        .await
+        .context("it never stepped down")??;
+    Ok(())
+}
+
+pub async fn a_corrupt_value_is_reported_and_left_alone_while_the_rest_works(
+    c: Cluster,
+) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let n = c.spawn_node();
+    let id = c.wait_node_id(&n).await?;
+    c.wait_leader_ready(&coord).await?;
+    let bad_key = format!(
+        "{}{}",
+        c.keys.owner_prefix(chanwatch_core::ChannelOwner::Node(id)),
+        "broken"
+    );
+    c.store
+        .txn(Txn::new().and_then([TxnOp::put(&bad_key, b"{not json".to_vec())]))
+        .await?;
+    c.add_channels(&coord, "ok", 3).await?;
+    let view = c
+        .wait_until(SETTLE, "3 good channels Watched", |v| {
+            v.channels.len() == 3 && v.channels.iter().all(|r| r.state == ChannelState::Watched)
+        })
+        .await?;
+    ensure!(view.corrupt == [bad_key.clone()], "{:?}", view.corrupt);
+    let raw = c
+        .store
+        .get(&bad_key)
+        .await?
+        .context("the corrupt key was deleted")?;
+    ensure!(
+        raw.value == b"{not json",
+        "the corrupt value was overwritten"
+    );
+    Ok(())
+}
+
+pub async fn a_node_that_cannot_renew_its_lease_fences_itself_before_it_expires(
+    c: Cluster,
+) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let n = c.spawn_node();
+    let first = c.wait_node_id(&n).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.add_channels(&coord, "ch", 3).await?;
+    c.wait_until(SETTLE, "3 Watched", |v| v.all_watched_on_live_nodes(3))
+        .await?;
+    // Revoke the node's lease behind its back: its next keepalive learns the lease is gone.
+    let session = c
+        .store
+        .get(&c.keys.session(first))
+        .await?
+        .context("session")?;
+    c.store
+        .revoke(session.lease.context("session has a lease")?)
+        .await?;
+    // It stops every channel, registers under a new id and gets the channels back.
+    let mut status = n.proc.status.clone();
+    let s = tokio::time::timeout(SETTLE, status.wait_for(|s| s.fences >= 1 && s.id.is_some()))
+        .await??;
+    let second = s.id.context("new id")?;
+    ensure!(
+        second > first,
+        "re-registered under {second}, not a fresh id after {first}"
+    );
+    let view = c
+        .wait_until(SETTLE, "3 Watched on the new id", |v| {
+            v.all_watched_on_live_nodes(3)
+        })
+        .await?;
+    ensure!(view.channels.iter().all(|r| r.node == Some(second.0)));
+    for i in c.handler.intervals().iter().filter(|i| i.node == first) {
+        ensure!(
+            i.end_ms.is_some(),
+            "the fenced session still runs {}",
+            i.channel
+        );
+    }
+    no_double_ownership(&c)
+}

@@ -1,0 +1,17 @@
+//! # chanwatch-node
+//!
+//! The node runtime: it registers a session under a fresh node ID with a lease, watches
+//! `{root}/channel/{id}/`, and drives [`chanwatch_core::node::NodeMachine`]: channel runners
+//! run a [`ChannelHandler`] per channel, acknowledgements are compare-and-swap txns, and a node
+//! whose keepalives stop succeeding fences itself (stops every channel) before its lease can
+//! expire, then registers again under a new ID.
+//!
+//! Owns: the session, the keepalive loop, the runners and the handler lifecycle.
+//! Must not: decide assignments (that is the coordinator's job) or write any key but its own
+//! session, the ID counter, and acknowledgements of its own channels.
+
+pub mod handler;
+pub mod runtime;
+
+pub use handler::{ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad};
+pub use runtime::{run, NodeConfig, NodeError, NodeStatus};

@@ -1,0 +1,557 @@
+//! The node's event loop: session, keepalive, list-watch of its prefix, runners, acks,
+//! self-fencing.
+//!
+//! Owns: one session at a time (node ID, lease, session key) and the runner tasks of its
+//! channels. Every runner and the keepalive task are owned by the session and aborted when it
+//! ends, so a dropped `run` future (a killed node) leaves nothing running.
+//!
+//! Must not: write any key but the ID counter, its session and its own channels' acks.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
+use chanwatch_core::{ChannelInfo, ChannelName, Keys, NodeId, NodeSession};
+use chanwatch_store::{
+    Clock, Compare, EventKind, ListWatch, MetaStore, StoreError, Txn, TxnOp, Update,
+};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
+
+/// Settings of a node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Key layout.
+    pub keys: Keys,
+    /// Lease TTL of the session (minimum 2 s).
+    pub session_ttl: Duration,
+    /// How early, before the lease could expire, a node that cannot renew it stops its
+    /// channels: `max(1 s, ttl / 5)` unless set.
+    pub fence_margin: Option<Duration>,
+    /// Least time between two progress writes of one load.
+    pub progress_interval: Duration,
+    /// Written into the session for operators.
+    pub admin_addr: String,
+    /// Relative capacity written into the session.
+    pub capacity: u32,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            keys: Keys::default(),
+            session_ttl: Duration::from_secs(10),
+            fence_margin: None,
+            progress_interval: Duration::from_secs(5),
+            admin_addr: String::new(),
+            capacity: 0,
+        }
+    }
+}
+
+impl NodeConfig {
+    fn margin(&self) -> Duration {
+        self.fence_margin
+            .unwrap_or_else(|| (self.session_ttl / 5).max(Duration::from_secs(1)))
+    }
+}
+
+/// Why a node stopped for good.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration cannot work (fatal).
+    #[error("bad node configuration: {0}")]
+    Config(String),
+    /// The store refused us for a reason retrying cannot fix (fatal).
+    #[error("store refused the node: {0}")]
+    Store(#[source] StoreError),
+}
+
+/// What a node shows to the outside (tests, admin API).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// The current session's node ID (`None` between sessions).
+    pub id: Option<NodeId>,
+    /// Sessions started so far (a re-registration after fencing makes a new one).
+    pub sessions: u64,
+    /// Times the node fenced itself.
+    pub fences: u64,
+}
+
+/// Runs a node until `shutdown` completes: register, serve, fence and re-register as needed.
+/// On shutdown it stops every channel and revokes its lease, so its channels move at once.
+///
+/// # Errors
+/// [`NodeError`] for fatal problems only; store outages are retried.
+pub async fn run(
+    store: Arc<dyn MetaStore>,
+    handler: Arc<dyn ChannelHandler>,
+    config: NodeConfig,
+    clock: Clock,
+    status: watch::Sender<NodeStatus>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), NodeError> {
+    if config.session_ttl < Duration::from_secs(2) {
+        return Err(NodeError::Config(format!(
+            "--session-ttl {:?} is below the minimum of 2s",
+            config.session_ttl
+        )));
+    }
+    tokio::pin!(shutdown);
+    let mut attempt = 0u32;
+    loop {
+        let session = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            s = register(&*store, &config, &clock) => s,
+        };
+        let session = match session {
+            Ok(s) => {
+                attempt = 0;
+                s
+            }
+            Err(e) if e.is_retryable() => {
+                attempt += 1;
+                let wait = Duration::from_millis(100 * u64::from(attempt.min(50)));
+                warn!(error = %e, ?wait, "node: cannot register yet; retrying");
+                tokio::select! {
+                    () = &mut shutdown => return Ok(()),
+                    () = clock.sleep(wait) => continue,
+                }
+            }
+            Err(e) => return Err(NodeError::Store(e)),
+        };
+        status.send_modify(|s| {
+            s.id = Some(session.id);
+            s.sessions += 1;
+        });
+        info!(node = %session.id, lease = session.lease, ttl = ?config.session_ttl, "node: session registered");
+        let end = Session::new(store.clone(), handler.clone(), &config, clock, session)
+            .serve(&mut shutdown)
+            .await;
+        status.send_modify(|s| s.id = None);
+        match end {
+            SessionEnd::Shutdown => return Ok(()),
+            SessionEnd::Fenced(why) => {
+                status.send_modify(|s| s.fences += 1);
+                warn!(reason = %why, "node: fenced itself: every channel stopped; registering again under a new id");
+            }
+        }
+    }
+}
+
+/// A registered session.
+#[derive(Debug, Clone, Copy)]
+struct Registered {
+    id: NodeId,
+    lease: i64,
+    /// Create revision of the session key: acks compare it, so a node whose session is gone
+    /// can never ack.
+    session_revision: i64,
+}
+
+/// Allocates a fresh ID by compare-and-swap on the counter, then puts the session.
+async fn register(
+    store: &dyn MetaStore,
+    config: &NodeConfig,
+    clock: &Clock,
+) -> Result<Registered, StoreError> {
+    let counter = config.keys.node_id_counter();
+    let id = loop {
+        let current = store.get(&counter).await?;
+        let (last, compare) = match &current {
+            Some(kv) => {
+                let text = String::from_utf8_lossy(&kv.value);
+                let last: NodeId = text.trim().parse().map_err(|_| {
+                    StoreError::InvalidArgument(format!(
+                        "{counter} holds {text:?}, not a node id; fix or delete the key"
+                    ))
+                })?;
+                (last.0, Compare::mod_revision(&counter, kv.mod_revision))
+            }
+            None => (0, Compare::absent(&counter)),
+        };
+        let next = last + 1;
+        let resp = store
+            .txn(
+                Txn::new()
+                    .when([compare])
+                    .and_then([TxnOp::put(&counter, next.to_string())]),
+            )
+            .await?;
+        if resp.succeeded {
+            break NodeId(next);
+        }
+    };
+    let lease = store.grant(config.session_ttl).await?;
+    let session = NodeSession {
+        id,
+        admin_addr: config.admin_addr.clone(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at_ms: clock.unix_ms(),
+        capacity: config.capacity,
+        extra: Default::default(),
+    };
+    let key = config.keys.session(id);
+    let resp = store
+        .txn(
+            Txn::new()
+                .when([Compare::absent(&key)])
+                .and_then([TxnOp::put_with_lease(&key, session.encode(), lease.id)]),
+        )
+        .await?;
+    if !resp.succeeded {
+        return Err(StoreError::InvalidArgument(format!(
+            "{key} already exists although the id was just allocated; someone else writes node ids"
+        )));
+    }
+    Ok(Registered {
+        id,
+        lease: lease.id,
+        session_revision: resp.revision,
+    })
+}
+
+enum SessionEnd {
+    Shutdown,
+    Fenced(String),
+}
+
+struct Runner {
+    generation: u64,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+/// Aborts the keepalive task when the session ends for any reason.
+struct AbortOnDrop(JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+struct Session {
+    store: Arc<dyn MetaStore>,
+    handler: Arc<dyn ChannelHandler>,
+    keys: Keys,
+    ttl: Duration,
+    margin: Duration,
+    progress_interval: Duration,
+    clock: Clock,
+    reg: Registered,
+    machine: NodeMachine,
+    runners: HashMap<ChannelName, Runner>,
+    next_generation: u64,
+    events_tx: mpsc::UnboundedSender<RunnerEvent>,
+    events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
+}
+
+impl Session {
+    fn new(
+        store: Arc<dyn MetaStore>,
+        handler: Arc<dyn ChannelHandler>,
+        config: &NodeConfig,
+        clock: Clock,
+        reg: Registered,
+    ) -> Self {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        Session {
+            store,
+            handler,
+            keys: config.keys.clone(),
+            ttl: config.session_ttl,
+            margin: config.margin(),
+            progress_interval: config.progress_interval,
+            clock,
+            reg,
+            machine: NodeMachine::new(),
+            runners: HashMap::new(),
+            next_generation: 0,
+            events_tx,
+            events_rx,
+        }
+    }
+
+    async fn serve(
+        mut self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> SessionEnd {
+        let (last_ok_tx, last_ok) = watch::channel(self.clock.now());
+        let lost = CancellationToken::new();
+        let _keepalive = AbortOnDrop(tokio::spawn(keepalive(
+            self.store.clone(),
+            self.reg.lease,
+            self.ttl,
+            self.clock,
+            last_ok_tx,
+            lost.clone(),
+        )));
+        let prefix = self
+            .keys
+            .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));
+        let mut lw = ListWatch::spawn(self.store.clone(), prefix);
+        let check_every =
+            (self.ttl / 10).clamp(Duration::from_millis(50), Duration::from_millis(500));
+        let mut fence_check = tokio::time::interval(check_every);
+        fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.as_mut() => {
+                    info!(node = %self.reg.id, "node: shutting down; stopping channels and revoking the lease");
+                    self.stop_all().await;
+                    if let Err(e) = self.store.revoke(self.reg.lease).await {
+                        warn!(error = %e, "node: lease revoke failed; it will expire by itself");
+                    }
+                    return SessionEnd::Shutdown;
+                }
+                () = lost.cancelled() => {
+                    self.stop_all().await;
+                    return SessionEnd::Fenced("the store says our lease is gone".into());
+                }
+                _ = fence_check.tick() => {
+                    let silent = self.clock.now().saturating_duration_since(*last_ok.borrow());
+                    if silent + self.margin >= self.ttl {
+                        self.stop_all().await;
+                        return SessionEnd::Fenced(format!(
+                            "no successful keepalive for {silent:?}; the lease ({:?}) may expire within {:?}",
+                            self.ttl, self.margin
+                        ));
+                    }
+                }
+                update = lw.next() => match update {
+                    Some(Update::Reset { kvs, revision }) => {
+                        debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
+                        let list = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
+                        let cmds = self.machine.reset(list);
+                        self.execute(cmds).await;
+                    }
+                    Some(Update::Events(events)) => {
+                        for ev in events {
+                            let event = match ev.kind {
+                                EventKind::Put => match self.decode(&ev.kv.key, &ev.kv.value) {
+                                    Some(info) => NodeEvent::Put { info, mod_revision: ev.kv.mod_revision },
+                                    None => continue,
+                                },
+                                EventKind::Delete => match self.keys.parse_channel(&ev.kv.key) {
+                                    Ok(ck) => NodeEvent::Delete { channel: ck.channel },
+                                    Err(_) => continue,
+                                },
+                            };
+                            let cmds = self.machine.step(event);
+                            self.execute(cmds).await;
+                        }
+                    }
+                    None => {
+                        error!("node: list-watch task ended unexpectedly; fencing");
+                        self.stop_all().await;
+                        return SessionEnd::Fenced("list-watch task ended".into());
+                    }
+                },
+                Some(ev) = self.events_rx.recv() => {
+                    let event = match ev {
+                        RunnerEvent::LoadDone { channel, epoch, result } => {
+                            match &result {
+                                Ok(()) => info!(node = %self.reg.id, %channel, %epoch, "node: channel loaded; acknowledging Watched"),
+                                Err(reason) => warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: load failed; acknowledging WatchFailed"),
+                            }
+                            NodeEvent::LoadDone { channel, epoch, result }
+                        }
+                        RunnerEvent::Progress { channel, epoch, progress } => NodeEvent::Progress { channel, epoch, progress },
+                        RunnerEvent::Stopped { channel, generation } => {
+                            if self.runners.get(&channel).is_some_and(|r| r.generation == generation) {
+                                self.runners.remove(&channel);
+                            }
+                            NodeEvent::Stopped { channel }
+                        }
+                    };
+                    let cmds = self.machine.step(event);
+                    self.execute(cmds).await;
+                }
+            }
+        }
+    }
+
+    fn decode(&self, key: &str, value: &[u8]) -> Option<ChannelInfo> {
+        match ChannelInfo::decode(value) {
+            Ok(info) => Some(info),
+            Err(e) => {
+                error!(node = %self.reg.id, key, error = %e, "node: assignment value does not decode; ignoring it");
+                None
+            }
+        }
+    }
+
+    async fn execute(&mut self, cmds: Vec<NodeCommand>) {
+        for cmd in cmds {
+            match cmd {
+                NodeCommand::Start { info } => self.start(info).await,
+                NodeCommand::Stop { channel } => match self.runners.get(&channel) {
+                    Some(r) => {
+                        info!(node = %self.reg.id, %channel, "node: stopping channel");
+                        r.cancel.cancel();
+                    }
+                    None => {
+                        let cmds = self.machine.step(NodeEvent::Stopped { channel });
+                        Box::pin(self.execute(cmds)).await;
+                    }
+                },
+                NodeCommand::Ack {
+                    info,
+                    expect_mod_revision,
+                } => {
+                    let channel = info.channel.clone();
+                    let committed = self.ack(&info, expect_mod_revision).await;
+                    self.machine.step(NodeEvent::AckDone { channel, committed });
+                }
+            }
+        }
+    }
+
+    async fn start(&mut self, info: ChannelInfo) {
+        // One runner per channel: a restart waits for the previous one to finish releasing.
+        if let Some(old) = self.runners.remove(&info.channel) {
+            old.cancel.cancel();
+            let _ = old.task.await;
+        }
+        info!(node = %self.reg.id, channel = %info.channel, epoch = %info.epoch, "node: starting channel");
+        self.next_generation += 1;
+        let generation = self.next_generation;
+        let cancel = CancellationToken::new();
+        let ctx = ChannelContext {
+            node: self.reg.id,
+            info: info.clone(),
+            clock: self.clock,
+            events: self.events_tx.clone(),
+            last_progress: Arc::new(Mutex::new(None)),
+            progress_interval: self.progress_interval,
+        };
+        let task = tokio::spawn(run_channel(
+            self.handler.clone(),
+            ctx,
+            cancel.clone(),
+            generation,
+        ));
+        self.runners.insert(
+            info.channel,
+            Runner {
+                generation,
+                cancel,
+                task,
+            },
+        );
+    }
+
+    /// Writes an acknowledgement if the key is unchanged since `expect` and our session
+    /// still exists. Returns the new mod revision when it landed.
+    async fn ack(&self, info: &ChannelInfo, expect: i64) -> Option<i64> {
+        let key = self.keys.channel(
+            chanwatch_core::ChannelOwner::Node(self.reg.id),
+            &info.channel,
+        );
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(&key, expect),
+                Compare::create_revision(self.keys.session(self.reg.id), self.reg.session_revision),
+            ])
+            .and_then([TxnOp::put(&key, info.encode())]);
+        match self.store.txn(txn).await {
+            Ok(r) if r.succeeded => {
+                debug!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack committed");
+                Some(r.revision)
+            }
+            Ok(_) => {
+                info!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack refused: the assignment changed meanwhile");
+                None
+            }
+            Err(e) => {
+                warn!(node = %self.reg.id, channel = %info.channel, error = %e, "node: ack failed; a relist or the coordinator's timeout will recover");
+                None
+            }
+        }
+    }
+
+    /// Stops every runner and waits for each release.
+    async fn stop_all(&mut self) {
+        let runners: Vec<(ChannelName, Runner)> = self.runners.drain().collect();
+        for (_, r) in &runners {
+            r.cancel.cancel();
+        }
+        for (_, r) in runners {
+            let _ = r.task.await;
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // A dropped session (killed node) must leave nothing running.
+        for r in self.runners.values() {
+            r.task.abort();
+        }
+    }
+}
+
+async fn run_channel(
+    handler: Arc<dyn ChannelHandler>,
+    ctx: ChannelContext,
+    cancel: CancellationToken,
+    generation: u64,
+) {
+    let node = ctx.node;
+    let info = ctx.info.clone();
+    let events = ctx.events.clone();
+    let loaded = tokio::select! {
+        r = handler.watch(ctx) => Some(r),
+        () = cancel.cancelled() => None,
+    };
+    if let Some(result) = loaded {
+        let ok = result.is_ok();
+        let _ = events.send(RunnerEvent::LoadDone {
+            channel: info.channel.clone(),
+            epoch: info.epoch,
+            result,
+        });
+        if ok {
+            cancel.cancelled().await;
+        }
+    }
+    handler.release(node, &info).await;
+    let _ = events.send(RunnerEvent::Stopped {
+        channel: info.channel.clone(),
+        generation,
+    });
+}
+
+/// Renews the lease every ttl/3 and publishes the time of the last success. Signals `lost`
+/// when the store says the lease no longer exists.
+async fn keepalive(
+    store: Arc<dyn MetaStore>,
+    lease: i64,
+    ttl: Duration,
+    clock: Clock,
+    last_ok: watch::Sender<tokio::time::Instant>,
+    lost: CancellationToken,
+) {
+    let period = ttl / 3;
+    loop {
+        clock.sleep(period).await;
+        let attempt = tokio::time::timeout(period, store.keepalive(lease)).await;
+        match attempt {
+            Ok(Ok(())) => {
+                let _ = last_ok.send(clock.now());
+            }
+            Ok(Err(StoreError::LeaseNotFound(_))) => {
+                lost.cancel();
+                return;
+            }
+            Ok(Err(e)) => warn!(lease, error = %e, "node: keepalive failed"),
+            Err(_) => warn!(lease, "node: keepalive timed out"),
+        }
+    }
+}
