@@ -1,1 +1,214 @@
-//! Admin HTTP API (placeholder).
+//! The coordinator's admin HTTP API (JSON), DESIGN.md §7.
+//!
+//! Owns: routes, request validation, and the mapping of [`ApiError`] to status codes with a
+//! JSON body `{"error": "...", "leader": "..."?}` that says what is wrong.
+//! Must not: change state itself — every write goes through the [`CoordHandle`], so bad input
+//! is refused before anything is written.
+
+use std::future::Future;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use chanwatch_core::coord::AdminError;
+use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::runtime::{ApiError, CoordHandle};
+
+/// Largest request body: a channel name plus a 64 KiB vchannel, with room for JSON escaping.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+
+/// A JSON error response.
+#[derive(Debug)]
+pub struct HttpError {
+    status: StatusCode,
+    message: String,
+    leader: Option<String>,
+}
+
+impl HttpError {
+    fn bad_request(message: impl Into<String>) -> Self {
+        HttpError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            leader: None,
+        }
+    }
+}
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let mut body = json!({ "error": self.message });
+        if let Some(l) = self.leader {
+            body["leader"] = Value::String(l);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<ApiError> for HttpError {
+    fn from(e: ApiError) -> Self {
+        let message = e.to_string();
+        let (status, leader) = match &e {
+            ApiError::Admin(AdminError::AlreadyExists(_))
+            | ApiError::Admin(AdminError::Busy(_))
+            | ApiError::Admin(AdminError::AlreadyThere(..))
+            | ApiError::Admin(AdminError::Draining(_)) => (StatusCode::CONFLICT, None),
+            ApiError::Admin(AdminError::UnknownChannel(_))
+            | ApiError::Admin(AdminError::UnknownNode(_)) => (StatusCode::NOT_FOUND, None),
+            ApiError::NotLeader { leader_addr } => {
+                (StatusCode::SERVICE_UNAVAILABLE, leader_addr.clone())
+            }
+            ApiError::Store(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
+        };
+        HttpError {
+            status,
+            message,
+            leader,
+        }
+    }
+}
+
+impl From<JsonRejection> for HttpError {
+    fn from(r: JsonRejection) -> Self {
+        let status = r.status();
+        HttpError {
+            status: if status == StatusCode::PAYLOAD_TOO_LARGE {
+                status
+            } else {
+                StatusCode::BAD_REQUEST
+            },
+            message: format!("bad request body: {}", r.body_text()),
+            leader: None,
+        }
+    }
+}
+
+type HttpResult = Result<Response, HttpError>;
+
+fn channel_name(raw: &str) -> Result<ChannelName, HttpError> {
+    ChannelName::new(raw).map_err(|e| HttpError::bad_request(e.to_string()))
+}
+
+/// The router, ready to serve.
+pub fn router(handle: CoordHandle) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/api/v1/channels", get(list_channels).post(add_channel))
+        .route(
+            "/api/v1/channels/{name}",
+            axum::routing::delete(remove_channel),
+        )
+        .route("/api/v1/channels/{name}/move", post(move_channel))
+        .route("/api/v1/nodes", get(list_nodes))
+        .route("/api/v1/nodes/{id}/drain", post(drain))
+        .route("/api/v1/balance", post(balance))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(handle)
+}
+
+/// Serves `router` on `listener` until `shutdown` completes.
+///
+/// # Errors
+/// I/O errors of the listener.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn readyz(State(h): State<CoordHandle>) -> Response {
+    let s = h.status();
+    let code = if s.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(json!(s))).into_response()
+}
+
+async fn list_channels(State(h): State<CoordHandle>) -> HttpResult {
+    Ok(Json(h.channels().await?).into_response())
+}
+
+async fn list_nodes(State(h): State<CoordHandle>) -> HttpResult {
+    Ok(Json(h.nodes().await?).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddChannel {
+    name: String,
+    #[serde(default)]
+    vchannel: Option<Value>,
+}
+
+async fn add_channel(
+    State(h): State<CoordHandle>,
+    body: Result<Json<AddChannel>, JsonRejection>,
+) -> HttpResult {
+    let Json(body) = body?;
+    let name = channel_name(&body.name)?;
+    let vchannel = match body.vchannel {
+        None => VChannelInfo::default(),
+        Some(v) => {
+            let bytes =
+                serde_json::to_vec(&v).map_err(|e| HttpError::bad_request(e.to_string()))?;
+            VChannelInfo::from_json(&bytes).map_err(|e| HttpError::bad_request(e.to_string()))?
+        }
+    };
+    let t = h.add_channel(name, vchannel).await?;
+    Ok((StatusCode::CREATED, Json(t)).into_response())
+}
+
+async fn remove_channel(State(h): State<CoordHandle>, Path(name): Path<String>) -> HttpResult {
+    let t = h.remove_channel(channel_name(&name)?).await?;
+    Ok(Json(t).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveBody {
+    to: u64,
+}
+
+async fn move_channel(
+    State(h): State<CoordHandle>,
+    Path(name): Path<String>,
+    body: Result<Json<MoveBody>, JsonRejection>,
+) -> HttpResult {
+    let Json(body) = body?;
+    let t = h
+        .move_channel(channel_name(&name)?, NodeId(body.to))
+        .await?;
+    Ok((StatusCode::ACCEPTED, Json(t)).into_response())
+}
+
+async fn drain(State(h): State<CoordHandle>, Path(id): Path<String>) -> HttpResult {
+    let id: NodeId = id.parse().map_err(|_| {
+        HttpError::bad_request(format!("{id:?} is not a node id (a decimal number)"))
+    })?;
+    h.drain(id).await?;
+    Ok((StatusCode::ACCEPTED, Json(json!({ "draining": id.0 }))).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct BalanceQuery {
+    #[serde(default)]
+    dry_run: bool,
+}
+
+async fn balance(State(h): State<CoordHandle>, Query(q): Query<BalanceQuery>) -> HttpResult {
+    let plan = h.balance(q.dry_run).await?;
+    Ok(Json(json!({ "dry_run": q.dry_run, "moves": plan })).into_response())
+}

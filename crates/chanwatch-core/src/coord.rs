@@ -117,6 +117,9 @@ pub struct Guard {
 }
 
 /// One write of a planned txn.
+// Ops are built and consumed within one planning round; boxing the value would add an
+// allocation per op for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     /// Put `info` at `channel/{owner}/{info.channel}`.
@@ -280,6 +283,8 @@ pub struct CoordState {
 }
 
 /// What a key under the root turned out to be.
+// Lives for one function call.
+#[allow(clippy::large_enum_variant)]
 enum Decoded {
     Session(NodeId, NodeSession),
     Channel(ChannelOwner, ChannelInfo),

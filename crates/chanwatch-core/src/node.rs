@@ -42,6 +42,8 @@ pub struct Local {
 }
 
 /// Inputs of the machine.
+// Events are consumed at once by `step`; boxing would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum NodeEvent {
     /// A PUT of `channel/{me}/{channel}` (from the watch or a relist).

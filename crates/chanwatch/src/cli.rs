@@ -75,7 +75,7 @@ pub struct EtcdArgs {
 }
 
 impl EtcdArgs {
-    fn config(&self) -> EtcdConfig {
+    pub fn config(&self) -> EtcdConfig {
         let tls = (self.etcd_ca.is_some() || self.etcd_cert.is_some()).then(|| TlsFiles {
             ca: self.etcd_ca.clone(),
             cert: self.etcd_cert.clone(),
@@ -110,8 +110,130 @@ pub fn humantime_secs(s: &str) -> Result<Duration, String> {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run a coordinator: campaigns for leadership; the leader assigns channels to nodes.
+    Coord(CoordArgs),
+    /// Run a node: registers a session, runs the channels assigned to it.
+    Node(NodeArgs),
+    /// Inspect and change the cluster (reads etcd, sends changes to the leader).
+    Ctl(CtlArgs),
     /// Benchmarks; one JSON line per result on stdout, a table on stderr.
     Bench(BenchArgs),
+}
+
+/// The root prefix of every key.
+#[derive(Debug, Clone, Args)]
+pub struct RootArg {
+    /// Prefix under which chanwatch keeps all its keys.
+    #[arg(long, env = "CHANWATCH_ROOT", default_value = "chanwatch")]
+    pub root: String,
+}
+
+#[derive(Debug, Args)]
+pub struct CoordArgs {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub root: RootArg,
+    /// Admin HTTP API address (loopback unless you mean otherwise).
+    #[arg(long, env = "CHANWATCH_ADMIN", default_value = "127.0.0.1:9870")]
+    pub admin: String,
+    /// Leader lease TTL: a standby takes over within about this long after the leader dies.
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    pub session_ttl: Duration,
+    /// A ToWatch assignment with no progress for this long is reassigned.
+    #[arg(long, env = "CHANWATCH_WATCH_TIMEOUT", value_parser = humantime_secs, default_value = "30s")]
+    pub watch_timeout: Duration,
+    /// Period of the full relist that catches anything a watch missed.
+    #[arg(long, env = "CHANWATCH_RECONCILE_INTERVAL", value_parser = humantime_secs, default_value = "10s")]
+    pub reconcile_interval: Duration,
+    /// Most operations in one etcd txn (etcd's --max-txn-ops).
+    #[arg(long, env = "CHANWATCH_MAX_TXN_OPS", default_value_t = 128, value_parser = clap::value_parser!(u32).range(4..=10_000))]
+    pub max_txn_ops: u32,
+    /// Most balance/drain moves in flight at once.
+    #[arg(long, env = "CHANWATCH_MAX_CONCURRENT_MOVES", default_value_t = 16)]
+    pub max_concurrent_moves: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub root: RootArg,
+    /// Node admin HTTP address (/healthz); port 0 picks a free port.
+    #[arg(long, env = "CHANWATCH_NODE_ADMIN", default_value = "127.0.0.1:0")]
+    pub admin: String,
+    /// Session lease TTL (minimum 2s): the node's channels move this long after it dies.
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    pub session_ttl: Duration,
+    /// How long the built-in simulated load of a channel takes.
+    #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
+    pub load_delay: Duration,
+    /// Least time between two progress writes of one load.
+    #[arg(long, env = "CHANWATCH_PROGRESS_INTERVAL", value_parser = humantime_secs, default_value = "5s")]
+    pub progress_interval: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct CtlArgs {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub root: RootArg,
+    #[command(subcommand)]
+    pub what: CtlCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CtlCommand {
+    /// List channels: channel, node (or remaining), state, epoch, age.
+    Channels {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List live nodes and their channel counts.
+    Nodes {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Register a channel; the leader assigns it to the least-loaded node.
+    AddChannel {
+        /// Channel name: 1-255 characters of [A-Za-z0-9._-].
+        name: String,
+        /// What a node needs to restore it, as JSON (at most 64 KiB), e.g.
+        /// '{"collection_id":7,"seek_position":"..."}'.
+        #[arg(long)]
+        vchannel: Option<String>,
+    },
+    /// Remove a channel; its node stops it at once.
+    RemoveChannel {
+        /// Channel name.
+        name: String,
+    },
+    /// Move a channel to a node (break-before-make).
+    Move {
+        /// Channel name.
+        name: String,
+        /// Target node ID.
+        #[arg(long)]
+        to: u64,
+    },
+    /// Move every channel off a node and stop assigning to it.
+    Drain {
+        /// Node ID.
+        node: u64,
+    },
+    /// Even out channels over nodes (max - min <= 1).
+    Balance {
+        /// Print the plan (channel, from, to) without moving anything.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -172,6 +294,9 @@ pub fn init_logging(global: &Global) {
 /// Whatever the subcommand reports, as one line for the user.
 pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Coord(args) => crate::cmd::coord(args).await,
+        Command::Node(args) => crate::cmd::node(args).await,
+        Command::Ctl(args) => crate::ctl::run(args).await,
         Command::Bench(b) => match b.what {
             BenchWhat::Store(args) => {
                 let store: Arc<dyn MetaStore> = match args.store {

@@ -7,6 +7,8 @@
 
 mod bench;
 mod cli;
+mod cmd;
+mod ctl;
 
 use clap::Parser;
 

@@ -246,6 +246,22 @@ impl Cluster {
         Ok(())
     }
 
+    /// Waits until the coordinator itself sees `n` nodes (the store may show them earlier).
+    pub async fn wait_coord_nodes(&self, coord: &Coord, n: usize) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(nodes) = coord.handle.nodes().await {
+                if nodes.len() == n {
+                    return Ok(());
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("the coordinator never saw {n} nodes");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub async fn wait_leader_ready(&self, coord: &Coord) -> Result<()> {
         let mut status = coord.proc.status.clone();
         tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.ready)).await??;

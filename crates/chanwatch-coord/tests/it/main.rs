@@ -41,4 +41,5 @@ all_backends!(
     a_deposed_leader_cannot_write,
     a_corrupt_value_is_reported_and_left_alone_while_the_rest_works,
     a_node_that_cannot_renew_its_lease_fences_itself_before_it_expires,
+    a_node_shut_down_gracefully_hands_its_channels_over_before_its_ttl,
 );

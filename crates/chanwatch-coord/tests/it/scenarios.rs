@@ -28,8 +28,7 @@ pub async fn assign_balances_30_channels_over_3_nodes_10_10_10(c: Cluster) -> Re
         c.wait_node_id(n).await?;
     }
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "3 nodes registered", |v| v.nodes.len() == 3)
-        .await?;
+    c.wait_coord_nodes(&coord, 3).await?;
     c.add_channels(&coord, "ch", 30).await?;
     let view = c
         .wait_until(SETTLE, "30 channels Watched", |v| {
@@ -53,8 +52,7 @@ pub async fn a_killed_nodes_channels_and_only_its_are_watched_elsewhere_within_t
         c.wait_node_id(n).await?;
     }
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "3 nodes", |v| v.nodes.len() == 3)
-        .await?;
+    c.wait_coord_nodes(&coord, 3).await?;
     c.add_channels(&coord, "ch", 30).await?;
     let before = c
         .wait_until(SETTLE, "30 Watched", |v| v.all_watched_on_live_nodes(30))
@@ -110,8 +108,7 @@ pub async fn all_nodes_dead_parks_everything_in_remaining_and_a_new_node_gets_al
         c.wait_node_id(n).await?;
     }
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
-        .await?;
+    c.wait_coord_nodes(&coord, 2).await?;
     c.add_channels(&coord, "ch", 8).await?;
     c.wait_until(SETTLE, "8 Watched", |v| v.all_watched_on_live_nodes(8))
         .await?;
@@ -154,8 +151,7 @@ pub async fn a_joining_node_gets_balanced_with_no_channel_run_by_two_nodes_at_on
         c.wait_node_id(n).await?;
     }
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
-        .await?;
+    c.wait_coord_nodes(&coord, 2).await?;
     c.add_channels(&coord, "ch", 21).await?;
     c.wait_until(SETTLE, "21 Watched", |v| v.all_watched_on_live_nodes(21))
         .await?;
@@ -186,8 +182,7 @@ pub async fn a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is(
         c.wait_node_id(n).await?;
     }
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
-        .await?;
+    c.wait_coord_nodes(&coord, 2).await?;
     for name in ["slow", "hung"] {
         retry_not_ready(|| {
             coord.handle.add_channel(
@@ -236,8 +231,7 @@ pub async fn a_failed_load_is_moved_to_another_node(c: Cluster) -> Result<()> {
     let a = c.spawn_node();
     let a_id = c.wait_node_id(&a).await?;
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "1 node", |v| v.nodes.len() == 1)
-        .await?;
+    c.wait_coord_nodes(&coord, 1).await?;
     c.handler.set("flaky", Behaviour::Fail);
     retry_not_ready(|| {
         coord.handle.add_channel(
@@ -278,8 +272,7 @@ pub async fn delete_during_a_load_cancels_it(c: Cluster) -> Result<()> {
     let n = c.spawn_node();
     c.wait_node_id(&n).await?;
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "1 node", |v| v.nodes.len() == 1)
-        .await?;
+    c.wait_coord_nodes(&coord, 1).await?;
     let name = ChannelName::new("doomed")?;
     retry_not_ready(|| {
         coord
@@ -317,8 +310,7 @@ pub async fn a_broken_watch_after_compaction_forces_a_relist_with_no_lost_channe
         c.wait_node_id(n).await?;
     }
     c.wait_leader_ready(&coord).await?;
-    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
-        .await?;
+    c.wait_coord_nodes(&coord, 2).await?;
     c.add_channels(&coord, "ch", 10).await?;
     c.wait_until(SETTLE, "10 Watched", |v| v.all_watched_on_live_nodes(10))
         .await?;
@@ -348,8 +340,7 @@ pub async fn a_killed_leader_is_replaced_by_the_standby_with_no_assignment_lost(
     for n in &nodes {
         c.wait_node_id(n).await?;
     }
-    c.wait_until(SETTLE, "2 nodes", |v| v.nodes.len() == 2)
-        .await?;
+    c.wait_coord_nodes(&leader, 2).await?;
     c.add_channels(&leader, "ch", 10).await?;
     let before = c
         .wait_until(SETTLE, "10 Watched", |v| v.all_watched_on_live_nodes(10))
@@ -501,5 +492,29 @@ pub async fn a_node_that_cannot_renew_its_lease_fences_itself_before_it_expires(
             i.channel
         );
     }
+    no_double_ownership(&c)
+}
+
+pub async fn a_node_shut_down_gracefully_hands_its_channels_over_before_its_ttl(
+    c: Cluster,
+) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let mut nodes = vec![c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.add_channels(&coord, "ch", 6).await?;
+    c.wait_until(SETTLE, "6 Watched", |v| v.all_watched_on_live_nodes(6))
+        .await?;
+    // A graceful stop revokes the lease: no waiting for the TTL.
+    nodes.remove(0).proc.stop().await;
+    c.wait_until(
+        TTL - Duration::from_secs(1),
+        "6 Watched on the remaining node",
+        |v| v.nodes.len() == 1 && v.all_watched_on_live_nodes(6),
+    )
+    .await?;
     no_double_ownership(&c)
 }

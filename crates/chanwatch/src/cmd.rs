@@ -1,0 +1,163 @@
+//! `chanwatch coord` and `chanwatch node`: build the runtime from flags and run it until
+//! Ctrl-C or SIGTERM.
+//!
+//! Must not: hold control-plane logic.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use chanwatch_coord::{CoordHandle, CoordinatorConfig};
+use chanwatch_core::coord::CoordConfig;
+use chanwatch_core::Keys;
+use chanwatch_node::{NodeConfig, NodeStatus, SimulatedLoad};
+use chanwatch_store::Clock;
+use tokio::sync::watch;
+use tracing::info;
+
+use crate::cli::{CoordArgs, NodeArgs, RootArg};
+
+/// Completes on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    info!("shutdown requested");
+}
+
+pub fn keys(root: &RootArg) -> Result<Keys> {
+    Keys::new(root.root.clone()).map_err(|e| anyhow::anyhow!("--root: {e}"))
+}
+
+/// A shutdown future that can be shared by several tasks.
+fn shared_shutdown() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+async fn wait_true(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}
+
+pub async fn coord(args: CoordArgs) -> Result<()> {
+    let keys = keys(&args.root)?;
+    let store = args.etcd.connect().await?;
+    let listener = tokio::net::TcpListener::bind(&args.admin)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on --admin {}; pick a free address",
+                args.admin
+            )
+        })?;
+    let admin_addr = listener.local_addr()?.to_string();
+    let config = CoordinatorConfig {
+        keys,
+        planner: CoordConfig {
+            watch_timeout_ms: args.watch_timeout.as_millis() as u64,
+            release_timeout_ms: args.watch_timeout.as_millis() as u64,
+            failed_node_backoff_ms: args.watch_timeout.as_millis() as u64,
+            max_txn_ops: args.max_txn_ops as usize,
+            max_concurrent_moves: args.max_concurrent_moves,
+            ..CoordConfig::default()
+        },
+        session_ttl: args.session_ttl,
+        reconcile_interval: args.reconcile_interval,
+        admin_addr: admin_addr.clone(),
+        ..CoordinatorConfig::default()
+    };
+    info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");
+    let (handle, requests, status) = CoordHandle::new();
+    let stop = shared_shutdown();
+    let api = chanwatch_coord::api::router(handle.clone());
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        api,
+        wait_true(stop.clone()),
+    ));
+    chanwatch_coord::run(
+        store,
+        config,
+        Clock::system(),
+        requests,
+        status,
+        wait_true(stop),
+    )
+    .await?;
+    server.await??;
+    Ok(())
+}
+
+pub async fn node(args: NodeArgs) -> Result<()> {
+    let keys = keys(&args.root)?;
+    let store = args.etcd.connect().await?;
+    let listener = tokio::net::TcpListener::bind(&args.admin)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on --admin {}; pick a free address",
+                args.admin
+            )
+        })?;
+    let admin_addr = listener.local_addr()?.to_string();
+    let (status_tx, status) = watch::channel(NodeStatus::default());
+    let stop = shared_shutdown();
+    let router = axum::Router::new()
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .route(
+            "/status",
+            axum::routing::get(move || {
+                let s = status.borrow().clone();
+                async move {
+                    axum::Json(serde_json::json!({
+                        "id": s.id.map(|i| i.0), "sessions": s.sessions, "fences": s.fences
+                    }))
+                }
+            }),
+        );
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        router,
+        wait_true(stop.clone()),
+    ));
+    let config = NodeConfig {
+        keys,
+        session_ttl: args.session_ttl,
+        progress_interval: args.progress_interval,
+        admin_addr: admin_addr.clone(),
+        ..NodeConfig::default()
+    };
+    info!(admin = %admin_addr, store = %store.describe(), "node starting");
+    let handler = Arc::new(SimulatedLoad {
+        load_delay: args.load_delay,
+    });
+    chanwatch_node::run(
+        store,
+        handler,
+        config,
+        Clock::system(),
+        status_tx,
+        wait_true(stop),
+    )
+    .await?;
+    server.await??;
+    Ok(())
+}

@@ -1,0 +1,269 @@
+//! `chanwatch ctl`: reads state straight from etcd and sends changes to the leader's admin
+//! API (its address is in `{root}/coord/leader`).
+//!
+//! Owns: presentation (tables, `--json`) and the HTTP calls.
+//! Must not: write to etcd: only the coordinator writes assignments.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{anyhow, bail, Context, Result};
+use chanwatch_core::coord::{ChannelRow, CoordConfig, CoordState, NodeRow};
+use chanwatch_core::{ChannelName, CoordSession, Keys, VChannelInfo};
+use serde_json::{json, Value};
+
+use crate::cli::{CtlArgs, CtlCommand};
+
+pub async fn run(args: CtlArgs) -> Result<()> {
+    let keys = crate::cmd::keys(&args.root)?;
+    // Validate input before touching the network.
+    match &args.what {
+        CtlCommand::AddChannel { name, vchannel } => {
+            ChannelName::new(name.as_str()).map_err(|e| anyhow!("{e}"))?;
+            if let Some(v) = vchannel {
+                VChannelInfo::from_json(v.as_bytes()).map_err(|e| anyhow!("--vchannel: {e}"))?;
+            }
+        }
+        CtlCommand::RemoveChannel { name } | CtlCommand::Move { name, .. } => {
+            ChannelName::new(name.as_str()).map_err(|e| anyhow!("{e}"))?;
+        }
+        _ => {}
+    }
+    let store = args.etcd.connect().await?;
+    match args.what {
+        CtlCommand::Channels { json } => {
+            let (state, _) = snapshot(&*store, &keys).await?;
+            let rows = state.channel_rows();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print_channels(&rows);
+            }
+            report_corrupt(&state);
+        }
+        CtlCommand::Nodes { json } => {
+            let (state, _) = snapshot(&*store, &keys).await?;
+            let rows = state.node_rows();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print_nodes(&rows);
+            }
+        }
+        CtlCommand::AddChannel { name, vchannel } => {
+            let vchannel: Value = match vchannel {
+                Some(v) => serde_json::from_str(&v).context("--vchannel is not JSON")?,
+                None => Value::Null,
+            };
+            let mut body = json!({ "name": name });
+            if !vchannel.is_null() {
+                body["vchannel"] = vchannel;
+            }
+            let out = call(
+                &*store,
+                &keys,
+                reqwest::Method::POST,
+                "/api/v1/channels",
+                Some(body),
+            )
+            .await?;
+            print_transitions(&out);
+        }
+        CtlCommand::RemoveChannel { name } => {
+            let out = call(
+                &*store,
+                &keys,
+                reqwest::Method::DELETE,
+                &format!("/api/v1/channels/{name}"),
+                None,
+            )
+            .await?;
+            print_transitions(&out);
+        }
+        CtlCommand::Move { name, to } => {
+            let path = format!("/api/v1/channels/{name}/move");
+            let out = call(
+                &*store,
+                &keys,
+                reqwest::Method::POST,
+                &path,
+                Some(json!({ "to": to })),
+            )
+            .await?;
+            print_transitions(&out);
+        }
+        CtlCommand::Drain { node } => {
+            call(
+                &*store,
+                &keys,
+                reqwest::Method::POST,
+                &format!("/api/v1/nodes/{node}/drain"),
+                None,
+            )
+            .await?;
+            println!("node {node} is draining: its channels move off, break-before-make");
+        }
+        CtlCommand::Balance { dry_run, json } => {
+            let path = format!("/api/v1/balance?dry_run={dry_run}");
+            let out = call(&*store, &keys, reqwest::Method::POST, &path, None).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&out["moves"])?);
+            } else {
+                let moves = out["moves"].as_array().cloned().unwrap_or_default();
+                if moves.is_empty() {
+                    println!("balanced: nothing to move");
+                } else {
+                    println!("{:<32} {:>8} {:>8}", "CHANNEL", "FROM", "TO");
+                    for m in &moves {
+                        println!(
+                            "{:<32} {:>8} {:>8}",
+                            m["channel"].as_str().unwrap_or("?"),
+                            m["from"],
+                            m["to"]
+                        );
+                    }
+                    println!(
+                        "{} move(s){}",
+                        moves.len(),
+                        if dry_run {
+                            " planned (dry run: nothing moved)"
+                        } else {
+                            " started"
+                        }
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn snapshot(
+    store: &dyn chanwatch_store::MetaStore,
+    keys: &Keys,
+) -> Result<(CoordState, i64)> {
+    let list = store.range(&keys.all_prefix()).await?;
+    let mut state = CoordState::new(keys.clone(), CoordConfig::default());
+    state.reset(
+        list.kvs
+            .iter()
+            .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
+    );
+    Ok((state, list.revision))
+}
+
+fn report_corrupt(state: &CoordState) {
+    for (key, why) in state.corrupt() {
+        eprintln!("warning: {key} does not decode ({why}); the coordinator leaves it alone");
+    }
+}
+
+/// Sends a request to the leader's admin API.
+async fn call(
+    store: &dyn chanwatch_store::MetaStore,
+    keys: &Keys,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> Result<Value> {
+    let leader = store.get(&keys.leader()).await?.ok_or_else(|| {
+        anyhow!(
+            "no coordinator is leader ({} is absent); start `chanwatch coord`",
+            keys.leader()
+        )
+    })?;
+    let session = CoordSession::decode(&leader.value)
+        .map_err(|e| anyhow!("{} does not decode: {e}", keys.leader()))?;
+    let url = format!("http://{}{}", session.admin_addr, path);
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()?;
+    let mut req = client.request(method, &url);
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("leader's admin API unreachable at {url}"))?;
+    let status = resp.status();
+    let value: Value = resp.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        let msg = value["error"].as_str().unwrap_or("no error message");
+        bail!("the coordinator refused ({status}): {msg}");
+    }
+    Ok(value)
+}
+
+fn print_transitions(v: &Value) {
+    for t in v.as_array().cloned().unwrap_or_default() {
+        let to = match &t["to"] {
+            Value::Null => "-".to_owned(),
+            other => other.to_string().trim_matches('"').to_owned(),
+        };
+        let state = t["state"].as_str().unwrap_or("deleted");
+        println!(
+            "{} {}: node {} -> {} ({}, epoch {})",
+            t["cause"].as_str().unwrap_or("?"),
+            t["channel"].as_str().unwrap_or("?"),
+            match &t["from"] {
+                Value::Null => "-".to_owned(),
+                other => other.to_string().trim_matches('"').to_owned(),
+            },
+            to,
+            state,
+            t["epoch"]
+        );
+    }
+}
+
+fn age(ms: u64) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let secs = now.saturating_sub(ms) / 1000;
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+fn print_channels(rows: &[ChannelRow]) {
+    println!(
+        "{:<32} {:>10} {:<12} {:>6} {:>6}",
+        "CHANNEL", "NODE", "STATE", "EPOCH", "AGE"
+    );
+    for r in rows {
+        let node = r
+            .node
+            .map_or_else(|| "remaining".to_owned(), |n| n.to_string());
+        println!(
+            "{:<32} {:>10} {:<12} {:>6} {:>6}",
+            r.channel.as_str(),
+            node,
+            r.state.as_str(),
+            r.epoch,
+            age(r.start_time_ms)
+        );
+    }
+    println!("{} channel(s)", rows.len());
+}
+
+fn print_nodes(rows: &[NodeRow]) {
+    println!(
+        "{:>8} {:<24} {:>8} {:>8} {:<8}",
+        "ID", "ADMIN", "CHANNELS", "AGE", ""
+    );
+    for r in rows {
+        println!(
+            "{:>8} {:<24} {:>8} {:>8} {:<8}",
+            r.id,
+            r.admin_addr,
+            r.channels,
+            age(r.started_at_ms),
+            if r.draining { "draining" } else { "" }
+        );
+    }
+    println!("{} node(s)", rows.len());
+}
