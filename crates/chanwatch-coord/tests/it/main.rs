@@ -4,6 +4,7 @@
 //! under a paused tokio clock (deterministic, fast), and `etcd::<scenario>` against a real
 //! etcd process on loopback ports, in real time.
 
+mod api;
 mod cluster;
 mod scenarios;
 

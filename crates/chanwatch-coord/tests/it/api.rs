@@ -1,0 +1,259 @@
+//! The admin HTTP API over a real socket on 127.0.0.1: status codes and JSON errors for bad
+//! input, and that a refused request writes nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use chanwatch_coord::{CoordHandle, CoordinatorConfig};
+use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
+use serde_json::{json, Value};
+
+struct Api {
+    base: String,
+    client: reqwest::Client,
+}
+
+impl Api {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&str>,
+    ) -> Result<(u16, Value)> {
+        let mut req = self
+            .client
+            .request(method, format!("{}{}", self.base, path));
+        if let Some(b) = body {
+            req = req
+                .header("content-type", "application/json")
+                .body(b.to_owned());
+        }
+        let resp = req.send().await?;
+        let status = resp.status().as_u16();
+        let text = resp.text().await?;
+        Ok((
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        ))
+    }
+}
+
+async fn start(store: Arc<dyn MetaStore>, id: &str) -> Result<(Api, CoordHandle)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?.to_string();
+    let (handle, requests, status) = CoordHandle::new();
+    let config = CoordinatorConfig {
+        id: id.to_owned(),
+        admin_addr: addr.clone(),
+        session_ttl: Duration::from_secs(3),
+        ..CoordinatorConfig::default()
+    };
+    tokio::spawn(chanwatch_coord::run(
+        store,
+        config,
+        Clock::system(),
+        requests,
+        status,
+        std::future::pending(),
+    ));
+    let router = chanwatch_coord::api::router(handle.clone());
+    tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        router,
+        std::future::pending(),
+    ));
+    Ok((
+        Api {
+            base: format!("http://{addr}"),
+            client: reqwest::Client::new(),
+        },
+        handle,
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_clear_4xx_and_changes_nothing() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (api, handle) = start(store.clone(), "api-1").await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    use reqwest::Method as M;
+
+    let (code, _) = api.call(M::GET, "/healthz", None).await?;
+    ensure!(code == 200);
+    let (code, body) = api.call(M::GET, "/readyz", None).await?;
+    ensure!(
+        code == 200 && body["leader"] == json!(true),
+        "{code} {body}"
+    );
+
+    let (code, body) = api
+        .call(
+            M::POST,
+            "/api/v1/channels",
+            Some(r#"{"name":"c1","vchannel":{"collection_id":7}}"#),
+        )
+        .await?;
+    ensure!(code == 201, "{code} {body}");
+    ensure!(
+        body[0]["cause"] == json!("assign") && body[0]["node"].is_null(),
+        "{body}"
+    );
+
+    let cases: Vec<(M, String, Option<String>, u16, &str)> = vec![
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some(r#"{"name":"c1"}"#.into()),
+            409,
+            "already exists",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some(r#"{"name":"a/b"}"#.into()),
+            400,
+            "only [A-Za-z0-9._-]",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some(r#"{"name":""}"#.into()),
+            400,
+            "empty",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some("{nope".into()),
+            400,
+            "bad request body",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some(r#"{"name":"x","colour":"red"}"#.into()),
+            400,
+            "unknown field",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some(format!(
+                r#"{{"name":"big","vchannel":{{"metadata":{{"b":"{}"}}}}}}"#,
+                "x".repeat(70_000)
+            )),
+            400,
+            "limit is 65536",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels".into(),
+            Some(format!(
+                r#"{{"name":"huge","vchannel":{{"metadata":{{"b":"{}"}}}}}}"#,
+                "x".repeat(400_000)
+            )),
+            413,
+            "",
+        ),
+        (
+            M::DELETE,
+            "/api/v1/channels/nope".into(),
+            None,
+            404,
+            "does not exist",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels/c1/move".into(),
+            Some(r#"{"to":42}"#.into()),
+            404,
+            "not alive",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels/c1/move".into(),
+            Some(r#"{"to":"x"}"#.into()),
+            400,
+            "bad request body",
+        ),
+        (
+            M::POST,
+            "/api/v1/nodes/42/drain".into(),
+            None,
+            404,
+            "not alive",
+        ),
+        (
+            M::POST,
+            "/api/v1/nodes/abc/drain".into(),
+            None,
+            400,
+            "not a node id",
+        ),
+    ];
+    for (method, path, body, want, says) in cases {
+        let (code, got) = api.call(method.clone(), &path, body.as_deref()).await?;
+        ensure!(
+            code == want,
+            "{method} {path}: got {code}, want {want}: {got}"
+        );
+        let msg = got["error"].as_str().unwrap_or_default();
+        ensure!(
+            msg.contains(says),
+            "{method} {path}: error {msg:?} does not say {says:?}"
+        );
+    }
+    let list = store.range("chanwatch/channel/").await?;
+    ensure!(
+        list.kvs.len() == 1,
+        "refused requests wrote something: {:?}",
+        list.kvs
+    );
+
+    let (code, body) = api
+        .call(M::POST, "/api/v1/balance?dry_run=true", None)
+        .await?;
+    ensure!(code == 200 && body["moves"] == json!([]), "{code} {body}");
+    let (code, body) = api.call(M::GET, "/api/v1/channels", None).await?;
+    ensure!(
+        code == 200 && body[0]["channel"] == json!("c1") && body[0]["node"].is_null(),
+        "{body}"
+    );
+    let (code, _) = api.call(M::DELETE, "/api/v1/channels/c1", None).await?;
+    ensure!(code == 200);
+    ensure!(store.range("chanwatch/channel/").await?.kvs.is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_answers_writes_with_503_and_the_leaders_address() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (leader, handle) = start(store.clone(), "leader").await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    let (standby, standby_handle) = start(store.clone(), "standby").await?;
+    let mut s = standby_handle.watch_status();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        s.wait_for(|s| s.leader_addr.is_some()),
+    )
+    .await??;
+    let (code, body) = standby
+        .call(
+            reqwest::Method::POST,
+            "/api/v1/channels",
+            Some(r#"{"name":"c1"}"#),
+        )
+        .await?;
+    ensure!(code == 503, "{code} {body}");
+    ensure!(
+        body["leader"] == json!(leader.base.trim_start_matches("http://")),
+        "{body}"
+    );
+    let (code, _) = standby.call(reqwest::Method::GET, "/readyz", None).await?;
+    ensure!(code == 503, "a standby must not be ready");
+    ensure!(store.range("chanwatch/channel/").await?.kvs.is_empty());
+    Ok(())
+}
