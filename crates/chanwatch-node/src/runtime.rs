@@ -332,6 +332,7 @@ impl Session {
                         self.execute(cmds).await;
                     }
                     Some(Update::Events(events)) => {
+                        let mut cmds = Vec::new();
                         for ev in events {
                             let event = match ev.kind {
                                 EventKind::Put => match self.decode(&ev.kv.key, &ev.kv.value) {
@@ -343,9 +344,9 @@ impl Session {
                                     Err(_) => continue,
                                 },
                             };
-                            let cmds = self.machine.step(event);
-                            self.execute(cmds).await;
+                            cmds.extend(self.machine.step(event));
                         }
+                        self.execute(cmds).await;
                     }
                     None => {
                         error!("node: list-watch task ended unexpectedly; fencing");
@@ -353,28 +354,70 @@ impl Session {
                         return SessionEnd::Fenced("list-watch task ended".into());
                     }
                 },
-                Some(ev) = self.events_rx.recv() => {
-                    let event = match ev {
-                        RunnerEvent::LoadDone { channel, epoch, result } => {
-                            match &result {
-                                Ok(()) => info!(node = %self.reg.id, %channel, %epoch, "node: channel loaded; acknowledging Watched"),
-                                Err(reason) => warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: load failed; acknowledging WatchFailed"),
-                            }
-                            NodeEvent::LoadDone { channel, epoch, result }
+                Some(first) = self.events_rx.recv() => {
+                    // Drain what else is ready so that their acks share txns.
+                    let mut batch = vec![first];
+                    while batch.len() < 1024 {
+                        match self.events_rx.try_recv() {
+                            Ok(ev) => batch.push(ev),
+                            Err(_) => break,
                         }
-                        RunnerEvent::Progress { channel, epoch, progress } => NodeEvent::Progress { channel, epoch, progress },
-                        RunnerEvent::Stopped { channel, generation } => {
-                            if self.runners.get(&channel).is_some_and(|r| r.generation == generation) {
-                                self.runners.remove(&channel);
-                            }
-                            NodeEvent::Stopped { channel }
-                        }
-                    };
-                    let cmds = self.machine.step(event);
+                    }
+                    let mut cmds = Vec::new();
+                    for ev in batch {
+                        cmds.extend(self.on_runner_event(ev));
+                    }
                     self.execute(cmds).await;
                 }
             }
         }
+    }
+
+    fn on_runner_event(&mut self, ev: RunnerEvent) -> Vec<NodeCommand> {
+        let event = match ev {
+            RunnerEvent::LoadDone {
+                channel,
+                epoch,
+                result,
+            } => {
+                match &result {
+                    Ok(()) => {
+                        info!(node = %self.reg.id, %channel, %epoch, "node: channel loaded; acknowledging Watched")
+                    }
+                    Err(reason) => {
+                        warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: load failed; acknowledging WatchFailed")
+                    }
+                }
+                NodeEvent::LoadDone {
+                    channel,
+                    epoch,
+                    result,
+                }
+            }
+            RunnerEvent::Progress {
+                channel,
+                epoch,
+                progress,
+            } => NodeEvent::Progress {
+                channel,
+                epoch,
+                progress,
+            },
+            RunnerEvent::Stopped {
+                channel,
+                generation,
+            } => {
+                if self
+                    .runners
+                    .get(&channel)
+                    .is_some_and(|r| r.generation == generation)
+                {
+                    self.runners.remove(&channel);
+                }
+                NodeEvent::Stopped { channel }
+            }
+        };
+        self.machine.step(event)
     }
 
     fn decode(&self, key: &str, value: &[u8]) -> Option<ChannelInfo> {
@@ -388,7 +431,9 @@ impl Session {
     }
 
     async fn execute(&mut self, cmds: Vec<NodeCommand>) {
-        for cmd in cmds {
+        let mut acks = Vec::new();
+        let mut queue: std::collections::VecDeque<NodeCommand> = cmds.into();
+        while let Some(cmd) = queue.pop_front() {
             match cmd {
                 NodeCommand::Start { info } => self.start(info).await,
                 NodeCommand::Stop { channel } => match self.runners.get(&channel) {
@@ -396,21 +441,87 @@ impl Session {
                         info!(node = %self.reg.id, %channel, "node: stopping channel");
                         r.cancel.cancel();
                     }
-                    None => {
-                        let cmds = self.machine.step(NodeEvent::Stopped { channel });
-                        Box::pin(self.execute(cmds)).await;
-                    }
+                    None => queue.extend(self.machine.step(NodeEvent::Stopped { channel })),
                 },
                 NodeCommand::Ack {
                     info,
                     expect_mod_revision,
-                } => {
-                    let channel = info.channel.clone();
-                    let committed = self.ack(&info, expect_mod_revision).await;
-                    self.machine.step(NodeEvent::AckDone { channel, committed });
+                } => acks.push((info, expect_mod_revision)),
+            }
+        }
+        self.flush_acks(acks).await;
+    }
+
+    /// Writes acknowledgements in shared txns (one compare per key, plus the session guard)
+    /// and falls back to one txn per ack when a shared one fails its compares, so that one
+    /// changed assignment cannot hold back the others (DESIGN.md §4).
+    async fn flush_acks(&mut self, acks: Vec<(ChannelInfo, i64)>) {
+        // One compare slot is the session guard. Values are capped at 64 KiB, so a byte
+        // budget of half the request limit also bounds a chunk.
+        let max_keys = self.store.limits().max_txn_ops.saturating_sub(1).max(1);
+        let max_bytes = self.store.limits().max_request_bytes / 2;
+        let mut chunk: Vec<(ChannelInfo, i64, Vec<u8>)> = Vec::new();
+        let mut bytes = 0;
+        for (info, expect) in acks {
+            let value = info.encode();
+            if !chunk.is_empty() && (chunk.len() >= max_keys || bytes + value.len() > max_bytes) {
+                self.ack_chunk(std::mem::take(&mut chunk)).await;
+                bytes = 0;
+            }
+            bytes += value.len();
+            chunk.push((info, expect, value));
+        }
+        if !chunk.is_empty() {
+            self.ack_chunk(chunk).await;
+        }
+    }
+
+    async fn ack_chunk(&mut self, chunk: Vec<(ChannelInfo, i64, Vec<u8>)>) {
+        if chunk.len() > 1 {
+            let mut compares = vec![self.session_guard()];
+            let mut puts = Vec::with_capacity(chunk.len());
+            for (info, expect, value) in &chunk {
+                let key = self.key(&info.channel);
+                compares.push(Compare::mod_revision(&key, *expect));
+                puts.push(TxnOp::put(key, value.clone()));
+            }
+            match self
+                .store
+                .txn(Txn::new().when(compares).and_then(puts))
+                .await
+            {
+                Ok(r) if r.succeeded => {
+                    debug!(node = %self.reg.id, acks = chunk.len(), "node: batched acks committed");
+                    for (info, _, _) in chunk {
+                        self.machine.step(NodeEvent::AckDone {
+                            channel: info.channel,
+                            committed: Some(r.revision),
+                        });
+                    }
+                    return;
+                }
+                Ok(_) => {
+                    debug!(node = %self.reg.id, acks = chunk.len(), "node: a batched ack's compare failed; acking one by one")
+                }
+                Err(e) => {
+                    warn!(node = %self.reg.id, error = %e, "node: batched ack failed; acking one by one")
                 }
             }
         }
+        for (info, expect, _) in chunk {
+            let channel = info.channel.clone();
+            let committed = self.ack(&info, expect).await;
+            self.machine.step(NodeEvent::AckDone { channel, committed });
+        }
+    }
+
+    fn key(&self, channel: &ChannelName) -> String {
+        self.keys
+            .channel(chanwatch_core::ChannelOwner::Node(self.reg.id), channel)
+    }
+
+    fn session_guard(&self) -> Compare {
+        Compare::create_revision(self.keys.session(self.reg.id), self.reg.session_revision)
     }
 
     async fn start(&mut self, info: ChannelInfo) {
@@ -450,15 +561,9 @@ impl Session {
     /// Writes an acknowledgement if the key is unchanged since `expect` and our session
     /// still exists. Returns the new mod revision when it landed.
     async fn ack(&self, info: &ChannelInfo, expect: i64) -> Option<i64> {
-        let key = self.keys.channel(
-            chanwatch_core::ChannelOwner::Node(self.reg.id),
-            &info.channel,
-        );
+        let key = self.key(&info.channel);
         let txn = Txn::new()
-            .when([
-                Compare::mod_revision(&key, expect),
-                Compare::create_revision(self.keys.session(self.reg.id), self.reg.session_revision),
-            ])
+            .when([Compare::mod_revision(&key, expect), self.session_guard()])
             .and_then([TxnOp::put(&key, info.encode())]);
         match self.store.txn(txn).await {
             Ok(r) if r.succeeded => {

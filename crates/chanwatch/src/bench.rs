@@ -174,3 +174,172 @@ pub async fn store(store: Arc<dyn MetaStore>, args: &BenchStoreArgs) -> Result<(
     }
     Ok(())
 }
+
+/// `chanwatch bench failover`: in-process coordinator and nodes over the chosen store; kill
+/// nodes by revoking their leases (the instant of session loss), then time until every channel
+/// they held is `Watched` on a live node.
+///
+/// # Errors
+/// Store errors, or a run that does not settle within 120 s.
+pub async fn failover(args: &crate::cli::BenchFailoverArgs) -> Result<()> {
+    use chanwatch_coord::{CoordHandle, CoordinatorConfig};
+    use chanwatch_core::{
+        ChannelInfo, ChannelName, ChannelOwner, ChannelState, Epoch, Keys, NodeId,
+    };
+    use chanwatch_node::{NodeConfig, NodeStatus, SimulatedLoad};
+    use chanwatch_store::{Clock, EmbeddedStore};
+    use std::collections::BTreeMap;
+    use tokio::sync::watch;
+
+    ensure!(
+        args.kill < args.nodes,
+        "--kill must leave at least one node alive"
+    );
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mut seconds = Vec::new();
+    let mut moved_counts = Vec::new();
+    eprintln!(
+        "bench failover: {} nodes, {} channels, kill {}, {} runs, store {:?}",
+        args.nodes, args.channels, args.kill, args.runs, args.store
+    );
+    for run in 0..args.runs.max(1) {
+        let store: Arc<dyn MetaStore> = match args.store {
+            StoreKind::Embedded => Arc::new(EmbeddedStore::new()),
+            StoreKind::Etcd => args.etcd.connect().await?,
+        };
+        let keys = Keys::new(format!("bench-{}-{run}", std::process::id()))?;
+        let clock = Clock::system();
+        let (handle, requests, status_tx) = CoordHandle::new();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let wait_stop = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|v| *v).await;
+        };
+        let coord_cfg = CoordinatorConfig {
+            keys: keys.clone(),
+            tick: Duration::from_millis(100),
+            reconcile_interval: Duration::from_secs(30),
+            ..CoordinatorConfig::default()
+        };
+        let coord = tokio::spawn(chanwatch_coord::run(
+            store.clone(),
+            coord_cfg,
+            clock,
+            requests,
+            status_tx,
+            wait_stop(stop_rx.clone()),
+        ));
+        let mut nodes = Vec::new();
+        for _ in 0..args.nodes {
+            let (tx, rx) = watch::channel(NodeStatus::default());
+            let cfg = NodeConfig {
+                keys: keys.clone(),
+                ..NodeConfig::default()
+            };
+            let task = tokio::spawn(chanwatch_node::run(
+                store.clone(),
+                Arc::new(SimulatedLoad::default()),
+                cfg,
+                clock,
+                tx,
+                wait_stop(stop_rx.clone()),
+            ));
+            nodes.push((task, rx));
+        }
+        let mut ids = Vec::new();
+        for (_, rx) in &mut nodes {
+            let s = rx.wait_for(|s| s.id.is_some()).await?;
+            ids.push(s.id.unwrap_or(NodeId(0)));
+        }
+        let mut status = handle.watch_status();
+        status.wait_for(|s| s.ready).await?;
+        // Seed assignments directly in big txns (setup, not measured).
+        let mut ops = Vec::new();
+        for i in 0..args.channels {
+            let owner = ChannelOwner::Node(ids[i % ids.len()]);
+            let name = ChannelName::new(format!("ch{i:06}"))?;
+            let info =
+                ChannelInfo::new(name.clone(), Epoch(1), clock.unix_ms(), Default::default());
+            ops.push(TxnOp::put(keys.channel(owner, &name), info.encode()));
+        }
+        for chunk in ops.chunks(store.limits().max_txn_ops) {
+            store.txn(Txn::new().and_then(chunk.to_vec())).await?;
+        }
+        let prefix = keys.channels_prefix();
+        let all_watched = |kvs: &[chanwatch_store::KeyValue], live: &[NodeId]| -> usize {
+            kvs.iter()
+                .filter(|kv| {
+                    let owner_ok = keys.parse_channel(&kv.key).is_ok_and(
+                        |ck| matches!(ck.owner, ChannelOwner::Node(n) if live.contains(&n)),
+                    );
+                    owner_ok
+                        && ChannelInfo::decode(&kv.value)
+                            .is_ok_and(|i| i.state == ChannelState::Watched)
+                })
+                .count()
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while all_watched(&store.range(&prefix).await?.kvs, &ids) < args.channels {
+            ensure!(Instant::now() < deadline, "setup did not settle");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Kill: abort the node tasks, then revoke their leases (= session loss, now).
+        let victims: Vec<NodeId> = ids[..args.kill].to_vec();
+        let mut leases = BTreeMap::new();
+        for v in &victims {
+            if let Some(kv) = store.get(&keys.session(*v)).await? {
+                leases.insert(*v, kv.lease.unwrap_or(0));
+            }
+        }
+        for (task, _) in nodes.drain(..args.kill) {
+            task.abort();
+        }
+        let live: Vec<NodeId> = ids[args.kill..].to_vec();
+        let moved = args.channels / args.nodes * args.kill;
+        let t0 = Instant::now();
+        for lease in leases.values() {
+            store.revoke(*lease).await?;
+        }
+        loop {
+            let list = store.range(&prefix).await?;
+            if all_watched(&list.kvs, &live) == args.channels {
+                break;
+            }
+            ensure!(
+                t0.elapsed() < Duration::from_secs(120),
+                "failover did not settle in 120 s"
+            );
+            // Polling costs etcd a full range; 10 ms keeps the probe from slowing the system.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let took = t0.elapsed();
+        seconds.push(took.as_secs_f64());
+        moved_counts.push(moved);
+        eprintln!(
+            "  run {run}: {moved} channels moved and Watched in {:.3} s",
+            took.as_secs_f64()
+        );
+        let _ = stop_tx.send(true);
+        let _ = coord.await;
+        for (task, _) in nodes {
+            let _ = task.await;
+        }
+        store
+            .txn(Txn::new().and_then([TxnOp::delete_prefix(keys.all_prefix())]))
+            .await?;
+    }
+    let line = json!({
+        "bench": "failover",
+        "store": format!("{:?}", args.store).to_lowercase(),
+        "cores": cores,
+        "nodes": args.nodes,
+        "channels": args.channels,
+        "killed": args.kill,
+        "moved": moved_counts.first().copied().unwrap_or(0),
+        "runs": seconds.len(),
+        "seconds_median": (median(seconds.clone()) * 1000.0).round() / 1000.0,
+        "seconds_min": (seconds.iter().copied().fold(f64::MAX, f64::min) * 1000.0).round() / 1000.0,
+        "seconds_max": (seconds.iter().copied().fold(0.0, f64::max) * 1000.0).round() / 1000.0,
+    });
+    println!("{line}");
+    Ok(())
+}

@@ -246,6 +246,29 @@ pub struct BenchArgs {
 pub enum BenchWhat {
     /// Store floor: single-key CAS txns (serial and concurrent) and 128-op txns.
     Store(BenchStoreArgs),
+    /// Failover: kill nodes, time from session loss to every moved channel Watched.
+    Failover(BenchFailoverArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchFailoverArgs {
+    /// Which backend to measure.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Nodes before the kill.
+    #[arg(long, default_value_t = 10)]
+    pub nodes: usize,
+    /// Channels, spread evenly over the nodes.
+    #[arg(long, default_value_t = 1000)]
+    pub channels: usize,
+    /// Nodes killed at once.
+    #[arg(long, default_value_t = 1)]
+    pub kill: usize,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -305,6 +328,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                 };
                 crate::bench::store(store, &args).await
             }
+            BenchWhat::Failover(args) => crate::bench::failover(&args).await,
         },
     }
 }
