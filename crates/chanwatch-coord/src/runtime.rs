@@ -627,11 +627,18 @@ impl Term<'_> {
                 self.run_one(planned, reply).await?;
             }
             Request::Drain { node, reply } => {
-                let r = self.state.drain(node).map_err(ApiError::from);
-                if r.is_ok() {
-                    info!(node = %node, "coord: draining node");
-                }
-                drop(reply.send(r));
+                let planned = self.state.drain(node);
+                let (tx, rx) = oneshot::channel();
+                self.run_one(planned, tx).await?;
+                let result = match rx.await {
+                    Ok(Ok(_)) => {
+                        info!(node = %node, "coord: draining node");
+                        Ok(())
+                    }
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(ApiError::Store("drain request dropped".into())),
+                };
+                drop(reply.send(result));
                 let txns = self.state.plan(now);
                 self.execute(txns).await?;
             }
@@ -698,11 +705,19 @@ impl Term<'_> {
             }
         }
         for op in &t.ops {
-            if let Op::Put { owner, info } = op {
-                ops.push(TxnOp::put(
-                    keys.channel(*owner, &info.channel),
-                    info.encode(),
-                ));
+            match op {
+                Op::Put { owner, info } => {
+                    ops.push(TxnOp::put(
+                        keys.channel(*owner, &info.channel),
+                        info.encode(),
+                    ));
+                }
+                Op::Drain { node } => {
+                    let since = serde_json::json!({ "since_ms": self.clock.unix_ms() });
+                    ops.push(TxnOp::put(keys.drain(*node), since.to_string()));
+                }
+                Op::Undrain { node } => ops.push(TxnOp::delete(keys.drain(*node))),
+                Op::Delete { .. } => {}
             }
         }
         Txn::new().when(compares).and_then(ops)

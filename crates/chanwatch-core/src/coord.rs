@@ -136,6 +136,16 @@ pub enum Op {
         /// Channel part of the key.
         channel: ChannelName,
     },
+    /// Put the drain mark `coord/drain/{node}`.
+    Drain {
+        /// The node to drain.
+        node: NodeId,
+    },
+    /// Delete the drain mark of a node that is gone.
+    Undrain {
+        /// The node.
+        node: NodeId,
+    },
 }
 
 /// What a planned txn does to one channel, for logs and metrics.
@@ -181,7 +191,8 @@ pub struct PlannedTxn {
 struct Change {
     guards: Vec<Guard>,
     ops: Vec<Op>,
-    transition: Transition,
+    /// `None` for bookkeeping that moves no channel (drain marks).
+    transition: Option<Transition>,
 }
 
 /// A move in flight: the channel was asked to release and will go to `to`.
@@ -287,6 +298,7 @@ pub struct CoordState {
 #[allow(clippy::large_enum_variant)]
 enum Decoded {
     Session(NodeId, NodeSession),
+    Drain(NodeId),
     Channel(ChannelOwner, ChannelInfo),
     Ignored,
 }
@@ -313,6 +325,9 @@ impl CoordState {
     }
 
     fn decode(&mut self, key: &str, value: &[u8]) -> Decoded {
+        if let Ok(id) = self.keys.parse_drain(key) {
+            return Decoded::Drain(id);
+        }
         if key.starts_with(&self.keys.sessions_prefix()) {
             let parsed = self
                 .keys
@@ -371,6 +386,10 @@ impl CoordState {
                 self.nodes.insert(id, s);
                 None
             }
+            Decoded::Drain(id) => {
+                self.draining.insert(id);
+                None
+            }
             Decoded::Channel(owner, info) => {
                 let channel = info.channel.clone();
                 let known = self
@@ -401,6 +420,7 @@ impl CoordState {
         self.corrupt.remove(key);
         if let Ok(id) = self.keys.parse_session(key) {
             self.nodes.remove(&id);
+        } else if let Ok(id) = self.keys.parse_drain(key) {
             self.draining.remove(&id);
         } else if let Ok(ck) = self.keys.parse_channel(key) {
             if let Some(entries) = self.channels.get_mut(&ck.channel) {
@@ -421,6 +441,7 @@ impl CoordState {
         self.nodes.clear();
         self.channels.clear();
         self.corrupt.clear();
+        self.draining.clear();
         for (key, value, rev) in kvs {
             self.apply_put(key, value, rev);
         }
@@ -428,8 +449,6 @@ impl CoordState {
         self.moves.retain(|c, _| channels.contains_key(c));
         self.avoid.retain(|c, _| channels.contains_key(c));
         self.failed_seen.retain(|c, _| channels.contains_key(c));
-        let nodes = &self.nodes;
-        self.draining.retain(|n| nodes.contains_key(n));
     }
 
     /// Records that a planned txn committed at `revision`, so the next plan does not repeat
@@ -440,6 +459,12 @@ impl CoordState {
                 Op::Delete { owner, channel } => {
                     let key = self.keys.channel(*owner, channel);
                     self.apply_delete(&key);
+                }
+                Op::Drain { node } => {
+                    self.draining.insert(*node);
+                }
+                Op::Undrain { node } => {
+                    self.draining.remove(node);
                 }
                 Op::Put { owner, info } => {
                     self.channels
@@ -563,14 +588,14 @@ impl CoordState {
                 channel: channel.clone(),
                 mod_revision: 0,
             }],
-            transition: Transition {
+            transition: Some(Transition {
                 channel,
                 cause: Cause::Assign,
                 from: None,
                 to: Some(owner),
                 state: Some(info.state),
                 epoch: info.epoch,
-            },
+            }),
             ops: vec![Op::Put { owner, info }],
         };
         Ok(self.pack(vec![change]).remove(0))
@@ -593,14 +618,14 @@ impl CoordState {
                     owner: e.owner,
                     channel: channel.clone(),
                 }],
-                transition: Transition {
+                transition: Some(Transition {
                     channel: channel.clone(),
                     cause: Cause::Remove,
                     from: Some(e.owner),
                     to: None,
                     state: None,
                     epoch: e.info.epoch,
-                },
+                }),
             });
         }
         Ok(merge(self.pack(changes)))
@@ -650,17 +675,21 @@ impl CoordState {
         Ok(self.pack(vec![change]).remove(0))
     }
 
-    /// Marks a node as draining: it gets no new channels and the planner moves its channels
-    /// off, break-before-make, at most `max_concurrent_moves` at a time.
+    /// Marks a node as draining (a key in the store, so it survives a coordinator failover):
+    /// it gets no new channels and the planner moves its channels off, break-before-make, at
+    /// most `max_concurrent_moves` at a time.
     ///
     /// # Errors
     /// [`AdminError::UnknownNode`].
-    pub fn drain(&mut self, node: NodeId) -> Result<(), AdminError> {
+    pub fn drain(&self, node: NodeId) -> Result<PlannedTxn, AdminError> {
         if !self.nodes.contains_key(&node) {
             return Err(AdminError::UnknownNode(node));
         }
-        self.draining.insert(node);
-        Ok(())
+        Ok(PlannedTxn {
+            guards: Vec::new(),
+            ops: vec![Op::Drain { node }],
+            transitions: Vec::new(),
+        })
     }
 
     /// The moves balance would make now, without making them.
@@ -677,6 +706,14 @@ impl CoordState {
     pub fn plan(&mut self, now_ms: u64) -> Vec<PlannedTxn> {
         self.forget_failed_moves(now_ms);
         let mut changes = Vec::new();
+        // Drain marks of nodes that are gone.
+        for node in self.draining.iter().filter(|n| !self.nodes.contains_key(n)) {
+            changes.push(Change {
+                guards: Vec::new(),
+                ops: vec![Op::Undrain { node: *node }],
+                transition: None,
+            });
+        }
         self.plan_dedupe(&mut changes);
         self.plan_orphans(now_ms, &mut changes);
         self.plan_timeouts(now_ms, &mut changes);
@@ -766,14 +803,14 @@ impl CoordState {
                         owner: e.owner,
                         channel: channel.clone(),
                     }],
-                    transition: Transition {
+                    transition: Some(Transition {
                         channel: channel.clone(),
                         cause: Cause::Dedupe,
                         from: Some(e.owner),
                         to: None,
                         state: None,
                         epoch: e.info.epoch,
-                    },
+                    }),
                 });
             }
         }
@@ -809,8 +846,8 @@ impl CoordState {
                 None => {}
             }
         }
-        for c in &planned {
-            self.moves.remove(&c.transition.channel);
+        for t in planned.iter().filter_map(|c| c.transition.as_ref()) {
+            self.moves.remove(&t.channel);
         }
         changes.extend(planned);
     }
@@ -1108,7 +1145,7 @@ impl CoordState {
             cur_bytes += bytes;
             cur.guards.extend(c.guards);
             cur.ops.extend(c.ops);
-            cur.transitions.push(c.transition);
+            cur.transitions.extend(c.transition);
         }
         if !cur.ops.is_empty() {
             out.push(cur);
@@ -1135,7 +1172,7 @@ fn merge(txns: Vec<PlannedTxn>) -> PlannedTxn {
 fn op_bytes(op: &Op) -> usize {
     match op {
         Op::Put { info, .. } => info.encode().len() + 300,
-        Op::Delete { .. } => 300,
+        Op::Delete { .. } | Op::Drain { .. } | Op::Undrain { .. } => 300,
     }
 }
 
@@ -1174,7 +1211,7 @@ fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -> Change {
     Change {
         guards: vec![guard(e)],
         ops,
-        transition,
+        transition: Some(transition),
     }
 }
 
@@ -1204,7 +1241,7 @@ fn park(e: &Entry) -> Change {
                 info,
             },
         ],
-        transition,
+        transition: Some(transition),
     }
 }
 
@@ -1227,7 +1264,7 @@ fn release(e: &Entry, cause: Cause) -> Change {
             owner: e.owner,
             info,
         }],
-        transition,
+        transition: Some(transition),
     }
 }
 
@@ -1617,7 +1654,9 @@ mod tests {
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
         w.put(n(1), info("b", ChannelState::ToWatch, 1, 0));
-        w.state.drain(NodeId(1)).expect("live");
+        let txn = w.state.drain(NodeId(1)).expect("live");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
         w.settle(0);
         assert_eq!(w.owner_of("a").1, ChannelState::ToRelease);
         assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(2)));

@@ -115,6 +115,28 @@ impl Keys {
         format!("{}/coord/leader", self.root)
     }
 
+    /// `{root}/coord/drain/`: one key per node being drained. Not in DESIGN.md §2 yet: the
+    /// drain must survive a coordinator failover and be visible to `ctl nodes`, so it lives
+    /// in the store, written by the leader like every assignment.
+    pub fn drains_prefix(&self) -> String {
+        format!("{}/coord/drain/", self.root)
+    }
+
+    /// `{root}/coord/drain/{id}`.
+    pub fn drain(&self, id: NodeId) -> String {
+        format!("{}/coord/drain/{id}", self.root)
+    }
+
+    /// Parses `{root}/coord/drain/{id}`.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the key is elsewhere or the ID is not canonical decimal.
+    pub fn parse_drain(&self, key: &str) -> Result<NodeId, KeyError> {
+        let rest = strip(key, &self.drains_prefix())?;
+        rest.parse()
+            .map_err(|_| malformed(key, "node id is not a decimal number"))
+    }
+
     /// `{root}/channel/` — every assignment.
     pub fn channels_prefix(&self) -> String {
         format!("{}/channel/", self.root)

@@ -110,6 +110,11 @@ pub fn humantime_secs(s: &str) -> Result<Duration, String> {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// A scripted tour on the embedded store: nodes join, channels are assigned, a node dies,
+    /// a node joins, a node drains, all die, one returns. Checks invariants at every step.
+    Demo,
+    /// Coordinator and nodes in one process on the embedded store, with the admin API.
+    Standalone(StandaloneArgs),
     /// Run a coordinator: campaigns for leadership; the leader assigns channels to nodes.
     Coord(CoordArgs),
     /// Run a node: registers a session, runs the channels assigned to it.
@@ -126,6 +131,25 @@ pub struct RootArg {
     /// Prefix under which chanwatch keeps all its keys.
     #[arg(long, env = "CHANWATCH_ROOT", default_value = "chanwatch")]
     pub root: String,
+}
+
+#[derive(Debug, Args)]
+pub struct StandaloneArgs {
+    /// Nodes to run.
+    #[arg(long, env = "CHANWATCH_NODES", default_value_t = 3)]
+    pub nodes: usize,
+    /// Channels to register at start (named ch-000, ch-001, ...).
+    #[arg(long, env = "CHANWATCH_CHANNELS", default_value_t = 0)]
+    pub channels: usize,
+    /// Admin HTTP API address.
+    #[arg(long, env = "CHANWATCH_ADMIN", default_value = "127.0.0.1:9870")]
+    pub admin: String,
+    /// Session lease TTL of the in-process nodes and coordinator.
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    pub session_ttl: Duration,
+    /// How long each simulated channel load takes.
+    #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
+    pub load_delay: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -298,10 +322,10 @@ pub struct BenchStoreArgs {
     pub etcd: EtcdArgs,
 }
 
-/// Sets up `tracing` with `RUST_LOG` (default `info`) in the chosen format.
-pub fn init_logging(global: &Global) {
+/// Sets up `tracing` with `RUST_LOG` (default `default_level`) in the chosen format.
+pub fn init_logging(global: &Global, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -317,6 +341,8 @@ pub fn init_logging(global: &Global) {
 /// Whatever the subcommand reports, as one line for the user.
 pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Demo => crate::demo::run().await,
+        Command::Standalone(args) => crate::cmd::standalone(args).await,
         Command::Coord(args) => crate::cmd::coord(args).await,
         Command::Node(args) => crate::cmd::node(args).await,
         Command::Ctl(args) => crate::ctl::run(args).await,

@@ -161,3 +161,58 @@ pub async fn node(args: NodeArgs) -> Result<()> {
     server.await??;
     Ok(())
 }
+
+pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
+    use chanwatch_core::{ChannelName, VChannelInfo};
+    let listener = tokio::net::TcpListener::bind(&args.admin)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on --admin {}; pick a free address",
+                args.admin
+            )
+        })?;
+    let admin_addr = listener.local_addr()?.to_string();
+    let timings = crate::inproc::Timings {
+        session_ttl: args.session_ttl,
+        watch_timeout: std::time::Duration::from_secs(30),
+        reconcile_interval: std::time::Duration::from_secs(10),
+        tick: std::time::Duration::from_secs(1),
+        progress_interval: std::time::Duration::from_secs(5),
+    };
+    let handler = Arc::new(SimulatedLoad {
+        load_delay: args.load_delay,
+    });
+    let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone());
+    let stop = shared_shutdown();
+    let api = chanwatch_coord::api::router(cluster.handle.clone());
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        api,
+        wait_true(stop.clone()),
+    ));
+    let nodes: Vec<_> = (0..args.nodes).map(|_| cluster.spawn_node()).collect();
+    cluster.ready().await?;
+    for i in 0..args.channels {
+        let name = ChannelName::new(format!("ch-{i:03}"))?;
+        cluster
+            .handle
+            .add_channel(name, VChannelInfo::default())
+            .await
+            .map_err(|e| anyhow::anyhow!("registering channel {i}: {e}"))?;
+    }
+    info!(
+        admin = %admin_addr,
+        nodes = args.nodes,
+        channels = args.channels,
+        "standalone running on the embedded store; try: curl http://{admin_addr}/api/v1/channels ; Ctrl-C stops"
+    );
+    wait_true(stop).await;
+    for n in nodes {
+        n.stop().await;
+    }
+    cluster.shutdown().await;
+    server.await??;
+    info!("standalone stopped");
+    Ok(())
+}

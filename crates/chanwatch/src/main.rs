@@ -9,12 +9,19 @@ mod bench;
 mod cli;
 mod cmd;
 mod ctl;
+mod demo;
+mod inproc;
 
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();
-    cli::init_logging(&cli.global);
+    // The demo and ctl print tables for a person; their logs would only clutter them.
+    let default_level = match cli.command {
+        cli::Command::Demo | cli::Command::Ctl(_) | cli::Command::Bench(_) => "warn",
+        _ => "info",
+    };
+    cli::init_logging(&cli.global, default_level);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -43,4 +43,5 @@ all_backends!(
     a_corrupt_value_is_reported_and_left_alone_while_the_rest_works,
     a_node_that_cannot_renew_its_lease_fences_itself_before_it_expires,
     a_node_shut_down_gracefully_hands_its_channels_over_before_its_ttl,
+    a_drain_moves_everything_off_and_survives_a_leader_failover,
 );

@@ -518,3 +518,62 @@ pub async fn a_node_shut_down_gracefully_hands_its_channels_over_before_its_ttl(
     .await?;
     no_double_ownership(&c)
 }
+
+pub async fn a_drain_moves_everything_off_and_survives_a_leader_failover(c: Cluster) -> Result<()> {
+    let leader = c.spawn_coord("c1");
+    c.wait_leader_ready(&leader).await?;
+    let standby = c.spawn_coord("c2");
+    let nodes = [c.spawn_node(), c.spawn_node()];
+    let a = c.wait_node_id(&nodes[0]).await?;
+    c.wait_node_id(&nodes[1]).await?;
+    c.wait_coord_nodes(&leader, 2).await?;
+    c.add_channels(&leader, "ch", 6).await?;
+    c.wait_until(SETTLE, "6 Watched", |v| v.all_watched_on_live_nodes(6))
+        .await?;
+    // A manual move is break-before-make too.
+    let first = c
+        .view()
+        .await?
+        .on(a)
+        .first()
+        .cloned()
+        .context("node a has a channel")?;
+    let b = c
+        .view()
+        .await?
+        .nodes
+        .iter()
+        .map(|n| n.id)
+        .find(|id| *id != a.0)
+        .context("node b")?;
+    retry_not_ready(|| {
+        leader
+            .handle
+            .move_channel(first.clone(), chanwatch_core::NodeId(b))
+    })
+    .await?;
+    retry_not_ready(|| leader.handle.drain(a)).await?;
+    let view = c
+        .wait_until(SETTLE, "node a drained", |v| {
+            v.all_watched_on_live_nodes(6)
+                && v.on(a).is_empty()
+                && v.nodes.iter().any(|n| n.id == a.0 && n.draining)
+        })
+        .await?;
+    ensure!(
+        view.channels
+            .iter()
+            .find(|r| r.channel == first)
+            .and_then(|r| r.node)
+            == Some(b)
+    );
+    leader.proc.kill();
+    let mut status = standby.proc.status.clone();
+    tokio::time::timeout(SETTLE, status.wait_for(|s| s.ready)).await??;
+    c.add_channels(&standby, "new", 2).await?;
+    c.wait_until(SETTLE, "8 Watched, none on the drained node", |v| {
+        v.all_watched_on_live_nodes(8) && v.on(a).is_empty()
+    })
+    .await?;
+    no_double_ownership(&c)
+}

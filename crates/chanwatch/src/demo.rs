@@ -1,0 +1,341 @@
+//! `chanwatch demo`: a scripted tour on the embedded store. Each step prints the cluster as a
+//! table of nodes and their channels, then checks the invariants of DESIGN.md §6 and stops
+//! with an error if one breaks.
+//!
+//! Owns: the script and its presentation.
+//! Must not: decide anything; the coordinator and nodes do.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use chanwatch_core::coord::{ChannelRow, CoordConfig, CoordState, NodeRow};
+use chanwatch_core::{ChannelName, ChannelState, NodeId, VChannelInfo};
+use chanwatch_node::handler::Behaviour;
+use chanwatch_node::RecordingHandler;
+use chanwatch_store::{Clock, MetaStore};
+
+use crate::inproc::{InProc, NodeProc, Timings};
+
+const CHANNELS: usize = 12;
+const SETTLE: Duration = Duration::from_secs(15);
+
+struct Snapshot {
+    channels: Vec<ChannelRow>,
+    nodes: Vec<NodeRow>,
+}
+
+struct Tour {
+    cluster: InProc,
+    handler: RecordingHandler,
+    nodes: Vec<NodeProc>,
+    colour: bool,
+    step: usize,
+    /// Channels registered so far.
+    registered: usize,
+    epochs: BTreeMap<ChannelName, u64>,
+    started: Instant,
+}
+
+impl Tour {
+    async fn snapshot(&self) -> Result<Snapshot> {
+        let list = self
+            .cluster
+            .store
+            .range(&self.cluster.keys.all_prefix())
+            .await?;
+        let mut state = CoordState::new(self.cluster.keys.clone(), CoordConfig::default());
+        state.reset(
+            list.kvs
+                .iter()
+                .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
+        );
+        Ok(Snapshot {
+            channels: state.channel_rows(),
+            nodes: state.node_rows(),
+        })
+    }
+
+    /// Waits until every channel is Watched on a live node (or parked when none lives) and
+    /// `extra` holds.
+    async fn settle(&self, what: &str, extra: impl Fn(&Snapshot) -> bool) -> Result<Snapshot> {
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            let s = self.snapshot().await?;
+            let live: Vec<u64> = s.nodes.iter().map(|n| n.id).collect();
+            let settled = s.channels.len() == self.registered
+                && if live.is_empty() {
+                    s.channels.iter().all(|c| c.node.is_none())
+                } else {
+                    s.channels.iter().all(|c| {
+                        c.state == ChannelState::Watched
+                            && c.node.is_some_and(|n| live.contains(&n))
+                    })
+                };
+            if settled && extra(&s) {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                self.print(&s);
+                bail!("step did not settle within {SETTLE:?}: {what}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn paint(&self, text: &str, state: ChannelState) -> String {
+        let (mark, code) = match state {
+            ChannelState::Watched => ("", "32"),
+            ChannelState::ToWatch => ("*", "33"),
+            ChannelState::ToRelease | ChannelState::Released => ("~", "35"),
+            ChannelState::WatchFailed => ("!", "31"),
+        };
+        if self.colour {
+            format!("\x1b[{code}m{text}{mark}\x1b[0m")
+        } else {
+            format!("{text}{mark}")
+        }
+    }
+
+    fn bold(&self, text: &str) -> String {
+        if self.colour {
+            format!("\x1b[1m{text}\x1b[0m")
+        } else {
+            text.to_owned()
+        }
+    }
+
+    fn print(&self, s: &Snapshot) {
+        let mut by_owner: BTreeMap<Option<u64>, Vec<&ChannelRow>> = BTreeMap::new();
+        for n in &s.nodes {
+            by_owner.entry(Some(n.id)).or_default();
+        }
+        for c in &s.channels {
+            by_owner.entry(c.node).or_default().push(c);
+        }
+        for (owner, rows) in &by_owner {
+            let label = match owner {
+                Some(id) => {
+                    let draining = s.nodes.iter().any(|n| n.id == *id && n.draining);
+                    format!("node {id}{}", if draining { " (draining)" } else { "" })
+                }
+                None => "remaining".to_owned(),
+            };
+            let names: Vec<String> = rows
+                .iter()
+                .map(|r| self.paint(&format!("{}@{}", r.channel, r.epoch), r.state))
+                .collect();
+            println!("  {label:<20} {:>2} | {}", rows.len(), names.join(" "));
+        }
+    }
+
+    /// Prints the step and checks the invariants.
+    fn check(&mut self, title: &str, s: &Snapshot, balanced: bool) -> Result<()> {
+        self.step += 1;
+        println!();
+        println!(
+            "{} {}",
+            self.bold(&format!("step {}:", self.step)),
+            self.bold(title)
+        );
+        self.print(s);
+        // 1. Every registered channel has exactly one assignment key.
+        let mut seen = BTreeMap::new();
+        for c in &s.channels {
+            *seen.entry(c.channel.clone()).or_insert(0) += 1;
+        }
+        ensure!(
+            seen.len() == self.registered && seen.values().all(|n| *n == 1),
+            "invariant 1 broken: channels and keys {seen:?}"
+        );
+        // 3. No two nodes ran one channel at the same instant.
+        let overlaps = self.handler.overlaps();
+        ensure!(overlaps.is_empty(), "invariant 3 broken: {overlaps:?}");
+        // 4. Epochs only grow.
+        for c in &s.channels {
+            let before = self.epochs.insert(c.channel.clone(), c.epoch).unwrap_or(0);
+            ensure!(
+                c.epoch >= before,
+                "invariant 4 broken: {} epoch {} -> {}",
+                c.channel,
+                before,
+                c.epoch
+            );
+        }
+        // 5. Balanced within one after balance settles.
+        if balanced {
+            let counts: Vec<usize> = s
+                .nodes
+                .iter()
+                .filter(|n| !n.draining)
+                .map(|n| n.channels)
+                .collect();
+            let (min, max) = (
+                counts.iter().min().copied().unwrap_or(0),
+                counts.iter().max().copied().unwrap_or(0),
+            );
+            ensure!(max - min <= 1, "invariant 5 broken: counts {counts:?}");
+        }
+        println!(
+            "  invariants hold: one key per channel, all Watched on live nodes{}, no double ownership, epochs grow{}   [{:.1}s]",
+            if s.nodes.is_empty() { " (parked: no node lives)" } else { "" },
+            if balanced { ", balanced" } else { "" },
+            self.started.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    async fn add_node(&mut self) -> Result<NodeId> {
+        let n = self.cluster.spawn_node();
+        let id = self.cluster.node_id(&n).await?;
+        self.nodes.push(n);
+        Ok(id)
+    }
+
+    fn kill(&mut self, index: usize) -> Option<NodeId> {
+        let n = self.nodes.remove(index);
+        let id = n.id();
+        n.kill();
+        if let Some(id) = id {
+            self.handler.mark_dead(id);
+        }
+        id
+    }
+}
+
+/// Runs the tour.
+///
+/// # Errors
+/// A step that does not settle or an invariant that breaks.
+pub async fn run() -> Result<()> {
+    let clock = Clock::system();
+    let handler = RecordingHandler::new(clock);
+    handler.set_default(Behaviour::Slow {
+        delay: Duration::from_millis(200),
+    });
+    let timings = Timings {
+        session_ttl: Duration::from_secs(2),
+        watch_timeout: Duration::from_secs(5),
+        reconcile_interval: Duration::from_secs(2),
+        tick: Duration::from_millis(100),
+        progress_interval: Duration::from_millis(50),
+    };
+    let cluster = InProc::start(timings, Arc::new(handler.clone()), "in-process".into());
+    let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let mut tour = Tour {
+        cluster,
+        handler,
+        nodes: Vec::new(),
+        colour,
+        step: 0,
+        registered: 0,
+        epochs: BTreeMap::new(),
+        started: Instant::now(),
+    };
+    println!(
+        "{}",
+        tour.bold(
+            "chanwatch demo: one coordinator and its nodes on the embedded store (session ttl 2s)"
+        )
+    );
+    println!(
+        "  legend: name@epoch; Watched plain/green, ToWatch *, ToRelease/Released ~, WatchFailed !"
+    );
+    tour.cluster.ready().await?;
+
+    for _ in 0..3 {
+        tour.add_node().await?;
+    }
+    let s = tour.settle("3 nodes", |s| s.nodes.len() == 3).await?;
+    tour.check("3 nodes join", &s, false)?;
+
+    for i in 0..CHANNELS {
+        let name = ChannelName::new(format!("orders-{i:02}"))?;
+        tour.cluster
+            .handle
+            .add_channel(name, VChannelInfo::default())
+            .await
+            .context("registering a channel")?;
+        tour.registered += 1;
+    }
+    let s = tour.settle("12 channels Watched", |_| true).await?;
+    tour.check(
+        "12 channels are registered: least-loaded assignment",
+        &s,
+        true,
+    )?;
+
+    let dead = tour.kill(0).context("node had an id")?;
+    let s = tour.settle("failover", |s| s.nodes.len() == 2).await?;
+    tour.check(
+        &format!("node {dead} is killed (no goodbye): its channels fail over after the ttl"),
+        &s,
+        false,
+    )?;
+
+    let joined = tour.add_node().await?;
+    let s = tour
+        .settle("balance", |s| {
+            let c: Vec<usize> = s.nodes.iter().map(|n| n.channels).collect();
+            s.nodes.len() == 3 && c.iter().max().unwrap_or(&0) - c.iter().min().unwrap_or(&0) <= 1
+        })
+        .await?;
+    tour.check(
+        &format!("node {joined} joins: balance moves channels to it, break-before-make"),
+        &s,
+        true,
+    )?;
+
+    let drained = tour.nodes[0].id().context("node id")?;
+    tour.cluster.handle.drain(drained).await.context("drain")?;
+    let s = tour
+        .settle("drain", |s| {
+            s.nodes
+                .iter()
+                .any(|n| n.id == drained.0 && n.draining && n.channels == 0)
+        })
+        .await?;
+    tour.check(
+        &format!("node {drained} is drained: its channels move off, nothing new goes there"),
+        &s,
+        true,
+    )?;
+
+    while !tour.nodes.is_empty() {
+        tour.kill(0);
+    }
+    let s = tour.settle("all parked", |s| s.nodes.is_empty()).await?;
+    tour.check(
+        "every node dies: all channels are parked under remaining",
+        &s,
+        false,
+    )?;
+
+    let back = tour.add_node().await?;
+    let s = tour
+        .settle("unpark", |s| {
+            s.nodes.len() == 1 && s.channels.iter().all(|c| c.node == Some(back.0))
+        })
+        .await?;
+    tour.check(
+        &format!("node {back} comes back: it gets every channel"),
+        &s,
+        false,
+    )?;
+
+    for n in tour.nodes.drain(..) {
+        n.stop().await;
+    }
+    let summary = format!(
+        "{} ({} steps, {:.1}s)",
+        tour.bold("demo finished: every invariant held"),
+        tour.step,
+        tour.started.elapsed().as_secs_f64()
+    );
+    tour.cluster.shutdown().await;
+    println!();
+    println!("{summary}");
+    Ok(())
+}

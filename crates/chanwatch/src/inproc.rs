@@ -1,0 +1,170 @@
+//! A whole cluster in one process on the embedded store: what `standalone` and `demo` run.
+//!
+//! Owns: wiring a coordinator and nodes as tasks, and killing or stopping them.
+//! Must not: decide anything; the coordinator and nodes do.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use chanwatch_coord::{CoordHandle, CoordinatorConfig};
+use chanwatch_core::coord::CoordConfig;
+use chanwatch_core::{Keys, NodeId};
+use chanwatch_node::{ChannelHandler, NodeConfig, NodeStatus};
+use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+/// Timings of an in-process cluster.
+#[derive(Debug, Clone)]
+pub struct Timings {
+    pub session_ttl: Duration,
+    pub watch_timeout: Duration,
+    pub reconcile_interval: Duration,
+    pub tick: Duration,
+    pub progress_interval: Duration,
+}
+
+pub struct NodeProc {
+    pub status: watch::Receiver<NodeStatus>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl NodeProc {
+    pub fn id(&self) -> Option<NodeId> {
+        self.status.borrow().id
+    }
+    /// Dies without revoking its lease: its channels move after the TTL.
+    pub fn kill(mut self) {
+        self.stop.take();
+        self.task.abort();
+    }
+    /// Stops its channels and revokes its lease.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = self.task.await;
+    }
+}
+
+pub struct InProc {
+    pub store: EmbeddedStore,
+    pub keys: Keys,
+    pub clock: Clock,
+    pub handle: CoordHandle,
+    pub timings: Timings,
+    handler: Arc<dyn ChannelHandler>,
+    coord_stop: Option<oneshot::Sender<()>>,
+    coord_task: JoinHandle<()>,
+}
+
+impl InProc {
+    /// Starts the store and a coordinator (no nodes yet).
+    pub fn start(timings: Timings, handler: Arc<dyn ChannelHandler>, admin_addr: String) -> Self {
+        let store = EmbeddedStore::new();
+        let keys = Keys::default();
+        let clock = Clock::system();
+        let (handle, requests, status) = CoordHandle::new();
+        let config = CoordinatorConfig {
+            keys: keys.clone(),
+            planner: CoordConfig {
+                watch_timeout_ms: timings.watch_timeout.as_millis() as u64,
+                release_timeout_ms: timings.watch_timeout.as_millis() as u64,
+                failed_node_backoff_ms: timings.watch_timeout.as_millis() as u64,
+                ..CoordConfig::default()
+            },
+            session_ttl: timings.session_ttl,
+            reconcile_interval: timings.reconcile_interval,
+            tick: timings.tick,
+            admin_addr,
+            ..CoordinatorConfig::default()
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shared: Arc<dyn MetaStore> = Arc::new(store.clone());
+        let coord_task = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            if let Err(e) =
+                chanwatch_coord::run(shared, config, clock, requests, status, shutdown).await
+            {
+                tracing::error!(error = %e, "coordinator stopped");
+            }
+        });
+        InProc {
+            store,
+            keys,
+            clock,
+            handle,
+            timings,
+            handler,
+            coord_stop: Some(stop),
+            coord_task,
+        }
+    }
+
+    /// Starts a node; it registers under a fresh ID.
+    pub fn spawn_node(&self) -> NodeProc {
+        let config = NodeConfig {
+            keys: self.keys.clone(),
+            session_ttl: self.timings.session_ttl,
+            progress_interval: self.timings.progress_interval,
+            ..NodeConfig::default()
+        };
+        let (status_tx, status) = watch::channel(NodeStatus::default());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let store: Arc<dyn MetaStore> = Arc::new(self.store.clone());
+        let handler = self.handler.clone();
+        let clock = self.clock;
+        let task = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            if let Err(e) =
+                chanwatch_node::run(store, handler, config, clock, status_tx, shutdown).await
+            {
+                tracing::error!(error = %e, "node stopped");
+            }
+        });
+        NodeProc {
+            status,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Waits until the node has an ID.
+    pub async fn node_id(&self, node: &NodeProc) -> Result<NodeId> {
+        let mut s = node.status.clone();
+        let id = match tokio::time::timeout(Duration::from_secs(10), s.wait_for(|s| s.id.is_some()))
+            .await
+        {
+            Ok(Ok(s)) => s.id.unwrap_or(NodeId(0)),
+            _ => bail!("a node did not register within 10 s"),
+        };
+        Ok(id)
+    }
+
+    /// Waits until the coordinator is leader and recovered.
+    pub async fn ready(&self) -> Result<()> {
+        let mut s = self.handle.watch_status();
+        let ready = matches!(
+            tokio::time::timeout(Duration::from_secs(10), s.wait_for(|s| s.ready)).await,
+            Ok(Ok(_))
+        );
+        if !ready {
+            bail!("the coordinator did not become ready within 10 s");
+        }
+        Ok(())
+    }
+
+    /// Stops the coordinator (revoking its lease).
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.coord_stop.take() {
+            let _ = s.send(());
+        }
+        let _ = (&mut self.coord_task).await;
+    }
+}
