@@ -35,6 +35,7 @@ pub mod clock;
 pub mod embedded;
 pub mod error;
 pub mod etcd;
+pub mod faults;
 pub mod listwatch;
 pub mod types;
 
@@ -48,6 +49,7 @@ pub use clock::Clock;
 pub use embedded::{EmbeddedOptions, EmbeddedStore};
 pub use error::{StoreError, StoreResult};
 pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
+pub use faults::{Faults, FaultyStore};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
     Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Limits, OpResponse,

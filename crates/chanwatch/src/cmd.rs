@@ -53,6 +53,15 @@ fn shared_shutdown() -> watch::Receiver<bool> {
     rx
 }
 
+/// Binds the admin listener; the address it reports is the real one (port 0 resolved).
+async fn bind_admin(addr: &str) -> Result<(tokio::net::TcpListener, String)> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --admin {addr}; pick a free address"))?;
+    let local = listener.local_addr()?.to_string();
+    Ok((listener, local))
+}
+
 async fn wait_true(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
 }
@@ -60,15 +69,7 @@ async fn wait_true(mut rx: watch::Receiver<bool>) {
 pub async fn coord(args: CoordArgs) -> Result<()> {
     let keys = keys(&args.root)?;
     let store = args.etcd.connect().await?;
-    let listener = tokio::net::TcpListener::bind(&args.admin)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot listen on --admin {}; pick a free address",
-                args.admin
-            )
-        })?;
-    let admin_addr = listener.local_addr()?.to_string();
+    let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let config = CoordinatorConfig {
         keys,
         planner: CoordConfig {
@@ -109,15 +110,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
 pub async fn node(args: NodeArgs) -> Result<()> {
     let keys = keys(&args.root)?;
     let store = args.etcd.connect().await?;
-    let listener = tokio::net::TcpListener::bind(&args.admin)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot listen on --admin {}; pick a free address",
-                args.admin
-            )
-        })?;
-    let admin_addr = listener.local_addr()?.to_string();
+    let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let (status_tx, status) = watch::channel(NodeStatus::default());
     let stop = shared_shutdown();
     let router = axum::Router::new()
@@ -164,15 +157,7 @@ pub async fn node(args: NodeArgs) -> Result<()> {
 
 pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
     use chanwatch_core::{ChannelName, VChannelInfo};
-    let listener = tokio::net::TcpListener::bind(&args.admin)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot listen on --admin {}; pick a free address",
-                args.admin
-            )
-        })?;
-    let admin_addr = listener.local_addr()?.to_string();
+    let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let timings = crate::inproc::Timings {
         session_ttl: args.session_ttl,
         watch_timeout: std::time::Duration::from_secs(30),

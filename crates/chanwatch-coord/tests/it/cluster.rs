@@ -87,6 +87,11 @@ impl Cluster {
         Ok(Self::with(Backend::Etcd(fixture), Arc::new(store)))
     }
 
+    /// A cluster whose processes use `store` (e.g. a fault-injecting wrapper of the backend).
+    pub fn with_stores(backend: Backend, store: Arc<dyn MetaStore>) -> Self {
+        Self::with(backend, store)
+    }
+
     fn with(backend: Backend, store: Arc<dyn MetaStore>) -> Self {
         // RUST_LOG=chanwatch=debug shows what the processes did when a scenario fails.
         let _ = tracing_subscriber::fmt()

@@ -45,3 +45,13 @@ all_backends!(
     a_node_shut_down_gracefully_hands_its_channels_over_before_its_ttl,
     a_drain_moves_everything_off_and_survives_a_leader_failover,
 );
+
+/// Scenarios that need exact simulated time run on the embedded store only.
+mod embedded_only {
+    #[tokio::test(start_paused = true)]
+    async fn a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_expires(
+    ) -> anyhow::Result<()> {
+        crate::scenarios::a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_expires()
+            .await
+    }
+}

@@ -577,3 +577,49 @@ pub async fn a_drain_moves_everything_off_and_survives_a_leader_failover(c: Clus
     .await?;
     no_double_ownership(&c)
 }
+
+/// Embedded only (a paused clock makes the timing exact): a node whose keepalives fail stops
+/// every channel before its lease can expire, and only then do the channels move.
+pub async fn a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_expires() -> Result<()>
+{
+    use chanwatch_store::{EmbeddedStore, FaultyStore, MetaStore};
+    use std::sync::Arc;
+    let inner = EmbeddedStore::new();
+    let (faulty, faults) = FaultyStore::new(inner.clone());
+    let c = Cluster::with_stores(
+        Backend::Embedded(inner),
+        Arc::new(faulty) as Arc<dyn MetaStore>,
+    );
+    let coord = c.spawn_coord("c1");
+    let sick = c.spawn_node();
+    let sick_id = c.wait_node_id(&sick).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.add_channels(&coord, "ch", 3).await?;
+    c.wait_until(SETTLE, "3 Watched", |v| v.all_watched_on_live_nodes(3))
+        .await?;
+    // From now on nobody can renew a lease: the sick node must fence itself first.
+    faults.fail_keepalives(true);
+    let session_key = c.keys.session(sick_id);
+    let t0 = c.clock.unix_ms();
+    let deadline = tokio::time::Instant::now() + TTL * 2;
+    while c.store.get(&session_key).await?.is_some() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the sick node's lease never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let expired_at = c.clock.unix_ms();
+    for i in c.handler.intervals().iter().filter(|i| i.node == sick_id) {
+        let end = i
+            .end_ms
+            .context("a channel still runs on the node whose lease expired")?;
+        ensure!(
+            end < expired_at,
+            "{} stopped at {end}, not before the lease expired at {expired_at}",
+            i.channel
+        );
+        ensure!(end >= t0, "stopped before the fault began");
+    }
+    Ok(())
+}
