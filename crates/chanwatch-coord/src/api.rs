@@ -95,9 +95,36 @@ fn channel_name(raw: &str) -> Result<ChannelName, HttpError> {
     ChannelName::new(raw).map_err(|e| HttpError::bad_request(e.to_string()))
 }
 
+/// What the router needs besides the coordinator handle.
+#[derive(Debug, Clone, Default)]
+pub struct ApiOptions {
+    /// Metrics served on `/metrics`.
+    pub registry: prometheus::Registry,
+    /// When set, every write (any method but GET/HEAD) needs `Authorization: Bearer <token>`.
+    pub token: Option<String>,
+}
+
+#[derive(Clone)]
+struct AppState {
+    handle: CoordHandle,
+    registry: prometheus::Registry,
+}
+
+impl axum::extract::FromRef<AppState> for CoordHandle {
+    fn from_ref(s: &AppState) -> CoordHandle {
+        s.handle.clone()
+    }
+}
+
+/// The status page: one self-contained HTML file that polls the API.
+const STATUS_PAGE: &str = include_str!("status.html");
+
 /// The router, ready to serve.
-pub fn router(handle: CoordHandle) -> Router {
+pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
+    let token = options.token.clone();
     Router::new()
+        .route("/", get(|| async { axum::response::Html(STATUS_PAGE) }))
+        .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/api/v1/channels", get(list_channels).post(add_channel))
@@ -110,7 +137,60 @@ pub fn router(handle: CoordHandle) -> Router {
         .route("/api/v1/nodes/{id}/drain", post(drain))
         .route("/api/v1/balance", post(balance))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(handle)
+        .layer(axum::middleware::from_fn(move |req, next| {
+            let token = token.clone();
+            async move { require_token(token.as_deref(), req, next).await }
+        }))
+        .with_state(AppState {
+            handle,
+            registry: options.registry,
+        })
+}
+
+/// Writes need the bearer token when one is configured; reads never do.
+async fn require_token(
+    token: Option<&str>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use subtle::ConstantTimeEq;
+    let Some(token) = token else {
+        return next.run(req).await;
+    };
+    if matches!(
+        *req.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD
+    ) {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Constant time: the comparison must not tell an attacker how much of a guess was right.
+    if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+        return next.run(req).await;
+    }
+    HttpError {
+        status: StatusCode::UNAUTHORIZED,
+        message: "missing or wrong bearer token; pass --admin-token or set CHANWATCH_ADMIN_TOKEN"
+            .into(),
+        leader: None,
+    }
+    .into_response()
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        crate::metrics::render(&s.registry),
+    )
+        .into_response()
 }
 
 /// Serves `router` on `listener` until `shutdown` completes.

@@ -11,6 +11,8 @@
 //! Must not: run channels, or write any key outside `{root}/coord/leader` and `{root}/channel/`.
 
 pub mod api;
+pub mod metrics;
 pub mod runtime;
 
+pub use metrics::CoordMetrics;
 pub use runtime::{run, ApiError, CoordHandle, CoordStatus, CoordinatorConfig, Request};

@@ -42,6 +42,8 @@ pub struct CoordinatorConfig {
     pub id: String,
     /// Admin API address written into the leader key (what `ctl` connects to).
     pub admin_addr: String,
+    /// Where the coordinator's metrics go.
+    pub metrics: Arc<crate::metrics::CoordMetrics>,
 }
 
 impl Default for CoordinatorConfig {
@@ -55,6 +57,7 @@ impl Default for CoordinatorConfig {
             pipeline: 8,
             id: format!("coord-{}", std::process::id()),
             admin_addr: String::new(),
+            metrics: Arc::new(crate::metrics::CoordMetrics::new()),
         }
     }
 }
@@ -351,6 +354,7 @@ pub async fn run(
             if resp.succeeded {
                 let leader_rev = resp.revision;
                 info!(id = %config.id, leader_revision = leader_rev, "coord: elected leader");
+                config.metrics.leader.set(1);
                 status.send_modify(|s| {
                     s.leader = true;
                     s.ready = false;
@@ -364,8 +368,10 @@ pub async fn run(
                     leader_rev,
                     state: CoordState::new(config.keys.clone(), config.planner.clone()),
                     status: &status,
+                    failovers: Vec::new(),
                 };
                 let end = term.lead(&mut requests, &lost, &mut shutdown).await;
+                config.metrics.leader.set(0);
                 status.send_modify(|s| {
                     s.leader = false;
                     s.ready = false;
@@ -510,6 +516,8 @@ struct Term<'a> {
     leader_rev: i64,
     state: CoordState,
     status: &'a watch::Sender<CoordStatus>,
+    /// Sessions seen gone, with the channels they held, until those are all Watched again.
+    failovers: Vec<(tokio::time::Instant, NodeId, Vec<ChannelName>)>,
 }
 
 impl Term<'_> {
@@ -526,8 +534,10 @@ impl Term<'_> {
         reconcile.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         reconcile.tick().await; // the first tick is immediate; the list-watch lists anyway
         let mut recovered = false;
+        let mut restarts_seen = 0;
         loop {
             let mut dirty = false;
+            let mut ticked = false;
             tokio::select! {
                 () = shutdown.as_mut() => return TermEnd::Shutdown,
                 () = lost.cancelled() => return TermEnd::Lost("leader lease lost or not renewed in time".into()),
@@ -543,7 +553,10 @@ impl Term<'_> {
                     }
                     dirty = true;
                 }
-                _ = tick.tick() => dirty = recovered,
+                _ = tick.tick() => {
+                    dirty = recovered;
+                    ticked = true;
+                }
                 _ = reconcile.tick() => lw.relist(),
                 Some(req) = requests.recv() => {
                     if !recovered {
@@ -553,11 +566,19 @@ impl Term<'_> {
                     }
                 }
             }
+            let restarts = lw.restarts();
+            self.config
+                .metrics
+                .watch_restarts
+                .inc_by(restarts - restarts_seen);
+            restarts_seen = restarts;
             if dirty {
                 let txns = self.state.plan(self.clock.unix_ms());
                 if let Err(why) = self.execute(txns).await {
                     return TermEnd::Lost(why);
                 }
+                self.finish_failovers();
+                self.config.metrics.observe(&self.state, ticked);
                 if recovered && !self.status.borrow().ready {
                     self.status.send_modify(|s| s.ready = true);
                     info!("coord: recovered and ready");
@@ -570,6 +591,7 @@ impl Term<'_> {
         match update {
             Update::Reset { kvs, revision } => {
                 debug!(keys = kvs.len(), revision, "coord: full list");
+                self.config.metrics.relists.inc();
                 self.state.reset(
                     kvs.iter()
                         .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
@@ -602,6 +624,29 @@ impl Term<'_> {
                 }
             }
         }
+    }
+
+    /// Observes the failover duration of every dead node whose channels are all Watched on
+    /// another node (or removed) now.
+    fn finish_failovers(&mut self) {
+        let state = &self.state;
+        let metrics = &self.config.metrics;
+        let now = self.clock.now();
+        self.failovers.retain(|(since, dead, held)| {
+            let done = held.iter().all(|c| match state.entry(c) {
+                None => true,
+                Some(e) => {
+                    e.info.state == chanwatch_core::ChannelState::Watched
+                        && e.owner != chanwatch_core::ChannelOwner::Node(*dead)
+                }
+            });
+            if done {
+                let secs = now.saturating_duration_since(*since).as_secs_f64();
+                metrics.failover_seconds.observe(secs);
+                info!(node = %dead, channels = held.len(), seconds = secs, "coord: failover complete: every channel Watched elsewhere");
+            }
+            !done
+        });
     }
 
     /// Handles an admin request. `Err` only when leadership was lost.
@@ -666,10 +711,13 @@ impl Term<'_> {
                 return Ok(());
             }
         };
-        match self.store.txn(self.to_store(&txn)).await {
+        let started = self.clock.now();
+        let result = self.store.txn(self.to_store(&txn)).await;
+        self.record_txn(&result, started);
+        match result {
             Ok(r) if r.succeeded => {
                 self.state.applied(&txn, r.revision);
-                log_transitions(&txn);
+                self.log_transitions(&txn);
                 drop(reply.send(Ok(txn.transitions)));
                 Ok(())
             }
@@ -736,20 +784,28 @@ impl Term<'_> {
                 (t, s)
             })
             .collect();
-        let results: Vec<(PlannedTxn, Result<chanwatch_store::TxnResponse, StoreError>)> =
-            futures_util::stream::iter(jobs.into_iter().map(|(t, s)| {
-                let store = store.clone();
-                async move { (t, store.txn(s).await) }
-            }))
-            .buffer_unordered(self.config.pipeline.max(1))
-            .collect()
-            .await;
+        let clock = self.clock;
+        let results: Vec<(
+            PlannedTxn,
+            Result<chanwatch_store::TxnResponse, StoreError>,
+            tokio::time::Instant,
+        )> = futures_util::stream::iter(jobs.into_iter().map(|(t, s)| {
+            let store = store.clone();
+            async move {
+                let started = clock.now();
+                (t, store.txn(s).await, started)
+            }
+        }))
+        .buffer_unordered(self.config.pipeline.max(1))
+        .collect()
+        .await;
         let mut refused = false;
-        for (t, r) in results {
+        for (t, r, started) in results {
+            self.record_txn(&r, started);
             match r {
                 Ok(resp) if resp.succeeded => {
                     self.state.applied(&t, resp.revision);
-                    log_transitions(&t);
+                    self.log_transitions(&t);
                 }
                 Ok(_) => refused = true,
                 Err(e) => {
@@ -777,16 +833,42 @@ impl Term<'_> {
     }
 }
 
-fn log_transitions(t: &PlannedTxn) {
-    for tr in &t.transitions {
-        info!(
-            channel = %tr.channel,
-            cause = tr.cause.as_str(),
-            from = tr.from.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
-            to = tr.to.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
-            state = tr.state.map_or("deleted", |s| s.as_str()),
-            epoch = %tr.epoch,
-            "coord: channel transition"
+impl Term<'_> {
+    fn record_txn(
+        &self,
+        r: &Result<chanwatch_store::TxnResponse, StoreError>,
+        started: tokio::time::Instant,
+    ) {
+        let m = &self.config.metrics;
+        m.txn_seconds.observe(
+            self.clock
+                .now()
+                .saturating_duration_since(started)
+                .as_secs_f64(),
         );
+        m.txn(match r {
+            Ok(resp) if resp.succeeded => "committed",
+            Ok(_) => "refused",
+            Err(_) => "error",
+        });
+    }
+
+    /// One log line and one counter per channel transition.
+    fn log_transitions(&self, t: &PlannedTxn) {
+        for tr in &t.transitions {
+            // Releases are the first half of a move; count the move once, when it lands.
+            if tr.state != Some(chanwatch_core::ChannelState::ToRelease) {
+                self.config.metrics.reassigned(tr.cause.as_str());
+            }
+            info!(
+                channel = %tr.channel,
+                cause = tr.cause.as_str(),
+                from = tr.from.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
+                to = tr.to.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
+                state = tr.state.map_or("deleted", |s| s.as_str()),
+                epoch = %tr.epoch,
+                "coord: channel transition"
+            );
+        }
     }
 }

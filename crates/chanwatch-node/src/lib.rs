@@ -11,7 +11,9 @@
 //! session, the ID counter, and acknowledgements of its own channels.
 
 pub mod handler;
+pub mod metrics;
 pub mod runtime;
 
 pub use handler::{ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad};
+pub use metrics::NodeMetrics;
 pub use runtime::{run, NodeConfig, NodeError, NodeStatus};

@@ -40,6 +40,8 @@ pub struct NodeConfig {
     pub admin_addr: String,
     /// Relative capacity written into the session.
     pub capacity: u32,
+    /// Where the node's metrics go (shared by the nodes of one process).
+    pub metrics: Arc<crate::metrics::NodeMetrics>,
 }
 
 impl Default for NodeConfig {
@@ -51,6 +53,7 @@ impl Default for NodeConfig {
             progress_interval: Duration::from_secs(5),
             admin_addr: String::new(),
             capacity: 0,
+            metrics: Arc::new(crate::metrics::NodeMetrics::new()),
         }
     }
 }
@@ -126,6 +129,7 @@ pub async fn run(
             }
             Err(e) => return Err(NodeError::Store(e)),
         };
+        config.metrics.sessions.inc();
         status.send_modify(|s| {
             s.id = Some(session.id);
             s.sessions += 1;
@@ -138,6 +142,7 @@ pub async fn run(
         match end {
             SessionEnd::Shutdown => return Ok(()),
             SessionEnd::Fenced(why) => {
+                config.metrics.fences.inc();
                 status.send_modify(|s| s.fences += 1);
                 warn!(reason = %why, "node: fenced itself: every channel stopped; registering again under a new id");
             }
@@ -250,6 +255,9 @@ struct Session {
     next_generation: u64,
     events_tx: mpsc::UnboundedSender<RunnerEvent>,
     events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
+    metrics: Arc<crate::metrics::NodeMetrics>,
+    /// When each loading channel's assignment was seen, for the ack latency.
+    seen_at: HashMap<ChannelName, tokio::time::Instant>,
 }
 
 impl Session {
@@ -275,6 +283,8 @@ impl Session {
             next_generation: 0,
             events_tx,
             events_rx,
+            metrics: config.metrics.clone(),
+            seen_at: HashMap::new(),
         }
     }
 
@@ -299,6 +309,7 @@ impl Session {
         let check_every =
             (self.ttl / 10).clamp(Duration::from_millis(50), Duration::from_millis(500));
         let mut fence_check = tokio::time::interval(check_every);
+        let mut restarts_seen = 0;
         fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -315,6 +326,9 @@ impl Session {
                     return SessionEnd::Fenced("the store says our lease is gone".into());
                 }
                 _ = fence_check.tick() => {
+                    let restarts = lw.restarts();
+                    self.metrics.watch_restarts.inc_by(restarts - restarts_seen);
+                    restarts_seen = restarts;
                     let silent = self.clock.now().saturating_duration_since(*last_ok.borrow());
                     if silent + self.margin >= self.ttl {
                         self.stop_all().await;
@@ -326,6 +340,7 @@ impl Session {
                 }
                 update = lw.next() => match update {
                     Some(Update::Reset { kvs, revision }) => {
+                        self.metrics.relists.inc();
                         debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
                         let list = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
                         let cmds = self.machine.reset(list);
@@ -492,7 +507,9 @@ impl Session {
             {
                 Ok(r) if r.succeeded => {
                     debug!(node = %self.reg.id, acks = chunk.len(), "node: batched acks committed");
+                    self.metrics.acks("committed", chunk.len() as u64);
                     for (info, _, _) in chunk {
+                        self.observe_ack(&info);
                         self.machine.step(NodeEvent::AckDone {
                             channel: info.channel,
                             committed: Some(r.revision),
@@ -511,7 +528,23 @@ impl Session {
         for (info, expect, _) in chunk {
             let channel = info.channel.clone();
             let committed = self.ack(&info, expect).await;
+            if committed.is_some() {
+                self.observe_ack(&info);
+            }
             self.machine.step(NodeEvent::AckDone { channel, committed });
+        }
+    }
+
+    fn observe_ack(&mut self, info: &ChannelInfo) {
+        if info.state == chanwatch_core::ChannelState::Watched {
+            if let Some(seen) = self.seen_at.remove(&info.channel) {
+                let secs = self
+                    .clock
+                    .now()
+                    .saturating_duration_since(seen)
+                    .as_secs_f64();
+                self.metrics.ack_latency.observe(secs);
+            }
         }
     }
 
@@ -542,7 +575,11 @@ impl Session {
             last_progress: Arc::new(Mutex::new(None)),
             progress_interval: self.progress_interval,
         };
+        self.seen_at.insert(info.channel.clone(), self.clock.now());
+        self.metrics.running.inc();
+        let guard = RunningGuard(self.metrics.clone());
         let task = tokio::spawn(run_channel(
+            guard,
             self.handler.clone(),
             ctx,
             cancel.clone(),
@@ -567,14 +604,17 @@ impl Session {
             .and_then([TxnOp::put(&key, info.encode())]);
         match self.store.txn(txn).await {
             Ok(r) if r.succeeded => {
+                self.metrics.acks("committed", 1);
                 debug!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack committed");
                 Some(r.revision)
             }
             Ok(_) => {
+                self.metrics.acks("refused", 1);
                 info!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack refused: the assignment changed meanwhile");
                 None
             }
             Err(e) => {
+                self.metrics.acks("error", 1);
                 warn!(node = %self.reg.id, channel = %info.channel, error = %e, "node: ack failed; a relist or the coordinator's timeout will recover");
                 None
             }
@@ -602,7 +642,17 @@ impl Drop for Session {
     }
 }
 
+/// Counts a runner in `chanwatch_node_channels_running` for as long as its task lives,
+/// including when the task is aborted.
+struct RunningGuard(Arc<crate::metrics::NodeMetrics>);
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.0.running.dec();
+    }
+}
+
 async fn run_channel(
+    _guard: RunningGuard,
     handler: Arc<dyn ChannelHandler>,
     ctx: ChannelContext,
     cancel: CancellationToken,

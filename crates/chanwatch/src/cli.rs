@@ -144,6 +144,9 @@ pub struct StandaloneArgs {
     /// Admin HTTP API address.
     #[arg(long, env = "CHANWATCH_ADMIN", default_value = "127.0.0.1:9870")]
     pub admin: String,
+    /// Bearer token required for admin writes; mandatory when --admin is not loopback.
+    #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// Session lease TTL of the in-process nodes and coordinator.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,
@@ -161,6 +164,9 @@ pub struct CoordArgs {
     /// Admin HTTP API address (loopback unless you mean otherwise).
     #[arg(long, env = "CHANWATCH_ADMIN", default_value = "127.0.0.1:9870")]
     pub admin: String,
+    /// Bearer token required for admin writes; mandatory when --admin is not loopback.
+    #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// Leader lease TTL: a standby takes over within about this long after the leader dies.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,
@@ -204,6 +210,9 @@ pub struct CtlArgs {
     pub etcd: EtcdArgs,
     #[command(flatten)]
     pub root: RootArg,
+    /// Bearer token for the leader's admin API, when it requires one.
+    #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     #[command(subcommand)]
     pub what: CtlCommand,
 }

@@ -53,6 +53,26 @@ fn shared_shutdown() -> watch::Receiver<bool> {
     rx
 }
 
+/// The admin token to require. Refuses to serve a non-loopback admin API without one: anyone
+/// who can reach it could move every channel.
+fn admin_token(
+    listener: &tokio::net::TcpListener,
+    token: Option<String>,
+) -> Result<Option<String>> {
+    let addr = listener.local_addr()?;
+    match token {
+        Some(t) if t.is_empty() => {
+            anyhow::bail!("--admin-token is empty; give a secret or leave it out")
+        }
+        Some(t) => Ok(Some(t)),
+        None if addr.ip().is_loopback() => Ok(None),
+        None => anyhow::bail!(
+            "refusing to serve the admin API on {addr} (not loopback) without --admin-token \
+             (or CHANWATCH_ADMIN_TOKEN): anyone who reaches it could move every channel"
+        ),
+    }
+}
+
 /// Binds the admin listener; the address it reports is the real one (port 0 resolved).
 async fn bind_admin(addr: &str) -> Result<(tokio::net::TcpListener, String)> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -70,7 +90,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
     let keys = keys(&args.root)?;
     let store = args.etcd.connect().await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
-    let config = CoordinatorConfig {
+    let mut config = CoordinatorConfig {
         keys,
         planner: CoordConfig {
             watch_timeout_ms: args.watch_timeout.as_millis() as u64,
@@ -85,10 +105,19 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
         admin_addr: admin_addr.clone(),
         ..CoordinatorConfig::default()
     };
+    config.metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
     info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");
     let (handle, requests, status) = CoordHandle::new();
     let stop = shared_shutdown();
-    let api = chanwatch_coord::api::router(handle.clone());
+    let registry = prometheus::Registry::new();
+    config.metrics.register(&registry)?;
+    let api = chanwatch_coord::api::router(
+        handle.clone(),
+        chanwatch_coord::api::ApiOptions {
+            registry,
+            token: admin_token(&listener, args.admin_token)?,
+        },
+    );
     let server = tokio::spawn(chanwatch_coord::api::serve(
         listener,
         api,
@@ -113,8 +142,18 @@ pub async fn node(args: NodeArgs) -> Result<()> {
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let (status_tx, status) = watch::channel(NodeStatus::default());
     let stop = shared_shutdown();
+    let metrics = Arc::new(chanwatch_node::NodeMetrics::new());
+    let registry = prometheus::Registry::new();
+    metrics.register(&registry)?;
     let router = axum::Router::new()
         .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let text = chanwatch_coord::metrics::render(&registry);
+                async move { text }
+            }),
+        )
         .route(
             "/status",
             axum::routing::get(move || {
@@ -136,6 +175,7 @@ pub async fn node(args: NodeArgs) -> Result<()> {
         session_ttl: args.session_ttl,
         progress_interval: args.progress_interval,
         admin_addr: admin_addr.clone(),
+        metrics,
         ..NodeConfig::default()
     };
     info!(admin = %admin_addr, store = %store.describe(), "node starting");
@@ -168,9 +208,16 @@ pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
     let handler = Arc::new(SimulatedLoad {
         load_delay: args.load_delay,
     });
+    let token = admin_token(&listener, args.admin_token)?;
     let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone());
     let stop = shared_shutdown();
-    let api = chanwatch_coord::api::router(cluster.handle.clone());
+    let registry = prometheus::Registry::new();
+    cluster.coord_metrics.register(&registry)?;
+    cluster.node_metrics.register(&registry)?;
+    let api = chanwatch_coord::api::router(
+        cluster.handle.clone(),
+        chanwatch_coord::api::ApiOptions { registry, token },
+    );
     let server = tokio::spawn(chanwatch_coord::api::serve(
         listener,
         api,

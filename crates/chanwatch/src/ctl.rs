@@ -29,6 +29,13 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         _ => {}
     }
     let store = args.etcd.connect().await?;
+    let token = args.admin_token.clone();
+    let send = |method: reqwest::Method, path: String, body: Option<Value>| {
+        let store = store.clone();
+        let keys = keys.clone();
+        let token = token.clone();
+        async move { call(&*store, &keys, token.as_deref(), method, &path, body).await }
+    };
     match args.what {
         CtlCommand::Channels { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
@@ -58,22 +65,18 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             if !vchannel.is_null() {
                 body["vchannel"] = vchannel;
             }
-            let out = call(
-                &*store,
-                &keys,
+            let out = send(
                 reqwest::Method::POST,
-                "/api/v1/channels",
+                "/api/v1/channels".to_string(),
                 Some(body),
             )
             .await?;
             print_transitions(&out);
         }
         CtlCommand::RemoveChannel { name } => {
-            let out = call(
-                &*store,
-                &keys,
+            let out = send(
                 reqwest::Method::DELETE,
-                &format!("/api/v1/channels/{name}"),
+                format!("/api/v1/channels/{name}"),
                 None,
             )
             .await?;
@@ -81,22 +84,13 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         }
         CtlCommand::Move { name, to } => {
             let path = format!("/api/v1/channels/{name}/move");
-            let out = call(
-                &*store,
-                &keys,
-                reqwest::Method::POST,
-                &path,
-                Some(json!({ "to": to })),
-            )
-            .await?;
+            let out = send(reqwest::Method::POST, path, Some(json!({ "to": to }))).await?;
             print_transitions(&out);
         }
         CtlCommand::Drain { node } => {
-            call(
-                &*store,
-                &keys,
+            send(
                 reqwest::Method::POST,
-                &format!("/api/v1/nodes/{node}/drain"),
+                format!("/api/v1/nodes/{node}/drain"),
                 None,
             )
             .await?;
@@ -104,7 +98,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         }
         CtlCommand::Balance { dry_run, json } => {
             let path = format!("/api/v1/balance?dry_run={dry_run}");
-            let out = call(&*store, &keys, reqwest::Method::POST, &path, None).await?;
+            let out = send(reqwest::Method::POST, path, None).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&out["moves"])?);
             } else {
@@ -161,6 +155,7 @@ fn report_corrupt(state: &CoordState) {
 async fn call(
     store: &dyn chanwatch_store::MetaStore,
     keys: &Keys,
+    token: Option<&str>,
     method: reqwest::Method,
     path: &str,
     body: Option<Value>,
@@ -178,6 +173,9 @@ async fn call(
         .timeout(std::time::Duration::from_secs(30))
         .build()?;
     let mut req = client.request(method, &url);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
     if let Some(b) = body {
         req = req.json(&b);
     }

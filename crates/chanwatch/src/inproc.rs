@@ -55,6 +55,10 @@ pub struct InProc {
     pub clock: Clock,
     pub handle: CoordHandle,
     pub timings: Timings,
+    /// The coordinator's metrics.
+    pub coord_metrics: Arc<chanwatch_coord::CoordMetrics>,
+    /// The metrics every in-process node shares.
+    pub node_metrics: Arc<chanwatch_node::NodeMetrics>,
     handler: Arc<dyn ChannelHandler>,
     coord_stop: Option<oneshot::Sender<()>>,
     coord_task: JoinHandle<()>,
@@ -67,7 +71,9 @@ impl InProc {
         let keys = Keys::default();
         let clock = Clock::system();
         let (handle, requests, status) = CoordHandle::new();
+        let coord_metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
         let config = CoordinatorConfig {
+            metrics: coord_metrics.clone(),
             keys: keys.clone(),
             planner: CoordConfig {
                 watch_timeout_ms: timings.watch_timeout.as_millis() as u64,
@@ -99,6 +105,8 @@ impl InProc {
             clock,
             handle,
             timings,
+            coord_metrics,
+            node_metrics: Arc::new(chanwatch_node::NodeMetrics::new()),
             handler,
             coord_stop: Some(stop),
             coord_task,
@@ -111,6 +119,7 @@ impl InProc {
             keys: self.keys.clone(),
             session_ttl: self.timings.session_ttl,
             progress_interval: self.timings.progress_interval,
+            metrics: self.node_metrics.clone(),
             ..NodeConfig::default()
         };
         let (status_tx, status) = watch::channel(NodeStatus::default());

@@ -40,10 +40,22 @@ impl Api {
 }
 
 async fn start(store: Arc<dyn MetaStore>, id: &str) -> Result<(Api, CoordHandle)> {
+    start_with(store, id, None).await
+}
+
+async fn start_with(
+    store: Arc<dyn MetaStore>,
+    id: &str,
+    token: Option<&str>,
+) -> Result<(Api, CoordHandle)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?.to_string();
     let (handle, requests, status) = CoordHandle::new();
+    let metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
+    let registry = prometheus::Registry::new();
+    metrics.register(&registry)?;
     let config = CoordinatorConfig {
+        metrics,
         id: id.to_owned(),
         admin_addr: addr.clone(),
         session_ttl: Duration::from_secs(3),
@@ -57,7 +69,13 @@ async fn start(store: Arc<dyn MetaStore>, id: &str) -> Result<(Api, CoordHandle)
         status,
         std::future::pending(),
     ));
-    let router = chanwatch_coord::api::router(handle.clone());
+    let router = chanwatch_coord::api::router(
+        handle.clone(),
+        chanwatch_coord::api::ApiOptions {
+            registry,
+            token: token.map(str::to_owned),
+        },
+    );
     tokio::spawn(chanwatch_coord::api::serve(
         listener,
         router,
@@ -255,5 +273,109 @@ async fn a_standby_answers_writes_with_503_and_the_leaders_address() -> Result<(
     let (code, _) = standby.call(reqwest::Method::GET, "/readyz", None).await?;
     ensure!(code == 503, "a standby must not be ready");
     ensure!(store.range("chanwatch/channel/").await?.kvs.is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_need_the_bearer_token_when_one_is_set_and_reads_do_not() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (api, handle) = start_with(store.clone(), "tok", Some("s3cret")).await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    let url = format!("{}/api/v1/channels", api.base);
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some("s3cret"),
+        Some("Bearer s3cre"),
+    ] {
+        let mut req = api
+            .client
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(r#"{"name":"c1"}"#);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await?;
+        ensure!(
+            resp.status().as_u16() == 401,
+            "{auth:?} got {}",
+            resp.status()
+        );
+        let body: Value = resp.json().await?;
+        ensure!(
+            body["error"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("bearer token"),
+            "{body}"
+        );
+    }
+    ensure!(
+        store.range("chanwatch/channel/").await?.kvs.is_empty(),
+        "an unauthenticated write landed"
+    );
+    let resp = api
+        .client
+        .post(&url)
+        .bearer_auth("s3cret")
+        .header("content-type", "application/json")
+        .body(r#"{"name":"c1"}"#)
+        .send()
+        .await?;
+    ensure!(resp.status().as_u16() == 201, "{}", resp.status());
+    let (code, _) = api
+        .call(reqwest::Method::GET, "/api/v1/channels", None)
+        .await?;
+    ensure!(code == 200, "reads need no token");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_the_status_page_are_served() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (api, handle) = start(store.clone(), "m").await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    api.call(
+        reqwest::Method::POST,
+        "/api/v1/channels",
+        Some(r#"{"name":"c1"}"#),
+    )
+    .await?;
+    // Gauges refresh on the next planner round.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let text = api
+        .client
+        .get(format!("{}/metrics", api.base))
+        .send()
+        .await?
+        .text()
+        .await?;
+    for want in [
+        "chanwatch_leader 1",
+        "chanwatch_channels_remaining 1",
+        "chanwatch_channels{state=\"ToWatch\"} 1",
+        "chanwatch_nodes_alive 0",
+        "chanwatch_reassignments_total{cause=\"assign\"} 1",
+        "chanwatch_store_txns_total{result=\"committed\"}",
+        "chanwatch_store_txn_seconds_bucket",
+        "chanwatch_relists_total",
+    ] {
+        ensure!(text.contains(want), "/metrics lacks {want}:\n{text}");
+    }
+    let page = api
+        .client
+        .get(format!("{}/", api.base))
+        .send()
+        .await?
+        .text()
+        .await?;
+    ensure!(page.contains("<title>chanwatch</title>") && page.contains("/api/v1/channels"));
+    ensure!(
+        !page.contains("http://") && !page.contains("https://"),
+        "the status page must not load anything from elsewhere"
+    );
     Ok(())
 }

@@ -1,0 +1,220 @@
+//! Prometheus metrics of the coordinator.
+//!
+//! Owns: the metric definitions and how they are derived from the planner's view.
+//! Must not: be read by the control logic: metrics only observe.
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+use chanwatch_core::coord::CoordState;
+use chanwatch_core::{ChannelOwner, ChannelState};
+
+/// Failover durations are seconds to tens of seconds (TTL-bound detection is not included:
+/// the clock starts when the session is seen gone).
+const FAILOVER_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const TXN_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+/// Every coordinator metric. Cheap to share behind an `Arc`.
+#[derive(Debug, Clone)]
+pub struct CoordMetrics {
+    channels: IntGaugeVec,
+    nodes_alive: IntGauge,
+    remaining: IntGauge,
+    unbalanced: IntGauge,
+    moves_in_flight: IntGauge,
+    corrupt: IntGauge,
+    reassignments: IntCounterVec,
+    /// Seconds from a session's loss to every channel it held `Watched` elsewhere.
+    pub failover_seconds: Histogram,
+    /// Times the list-watch loop had to start over after an error.
+    pub watch_restarts: IntCounter,
+    /// Full lists (start, reconcile, recovery after an error).
+    pub relists: IntCounter,
+    txns: IntCounterVec,
+    /// Latency of coordinator txns.
+    pub txn_seconds: Histogram,
+    /// 1 while this process is the leader.
+    pub leader: IntGauge,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Metric definitions are static; an error here is a programming error caught by the tests.
+    r.unwrap_or_else(|e| panic!("bad metric definition: {e}"))
+}
+
+impl Default for CoordMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CoordMetrics {
+    /// Fresh metrics, not registered anywhere yet.
+    pub fn new() -> Self {
+        CoordMetrics {
+            channels: must(IntGaugeVec::new(
+                Opts::new("chanwatch_channels", "Channels by assignment state."),
+                &["state"],
+            )),
+            nodes_alive: must(IntGauge::new(
+                "chanwatch_nodes_alive",
+                "Nodes with a live session.",
+            )),
+            remaining: must(IntGauge::new(
+                "chanwatch_channels_remaining",
+                "Channels parked under remaining (no node alive).",
+            )),
+            unbalanced: must(IntGauge::new(
+                "chanwatch_channels_unbalanced",
+                "Channels the balanced plan would move (assignments that differ from it).",
+            )),
+            moves_in_flight: must(IntGauge::new(
+                "chanwatch_moves_in_flight",
+                "Break-before-make moves waiting for Released.",
+            )),
+            corrupt: must(IntGauge::new(
+                "chanwatch_corrupt_values",
+                "Keys whose value does not decode (left alone).",
+            )),
+            reassignments: must(IntCounterVec::new(
+                Opts::new(
+                    "chanwatch_reassignments_total",
+                    "Assignment changes by cause.",
+                ),
+                &["cause"],
+            )),
+            failover_seconds: must(Histogram::with_opts(
+                HistogramOpts::new(
+                    "chanwatch_failover_duration_seconds",
+                    "From a node's session loss to all its channels Watched elsewhere.",
+                )
+                .buckets(FAILOVER_BUCKETS.to_vec()),
+            )),
+            watch_restarts: must(IntCounter::new(
+                "chanwatch_watch_restarts_total",
+                "Times the coordinator's watch broke and was restarted.",
+            )),
+            relists: must(IntCounter::new(
+                "chanwatch_relists_total",
+                "Full lists of the store by the coordinator.",
+            )),
+            txns: must(IntCounterVec::new(
+                Opts::new("chanwatch_store_txns_total", "Coordinator txns by result."),
+                &["result"],
+            )),
+            txn_seconds: must(Histogram::with_opts(
+                HistogramOpts::new(
+                    "chanwatch_store_txn_seconds",
+                    "Latency of coordinator txns.",
+                )
+                .buckets(TXN_BUCKETS.to_vec()),
+            )),
+            leader: must(IntGauge::new(
+                "chanwatch_leader",
+                "1 while this coordinator leads.",
+            )),
+        }
+    }
+
+    /// Registers every metric in `registry`.
+    ///
+    /// # Errors
+    /// A metric of the same name is already registered there.
+    pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.channels.clone()))?;
+        registry.register(Box::new(self.nodes_alive.clone()))?;
+        registry.register(Box::new(self.remaining.clone()))?;
+        registry.register(Box::new(self.unbalanced.clone()))?;
+        registry.register(Box::new(self.moves_in_flight.clone()))?;
+        registry.register(Box::new(self.corrupt.clone()))?;
+        registry.register(Box::new(self.reassignments.clone()))?;
+        registry.register(Box::new(self.failover_seconds.clone()))?;
+        registry.register(Box::new(self.watch_restarts.clone()))?;
+        registry.register(Box::new(self.relists.clone()))?;
+        registry.register(Box::new(self.txns.clone()))?;
+        registry.register(Box::new(self.txn_seconds.clone()))?;
+        registry.register(Box::new(self.leader.clone()))?;
+        Ok(())
+    }
+
+    /// Counts one reassignment.
+    pub fn reassigned(&self, cause: &str) {
+        self.reassignments.with_label_values(&[cause]).inc();
+    }
+
+    /// Counts one txn by result (`committed`, `refused`, `error`).
+    pub fn txn(&self, result: &str) {
+        self.txns.with_label_values(&[result]).inc();
+    }
+
+    /// Refreshes the gauges derived from the view. `with_balance` also computes the balance
+    /// plan (a copy of the view), so callers do it at most once per tick.
+    pub fn observe(&self, state: &CoordState, with_balance: bool) {
+        let mut by_state = [0i64; 5];
+        let mut remaining = 0;
+        for e in state.entries() {
+            let i = ChannelState::ALL
+                .iter()
+                .position(|s| *s == e.info.state)
+                .unwrap_or(0);
+            by_state[i] += 1;
+            if e.owner == ChannelOwner::Remaining {
+                remaining += 1;
+            }
+        }
+        for (i, s) in ChannelState::ALL.iter().enumerate() {
+            self.channels
+                .with_label_values(&[s.as_str()])
+                .set(by_state[i]);
+        }
+        self.remaining.set(remaining);
+        self.nodes_alive
+            .set(i64::try_from(state.nodes().len()).unwrap_or(i64::MAX));
+        self.moves_in_flight
+            .set(i64::try_from(state.moves_in_flight()).unwrap_or(i64::MAX));
+        self.corrupt
+            .set(i64::try_from(state.corrupt().len()).unwrap_or(i64::MAX));
+        if with_balance {
+            self.unbalanced
+                .set(i64::try_from(state.balance_plan().len()).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+/// Renders a registry in the Prometheus text format.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    let encoder = prometheus::TextEncoder::new();
+    if let Err(e) = encoder.encode_utf8(&registry.gather(), &mut out) {
+        out = format!("# error encoding metrics: {e}\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_registers_once_and_renders() {
+        let m = CoordMetrics::new();
+        let r = Registry::new();
+        m.register(&r).expect("first registration");
+        m.reassigned("failover");
+        m.txn("committed");
+        let text = render(&r);
+        for name in [
+            "chanwatch_reassignments_total{cause=\"failover\"} 1",
+            "chanwatch_store_txns_total{result=\"committed\"} 1",
+            "chanwatch_leader 0",
+        ] {
+            assert!(text.contains(name), "missing {name} in\n{text}");
+        }
+        assert!(m.register(&r).is_err(), "registering twice must fail");
+    }
+}

@@ -1,0 +1,100 @@
+//! Prometheus metrics of a node (shared by every node of one process).
+//!
+//! Owns: metric definitions. Must not: be read by the control logic.
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+const ACK_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+/// Node metrics. Cheap to share behind an `Arc`.
+#[derive(Debug, Clone)]
+pub struct NodeMetrics {
+    /// Channels with a runner (loading or running).
+    pub running: IntGauge,
+    acks: IntCounterVec,
+    /// From an assignment seen (PUT) to its `Watched` ack committed.
+    pub ack_latency: Histogram,
+    /// Sessions registered.
+    pub sessions: IntCounter,
+    /// Times a node fenced itself.
+    pub fences: IntCounter,
+    /// Times a node's watch broke and was restarted.
+    pub watch_restarts: IntCounter,
+    /// Full lists of a node's prefix.
+    pub relists: IntCounter,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Static definitions: an error is a programming error caught by the tests.
+    r.unwrap_or_else(|e| panic!("bad metric definition: {e}"))
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NodeMetrics {
+    /// Fresh metrics, not registered anywhere yet.
+    pub fn new() -> Self {
+        NodeMetrics {
+            running: must(IntGauge::new(
+                "chanwatch_node_channels_running",
+                "Channels loading or running on this process's nodes.",
+            )),
+            acks: must(IntCounterVec::new(
+                Opts::new(
+                    "chanwatch_node_acks_total",
+                    "Acknowledgement writes by result.",
+                ),
+                &["result"],
+            )),
+            ack_latency: must(Histogram::with_opts(
+                HistogramOpts::new(
+                    "chanwatch_node_ack_latency_seconds",
+                    "From an assignment seen to its Watched ack committed.",
+                )
+                .buckets(ACK_BUCKETS.to_vec()),
+            )),
+            sessions: must(IntCounter::new(
+                "chanwatch_node_sessions_total",
+                "Sessions registered.",
+            )),
+            fences: must(IntCounter::new(
+                "chanwatch_node_fences_total",
+                "Times a node stopped every channel because its lease could not be renewed.",
+            )),
+            watch_restarts: must(IntCounter::new(
+                "chanwatch_node_watch_restarts_total",
+                "Times a node's watch broke and was restarted.",
+            )),
+            relists: must(IntCounter::new(
+                "chanwatch_node_relists_total",
+                "Full lists of a node's own prefix.",
+            )),
+        }
+    }
+
+    /// Registers every metric in `registry`.
+    ///
+    /// # Errors
+    /// A metric of the same name is already registered there.
+    pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.running.clone()))?;
+        registry.register(Box::new(self.acks.clone()))?;
+        registry.register(Box::new(self.ack_latency.clone()))?;
+        registry.register(Box::new(self.sessions.clone()))?;
+        registry.register(Box::new(self.fences.clone()))?;
+        registry.register(Box::new(self.watch_restarts.clone()))?;
+        registry.register(Box::new(self.relists.clone()))?;
+        Ok(())
+    }
+
+    /// Counts acks by result (`committed`, `refused`, `error`).
+    pub fn acks(&self, result: &str, n: u64) {
+        self.acks.with_label_values(&[result]).inc_by(n);
+    }
+}
