@@ -192,6 +192,13 @@ fn map_err(endpoints: &str, e: etcd_client::Error) -> StoreError {
                     compact_revision: 0,
                 };
             }
+            if msg.contains("authentication failed")
+                || msg.contains("user name is empty")
+                || msg.contains("permission denied")
+                || msg.contains("invalid auth token")
+            {
+                return StoreError::Unauthenticated(msg);
+            }
             if msg.contains("required revision is a future revision") {
                 return StoreError::FutureRevision {
                     requested: 0,

@@ -28,6 +28,9 @@ pub enum FixtureError {
     /// Starting the process or making its data dir failed.
     #[error("could not start etcd: {0}")]
     Io(#[from] std::io::Error),
+    /// A client call to the fixture failed while setting it up.
+    #[error("etcd set-up call failed: {0}")]
+    Client(#[from] etcd_client::Error),
     /// etcd started but did not serve in time.
     #[error("etcd did not become healthy within {timeout:?}; its log:\n{log}")]
     NotHealthy {
@@ -43,6 +46,107 @@ pub enum FixtureError {
 pub struct EtcdOptions {
     /// Extra command-line flags passed to etcd as they are.
     pub extra_args: Vec<String>,
+    /// Serve clients over TLS with client-certificate auth, with certificates made for the
+    /// fixture (see [`EtcdFixture::tls`]).
+    pub tls: bool,
+    /// Enable etcd auth with user `root` and this password.
+    pub root_password: Option<String>,
+}
+
+/// PEM files made for a TLS fixture: a CA, the server's certificate, a client certificate.
+#[derive(Debug, Clone)]
+pub struct TlsMaterial {
+    /// The CA that signed both certificates.
+    pub ca: PathBuf,
+    /// Client certificate.
+    pub client_cert: PathBuf,
+    /// Client key.
+    pub client_key: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+}
+
+/// Makes a CA and server/client certificates for 127.0.0.1 with the `openssl` command.
+fn make_certs(dir: &Path) -> Result<TlsMaterial, FixtureError> {
+    let run = |args: &[&str]| -> Result<(), FixtureError> {
+        let out =
+            Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .map_err(|e| {
+                    FixtureError::Io(std::io::Error::new(
+                e.kind(),
+                format!("cannot run openssl ({e}); install it with `apt-get install -y openssl`"),
+            ))
+                })?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(FixtureError::Io(std::io::Error::other(format!(
+                "openssl {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ))))
+        }
+    };
+    let ext = dir.join("san.ext");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+    )?;
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=chanwatch-test-ca",
+    ])?;
+    for who in ["server", "client"] {
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &format!("{who}.key"),
+            "-out",
+            &format!("{who}.csr"),
+            "-subj",
+            &format!("/CN={who}"),
+        ])?;
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{who}.csr"),
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{who}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ])?;
+    }
+    Ok(TlsMaterial {
+        ca: dir.join("ca.pem"),
+        client_cert: dir.join("client.pem"),
+        client_key: dir.join("client.key"),
+        server_cert: dir.join("server.pem"),
+        server_key: dir.join("server.key"),
+    })
 }
 
 /// A running etcd process, killed on drop.
@@ -52,6 +156,8 @@ pub struct EtcdFixture {
     client_url: String,
     data_dir: tempfile::TempDir,
     command: Vec<String>,
+    tls: Option<TlsMaterial>,
+    root_password: Option<String>,
 }
 
 /// Finds the etcd binary.
@@ -111,7 +217,13 @@ impl EtcdFixture {
         };
         let client_port = free_port()?;
         let peer_port = free_port()?;
-        let client_url = format!("http://127.0.0.1:{client_port}");
+        let tls = if options.tls {
+            Some(make_certs(data_dir.path())?)
+        } else {
+            None
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let client_url = format!("{scheme}://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         let mut command = vec![
             bin.display().to_string(),
@@ -125,6 +237,12 @@ impl EtcdFixture {
             "--initial-cluster-state=new".to_owned(),
             "--log-level=warn".to_owned(),
         ];
+        if let Some(t) = &tls {
+            command.push(format!("--cert-file={}", t.server_cert.display()));
+            command.push(format!("--key-file={}", t.server_key.display()));
+            command.push(format!("--trusted-ca-file={}", t.ca.display()));
+            command.push("--client-cert-auth".to_owned());
+        }
         command.extend(options.extra_args);
         let child = spawn(&command, data_dir.path())?;
         let fixture = EtcdFixture {
@@ -132,16 +250,60 @@ impl EtcdFixture {
             client_url,
             data_dir,
             command,
+            tls,
+            root_password: None,
         };
         fixture.wait_healthy(Duration::from_secs(20)).await?;
+        let mut fixture = fixture;
+        if let Some(pw) = options.root_password {
+            fixture.enable_auth(&pw).await?;
+            fixture.root_password = Some(pw);
+        }
         Ok(fixture)
+    }
+
+    /// Client options that reach this fixture (TLS files, root credentials).
+    fn client_options(&self) -> Result<Option<etcd_client::ConnectOptions>, FixtureError> {
+        let mut options = etcd_client::ConnectOptions::new();
+        if let Some(t) = &self.tls {
+            let tls = etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(std::fs::read(&t.ca)?))
+                .identity(etcd_client::Identity::from_pem(
+                    std::fs::read(&t.client_cert)?,
+                    std::fs::read(&t.client_key)?,
+                ));
+            options = options.with_tls(tls);
+        }
+        if let Some(pw) = &self.root_password {
+            options = options.with_user("root", pw.clone());
+        }
+        Ok(Some(options))
+    }
+
+    async fn enable_auth(&self, password: &str) -> Result<(), FixtureError> {
+        let step = async {
+            let mut c =
+                etcd_client::Client::connect([&self.client_url], self.client_options()?).await?;
+            c.user_add("root", password, None).await?;
+            c.user_grant_role("root", "root").await?;
+            c.auth_enable().await?;
+            Ok::<_, FixtureError>(())
+        };
+        step.await
+    }
+
+    /// TLS files of a fixture started with `tls: true`.
+    pub fn tls(&self) -> Option<&TlsMaterial> {
+        self.tls.as_ref()
     }
 
     async fn wait_healthy(&self, timeout: Duration) -> Result<(), FixtureError> {
         let started = Instant::now();
+        let options = self.client_options()?;
         while started.elapsed() < timeout {
             let probe = async {
-                let mut c = etcd_client::Client::connect([&self.client_url], None).await?;
+                let mut c =
+                    etcd_client::Client::connect([&self.client_url], options.clone()).await?;
                 c.get("health", None).await
             };
             if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), probe).await {

@@ -27,6 +27,10 @@ pub struct Cli {
 /// Flags shared by every subcommand.
 #[derive(Debug, Args)]
 pub struct Global {
+    /// A TOML file of flag values (keys are long flag names, e.g. `session-ttl = "5s"`).
+    /// Precedence: flags, then environment, then this file.
+    #[arg(long, global = true, env = "CHANWATCH_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Log format: human-readable text or one JSON object per line.
     #[arg(long, global = true, env = "CHANWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

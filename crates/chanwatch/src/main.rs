@@ -8,6 +8,7 @@
 mod bench;
 mod cli;
 mod cmd;
+mod config;
 mod ctl;
 mod demo;
 mod inproc;
@@ -15,6 +16,18 @@ mod inproc;
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
+    // The config file becomes environment variables before the flags are parsed, so flags win.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(path) = config::config_path(&args) {
+        match config::load(std::path::Path::new(&path)) {
+            // Single-threaded here: no runtime or thread exists yet.
+            Ok(vars) => vars.into_iter().for_each(|(k, v)| std::env::set_var(k, v)),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return std::process::ExitCode::FAILURE;
+            }
+        }
+    }
     let cli = cli::Cli::parse();
     // The demo and ctl print tables for a person; their logs would only clutter them.
     let default_level = match cli.command {

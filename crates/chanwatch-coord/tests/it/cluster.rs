@@ -19,6 +19,8 @@ pub const TTL: Duration = Duration::from_secs(3);
 /// Watch timeout of the coordinators.
 pub const WATCH_TIMEOUT: Duration = Duration::from_secs(4);
 
+// One per test; boxing the fixture buys nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Backend {
     Embedded(EmbeddedStore),
     Etcd(EtcdFixture),
