@@ -5,6 +5,7 @@
 //! etcd process on loopback ports, in real time.
 
 mod api;
+mod browser;
 mod cluster;
 mod scenarios;
 
