@@ -142,6 +142,26 @@ impl CoordMetrics {
         Ok(())
     }
 
+    /// Reassignments counted so far for `cause` (benchmarks read it).
+    pub fn reassignments_of(&self, cause: &str) -> u64 {
+        self.reassignments.with_label_values(&[cause]).get()
+    }
+
+    /// Txns counted so far with `result`.
+    pub fn txns_of(&self, result: &str) -> u64 {
+        self.txns.with_label_values(&[result]).get()
+    }
+
+    /// Channels in `state` at the last planner round.
+    pub fn channels_in(&self, state: ChannelState) -> i64 {
+        self.channels.with_label_values(&[state.as_str()]).get()
+    }
+
+    /// Moves in flight at the last planner round.
+    pub fn moves_in_flight(&self) -> i64 {
+        self.moves_in_flight.get()
+    }
+
     /// Counts one reassignment.
     pub fn reassigned(&self, cause: &str) {
         self.reassignments.with_label_values(&[cause]).inc();

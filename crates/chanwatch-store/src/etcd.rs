@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -71,13 +72,17 @@ impl Default for EtcdConfig {
     }
 }
 
+type Keeper = (LeaseKeeper, LeaseKeepAliveStream);
+
 /// A connected etcd client. Cheap to share behind an `Arc`.
 pub struct EtcdStore {
     client: Client,
     endpoints: String,
     limits: Limits,
-    /// One open keepalive stream per lease, so a renewal is one round trip.
-    keepers: Mutex<HashMap<LeaseId, (LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// One open keepalive stream per lease, so a renewal is one round trip. The map's lock is
+    /// held only to find an entry; each entry has its own lock for the round trip, so leases
+    /// of many sessions in one process never wait for each other.
+    keepers: std::sync::Mutex<HashMap<LeaseId, Arc<Mutex<Option<Keeper>>>>>,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -130,7 +135,7 @@ impl EtcdStore {
             client,
             endpoints,
             limits: config.limits,
-            keepers: Mutex::new(HashMap::new()),
+            keepers: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -426,8 +431,15 @@ impl MetaStore for EtcdStore {
     }
 
     async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
-        let mut keepers = self.keepers.lock().await;
-        if let Some((keeper, stream)) = keepers.get_mut(&lease) {
+        let slot = {
+            let mut map = self
+                .keepers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            map.entry(lease).or_default().clone()
+        };
+        let mut slot = slot.lock().await;
+        if let Some((keeper, stream)) = slot.as_mut() {
             let renewed = async {
                 keeper.keep_alive().await?;
                 stream.message().await
@@ -436,11 +448,11 @@ impl MetaStore for EtcdStore {
             return match renewed {
                 Ok(Some(resp)) if resp.ttl() > 0 => Ok(()),
                 Ok(_) => {
-                    keepers.remove(&lease);
+                    *slot = None;
                     Err(StoreError::LeaseNotFound(lease))
                 }
                 Err(e) => {
-                    keepers.remove(&lease);
+                    *slot = None;
                     Err(fix_lease(self.err(e), lease))
                 }
             };
@@ -448,7 +460,7 @@ impl MetaStore for EtcdStore {
         // Opening the stream sends the first renewal and checks the lease exists.
         match self.client.lease_client().keep_alive(lease).await {
             Ok(pair) => {
-                keepers.insert(lease, pair);
+                *slot = Some(pair);
                 Ok(())
             }
             Err(e) => Err(fix_lease(self.err(e), lease)),
@@ -456,7 +468,10 @@ impl MetaStore for EtcdStore {
     }
 
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
-        self.keepers.lock().await.remove(&lease);
+        self.keepers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&lease);
         self.client
             .lease_client()
             .revoke(lease)

@@ -285,6 +285,72 @@ pub enum BenchWhat {
     Store(BenchStoreArgs),
     /// Failover: kill nodes, time from session loss to every moved channel Watched.
     Failover(BenchFailoverArgs),
+    /// Assignment: register channels through the coordinator until all are Watched.
+    Assign(BenchAssignArgs),
+    /// Balance: nodes join a loaded cluster; time to max - min <= 1, moves vs the minimum.
+    Balance(BenchBalanceArgs),
+    /// Ack latency: assignments committed at once, time until each is Watched.
+    Ack(BenchAckArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAssignArgs {
+    /// Which backend to measure.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Channels to register.
+    #[arg(long, default_value_t = 100_000)]
+    pub channels: usize,
+    /// Nodes (in-process tasks).
+    #[arg(long, default_value_t = 1000)]
+    pub nodes: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchBalanceArgs {
+    /// Which backend to measure.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Nodes before the join.
+    #[arg(long, default_value_t = 100)]
+    pub nodes: usize,
+    /// Channels, spread evenly over the first nodes.
+    #[arg(long, default_value_t = 10_000)]
+    pub channels: usize,
+    /// Nodes that join.
+    #[arg(long, default_value_t = 10)]
+    pub join: usize,
+    /// Most moves in flight (the coordinator's --max-concurrent-moves).
+    #[arg(long, default_value_t = 16)]
+    pub max_concurrent_moves: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAckArgs {
+    /// Which backend to measure.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Nodes.
+    #[arg(long, default_value_t = 10)]
+    pub nodes: usize,
+    /// Assignments committed at once.
+    #[arg(long, default_value_t = 1000)]
+    pub channels: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 #[derive(Debug, Args)]
@@ -368,6 +434,9 @@ pub async fn run(cli: Cli) -> Result<()> {
                 crate::bench::store(store, &args).await
             }
             BenchWhat::Failover(args) => crate::bench::failover(&args).await,
+            BenchWhat::Assign(args) => crate::bench_system::assign(&args).await,
+            BenchWhat::Balance(args) => crate::bench_system::balance(&args).await,
+            BenchWhat::Ack(args) => crate::bench_system::ack(&args).await,
         },
     }
 }

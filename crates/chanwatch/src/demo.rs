@@ -15,7 +15,7 @@ use chanwatch_core::coord::{ChannelRow, CoordConfig, CoordState, NodeRow};
 use chanwatch_core::{ChannelName, ChannelState, NodeId, VChannelInfo};
 use chanwatch_node::handler::Behaviour;
 use chanwatch_node::RecordingHandler;
-use chanwatch_store::{Clock, MetaStore};
+use chanwatch_store::Clock;
 
 use crate::inproc::{InProc, NodeProc, Timings};
 

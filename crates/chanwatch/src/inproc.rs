@@ -50,7 +50,7 @@ impl NodeProc {
 }
 
 pub struct InProc {
-    pub store: EmbeddedStore,
+    pub store: Arc<dyn MetaStore>,
     pub keys: Keys,
     pub clock: Clock,
     pub handle: CoordHandle,
@@ -65,10 +65,25 @@ pub struct InProc {
 }
 
 impl InProc {
-    /// Starts the store and a coordinator (no nodes yet).
+    /// Starts an embedded store and a coordinator (no nodes yet).
     pub fn start(timings: Timings, handler: Arc<dyn ChannelHandler>, admin_addr: String) -> Self {
-        let store = EmbeddedStore::new();
-        let keys = Keys::default();
+        Self::start_on(
+            Arc::new(EmbeddedStore::new()),
+            Keys::default(),
+            timings,
+            handler,
+            admin_addr,
+        )
+    }
+
+    /// Starts a coordinator on `store` under `keys` (no nodes yet).
+    pub fn start_on(
+        store: Arc<dyn MetaStore>,
+        keys: Keys,
+        timings: Timings,
+        handler: Arc<dyn ChannelHandler>,
+        admin_addr: String,
+    ) -> Self {
         let clock = Clock::system();
         let (handle, requests, status) = CoordHandle::new();
         let coord_metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
@@ -88,7 +103,7 @@ impl InProc {
             ..CoordinatorConfig::default()
         };
         let (stop, stopped) = oneshot::channel::<()>();
-        let shared: Arc<dyn MetaStore> = Arc::new(store.clone());
+        let shared = store.clone();
         let coord_task = tokio::spawn(async move {
             let shutdown = async {
                 let _ = stopped.await;
@@ -124,7 +139,7 @@ impl InProc {
         };
         let (status_tx, status) = watch::channel(NodeStatus::default());
         let (stop, stopped) = oneshot::channel::<()>();
-        let store: Arc<dyn MetaStore> = Arc::new(self.store.clone());
+        let store = self.store.clone();
         let handler = self.handler.clone();
         let clock = self.clock;
         let task = tokio::spawn(async move {

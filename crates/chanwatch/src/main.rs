@@ -6,6 +6,7 @@
 //! Must not: hold control-plane logic; that lives in the library crates.
 
 mod bench;
+mod bench_system;
 mod cli;
 mod cmd;
 mod config;
