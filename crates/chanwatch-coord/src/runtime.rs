@@ -612,11 +612,18 @@ impl Term<'_> {
                             }
                         }
                         EventKind::Delete => {
-                            if self.config.keys.parse_session(&ev.kv.key).is_ok() {
-                                info!(
-                                    key = ev.kv.key,
-                                    "coord: node session gone; its channels fail over"
-                                );
+                            if let Ok(id) = self.config.keys.parse_session(&ev.kv.key) {
+                                let held: Vec<ChannelName> = self
+                                    .state
+                                    .entries()
+                                    .filter(|e| e.owner == chanwatch_core::ChannelOwner::Node(id))
+                                    .map(|e| e.info.channel.clone())
+                                    .collect();
+                                info!(node = %id, channels = held.len(), "coord: node session gone; its channels fail over");
+                                // Bounded: a storm of dead nodes must not grow this without limit.
+                                if !held.is_empty() && self.failovers.len() < 1024 {
+                                    self.failovers.push((self.clock.now(), id, held));
+                                }
                             }
                             self.state.apply_delete(&ev.kv.key);
                         }

@@ -359,14 +359,14 @@ pub struct BenchFailoverArgs {
     #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Nodes before the kill.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 100)]
     pub nodes: usize,
     /// Channels, spread evenly over the nodes.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 10_000)]
     pub channels: usize,
-    /// Nodes killed at once.
-    #[arg(long, default_value_t = 1)]
-    pub kill: usize,
+    /// Nodes killed at once; a comma-separated list runs each case.
+    #[arg(long, value_delimiter = ',', default_value = "1,10")]
+    pub kill: Vec<usize>,
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 5)]
     pub runs: usize,

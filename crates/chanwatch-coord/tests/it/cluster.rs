@@ -68,6 +68,7 @@ impl Node {
 pub struct Coord {
     pub proc: Proc<CoordStatus>,
     pub handle: CoordHandle,
+    pub metrics: Arc<chanwatch_coord::CoordMetrics>,
 }
 
 impl Cluster {
@@ -130,6 +131,7 @@ impl Cluster {
         let mut config = self.coord_config();
         config.id = id.to_owned();
         config.admin_addr = format!("{id}.invalid:1");
+        let metrics = config.metrics.clone();
         let (handle, requests, status_tx) = CoordHandle::new();
         let (stop, stopped) = oneshot::channel::<()>();
         let store = self.store.clone();
@@ -151,6 +153,7 @@ impl Cluster {
                 task,
             },
             handle,
+            metrics,
         }
     }
 

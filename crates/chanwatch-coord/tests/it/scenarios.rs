@@ -96,6 +96,17 @@ pub async fn a_killed_nodes_channels_and_only_its_are_watched_elsewhere_within_t
         "failover of {} channels took {took:?} after the kill (ttl {TTL:?})",
         moved.len()
     );
+    // The coordinator measured it too: exactly one failover, every moved channel counted.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while coord.metrics.failover_seconds.get_sample_count() < 1 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no failover duration was recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    ensure!(coord.metrics.failover_seconds.get_sample_count() == 1);
+    ensure!(coord.metrics.reassignments_of("failover") == moved.len() as u64);
     no_double_ownership(&c)
 }
 
