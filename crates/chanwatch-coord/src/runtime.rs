@@ -23,6 +23,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+/// Least time between two plans driven by store events (ticks and admin requests aside).
+const PLAN_EVERY: Duration = Duration::from_millis(10);
+
 /// Settings of a coordinator.
 #[derive(Debug, Clone)]
 pub struct CoordinatorConfig {
@@ -535,9 +538,12 @@ impl Term<'_> {
         reconcile.tick().await; // the first tick is immediate; the list-watch lists anyway
         let mut recovered = false;
         let mut restarts_seen = 0;
+        // A plan walks every channel, so bursts of events (a failover's acks arrive one batch
+        // each) are planned together: at most one plan per `PLAN_EVERY`.
+        let mut dirty = false;
+        let mut ticked = false;
+        let mut last_plan = self.clock.now() - PLAN_EVERY;
         loop {
-            let mut dirty = false;
-            let mut ticked = false;
             tokio::select! {
                 () = shutdown.as_mut() => return TermEnd::Shutdown,
                 () = lost.cancelled() => return TermEnd::Lost("leader lease lost or not renewed in time".into()),
@@ -554,9 +560,10 @@ impl Term<'_> {
                     dirty = true;
                 }
                 _ = tick.tick() => {
-                    dirty = recovered;
+                    dirty |= recovered;
                     ticked = true;
                 }
+                () = tokio::time::sleep_until(last_plan + PLAN_EVERY), if dirty => {}
                 _ = reconcile.tick() => lw.relist(),
                 Some(req) = requests.recv() => {
                     if !recovered {
@@ -572,13 +579,16 @@ impl Term<'_> {
                 .watch_restarts
                 .inc_by(restarts - restarts_seen);
             restarts_seen = restarts;
-            if dirty {
+            if dirty && self.clock.now() >= last_plan + PLAN_EVERY {
+                last_plan = self.clock.now();
+                dirty = false;
                 let txns = self.state.plan(self.clock.unix_ms());
                 if let Err(why) = self.execute(txns).await {
                     return TermEnd::Lost(why);
                 }
                 self.finish_failovers();
                 self.config.metrics.observe(&self.state, ticked);
+                ticked = false;
                 if recovered && !self.status.borrow().ready {
                     self.status.send_modify(|s| s.ready = true);
                     info!("coord: recovered and ready");

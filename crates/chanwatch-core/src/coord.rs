@@ -1064,6 +1064,10 @@ impl CoordState {
         if loads.len() < 2 {
             return;
         }
+        let spread = loads.values().max().unwrap_or(&0) - loads.values().min().unwrap_or(&0);
+        if spread <= 1 {
+            return; // balanced: skip collecting movable channels, the costly part
+        }
         // Channels that can move, per node: Watched and not mid-transition.
         let mut movable: BTreeMap<NodeId, Vec<ChannelName>> = BTreeMap::new();
         for (channel, entries) in &self.channels {
