@@ -543,6 +543,9 @@ impl Term<'_> {
         let mut dirty = false;
         let mut ticked = false;
         let mut last_plan = self.clock.now() - PLAN_EVERY;
+        // Plans cost O(channels); spacing them by twice their own cost keeps planning to at
+        // most a third of the time, so nodes and acks are not starved on a big cluster.
+        let mut plan_gap = PLAN_EVERY;
         loop {
             tokio::select! {
                 () = shutdown.as_mut() => return TermEnd::Shutdown,
@@ -563,7 +566,7 @@ impl Term<'_> {
                     dirty |= recovered;
                     ticked = true;
                 }
-                () = tokio::time::sleep_until(last_plan + PLAN_EVERY), if dirty => {}
+                () = tokio::time::sleep_until(last_plan + plan_gap), if dirty => {}
                 _ = reconcile.tick() => lw.relist(),
                 Some(req) = requests.recv() => {
                     if !recovered {
@@ -579,10 +582,11 @@ impl Term<'_> {
                 .watch_restarts
                 .inc_by(restarts - restarts_seen);
             restarts_seen = restarts;
-            if dirty && self.clock.now() >= last_plan + PLAN_EVERY {
+            if dirty && self.clock.now() >= last_plan + plan_gap {
                 last_plan = self.clock.now();
                 dirty = false;
                 let txns = self.state.plan(self.clock.unix_ms());
+                plan_gap = PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
                 if let Err(why) = self.execute(txns).await {
                     return TermEnd::Lost(why);
                 }

@@ -282,6 +282,9 @@ pub struct CoordState {
     nodes: BTreeMap<NodeId, NodeSession>,
     /// Normally one entry per channel; more only if the store was edited by hand.
     channels: BTreeMap<ChannelName, BTreeMap<ChannelOwner, Entry>>,
+    /// Entries per node, kept in step with `channels`, so that `loads` (needed by every
+    /// assignment) costs O(nodes + moves), not O(channels).
+    owned: BTreeMap<NodeId, usize>,
     /// Keys under the managed prefixes whose value or key does not decode: reported, never
     /// overwritten or deleted.
     corrupt: BTreeMap<String, String>,
@@ -311,6 +314,7 @@ impl CoordState {
             config,
             nodes: BTreeMap::new(),
             channels: BTreeMap::new(),
+            owned: BTreeMap::new(),
             corrupt: BTreeMap::new(),
             moves: BTreeMap::new(),
             avoid: BTreeMap::new(),
@@ -401,8 +405,8 @@ impl CoordState {
                     // An echo older than what we applied after our own txn: ignore it.
                     return None;
                 }
-                self.channels.entry(channel).or_default().insert(
-                    owner,
+                self.insert_entry(
+                    channel,
                     Entry {
                         owner,
                         info,
@@ -415,6 +419,21 @@ impl CoordState {
         }
     }
 
+    #[cfg(test)]
+    fn kill_for_test(&mut self, node: NodeId) {
+        let key = self.keys.session(node);
+        self.apply_delete(&key);
+    }
+
+    /// Inserts or replaces an entry, keeping the per-node counts in step.
+    fn insert_entry(&mut self, channel: ChannelName, entry: Entry) {
+        let owner = entry.owner;
+        let fresh = self.channels.entry(channel).or_default().insert(owner, entry).is_none();
+        if let (true, ChannelOwner::Node(n)) = (fresh, owner) {
+            *self.owned.entry(n).or_default() += 1;
+        }
+    }
+
     /// Applies a DELETE seen in the store.
     pub fn apply_delete(&mut self, key: &str) {
         self.corrupt.remove(key);
@@ -424,7 +443,13 @@ impl CoordState {
             self.draining.remove(&id);
         } else if let Ok(ck) = self.keys.parse_channel(key) {
             if let Some(entries) = self.channels.get_mut(&ck.channel) {
-                entries.remove(&ck.owner);
+                if entries.remove(&ck.owner).is_some() {
+                    if let ChannelOwner::Node(n) = ck.owner {
+                        if let Some(c) = self.owned.get_mut(&n) {
+                            *c = c.saturating_sub(1);
+                        }
+                    }
+                }
                 if entries.is_empty() {
                     self.channels.remove(&ck.channel);
                     self.moves.remove(&ck.channel);
@@ -440,6 +465,7 @@ impl CoordState {
     pub fn reset<'a>(&mut self, kvs: impl IntoIterator<Item = (&'a str, &'a [u8], i64)>) {
         self.nodes.clear();
         self.channels.clear();
+        self.owned.clear();
         self.corrupt.clear();
         self.draining.clear();
         for (key, value, rev) in kvs {
@@ -467,17 +493,14 @@ impl CoordState {
                     self.draining.remove(node);
                 }
                 Op::Put { owner, info } => {
-                    self.channels
-                        .entry(info.channel.clone())
-                        .or_default()
-                        .insert(
-                            *owner,
-                            Entry {
-                                owner: *owner,
-                                info: info.clone(),
-                                mod_revision: revision,
-                            },
-                        );
+                    self.insert_entry(
+                        info.channel.clone(),
+                        Entry {
+                            owner: *owner,
+                            info: info.clone(),
+                            mod_revision: revision,
+                        },
+                    );
                 }
             }
         }
@@ -522,17 +545,18 @@ impl CoordState {
 
     /// Channels per live node, counting moves in flight at their target.
     pub fn loads(&self) -> BTreeMap<NodeId, usize> {
-        let mut loads: BTreeMap<NodeId, usize> = self.nodes.keys().map(|&n| (n, 0)).collect();
-        for (channel, entries) in &self.channels {
-            let Some(e) = entries.values().max_by_key(|e| e.info.epoch) else {
-                continue;
-            };
-            let node = match (self.moves.get(channel), e.owner) {
-                (Some(m), _) => m.to,
-                (None, ChannelOwner::Node(n)) => n,
-                (None, ChannelOwner::Remaining) => continue,
-            };
-            if let Some(l) = loads.get_mut(&node) {
+        let mut loads: BTreeMap<NodeId, usize> = self
+            .nodes
+            .keys()
+            .map(|&n| (n, self.owned.get(&n).copied().unwrap_or(0)))
+            .collect();
+        for (channel, m) in &self.moves {
+            if let Some(ChannelOwner::Node(from)) = self.entry(channel).map(|e| e.owner) {
+                if let Some(l) = loads.get_mut(&from) {
+                    *l = l.saturating_sub(1);
+                }
+            }
+            if let Some(l) = loads.get_mut(&m.to) {
                 *l += 1;
             }
         }
@@ -1744,6 +1768,22 @@ mod convergence_tests {
         }
         let loads: Vec<usize> = s.loads().values().copied().collect();
         assert_eq!(loads, [7, 7, 7]);
+        // The incremental per-node counts agree with a full count.
+        let mut brute: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for e in s.entries() {
+            if let ChannelOwner::Node(n) = e.owner {
+                *brute.entry(n).or_default() += 1;
+            }
+        }
+        assert_eq!(brute.values().copied().collect::<Vec<_>>(), [7, 7, 7]);
+        s.kill_for_test(NodeId(3));
+        let failed_over = s.plan(100);
+        for t in &failed_over {
+            rev += 1;
+            s.applied(t, rev);
+        }
+        let loads: Vec<usize> = s.loads().values().copied().collect();
+        assert_eq!(loads, [11, 10], "failover keeps the counts right");
         assert_eq!(total_moves, 7, "moves beyond the minimum");
     }
 }
