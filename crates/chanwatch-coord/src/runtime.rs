@@ -586,7 +586,8 @@ impl Term<'_> {
                 last_plan = self.clock.now();
                 dirty = false;
                 let txns = self.state.plan(self.clock.unix_ms());
-                plan_gap = PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
+                plan_gap =
+                    PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
                 if let Err(why) = self.execute(txns).await {
                     return TermEnd::Lost(why);
                 }

@@ -428,7 +428,12 @@ impl CoordState {
     /// Inserts or replaces an entry, keeping the per-node counts in step.
     fn insert_entry(&mut self, channel: ChannelName, entry: Entry) {
         let owner = entry.owner;
-        let fresh = self.channels.entry(channel).or_default().insert(owner, entry).is_none();
+        let fresh = self
+            .channels
+            .entry(channel)
+            .or_default()
+            .insert(owner, entry)
+            .is_none();
         if let (true, ChannelOwner::Node(n)) = (fresh, owner) {
             *self.owned.entry(n).or_default() += 1;
         }
