@@ -32,7 +32,8 @@ fn summarize(mut lat: Vec<Duration>, elapsed: Duration, units: usize) -> Run {
     }
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The median (upper middle for even counts); 0 for none.
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs.get(xs.len() / 2).copied().unwrap_or(0.0)
 }
