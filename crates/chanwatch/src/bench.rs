@@ -192,9 +192,7 @@ pub async fn failover(args: &crate::cli::BenchFailoverArgs) -> Result<()> {
 
 async fn failover_case(args: &crate::cli::BenchFailoverArgs, kill: usize) -> Result<()> {
     use crate::inproc::InProc;
-    use chanwatch_core::{
-        ChannelInfo, ChannelName, ChannelOwner, ChannelState, Epoch, Keys, NodeId,
-    };
+    use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Keys, NodeId};
     use chanwatch_node::SimulatedLoad;
     use chanwatch_store::EmbeddedStore;
 
@@ -256,22 +254,7 @@ async fn failover_case(args: &crate::cli::BenchFailoverArgs, kill: usize) -> Res
             ids.push(c.node_id(n).await?);
         }
         c.ready().await?;
-        // Seed assignments directly in big txns (set-up, not measured).
-        let mut ops = Vec::new();
-        for i in 0..args.channels {
-            let owner = ChannelOwner::Node(ids[i % ids.len()]);
-            let name = ChannelName::new(format!("ch{i:06}"))?;
-            let info = ChannelInfo::new(
-                name.clone(),
-                Epoch(1),
-                c.clock.unix_ms(),
-                Default::default(),
-            );
-            ops.push(TxnOp::put(keys.channel(owner, &name), info.encode()));
-        }
-        for chunk in ops.chunks(store.limits().max_txn_ops) {
-            store.txn(Txn::new().and_then(chunk.to_vec())).await?;
-        }
+        crate::bench_system::seed(&c, &ids, args.channels, ChannelState::ToWatch).await?;
         let deadline = Instant::now() + Duration::from_secs(300);
         while c.coord_metrics.channels_in(ChannelState::Watched) < args.channels as i64
             || c.handle.nodes().await.map(|n| n.len()).unwrap_or(0) < args.nodes

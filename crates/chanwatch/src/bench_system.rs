@@ -131,26 +131,33 @@ async fn teardown(c: InProc, procs: Vec<NodeProc>) -> Result<()> {
     Ok(())
 }
 
-/// Puts `ToWatch` assignments straight into the store in big txns (set-up, not measured).
-async fn seed(
+/// Put operations for `channels` assignments in `state`, spread round-robin over `owners`.
+pub(crate) fn seed_ops(
+    keys: &Keys,
+    owners: &[NodeId],
+    channels: usize,
+    now_ms: u64,
+    state: ChannelState,
+) -> Result<Vec<TxnOp>> {
+    let mut ops = Vec::with_capacity(channels);
+    for i in 0..channels {
+        let owner = ChannelOwner::Node(owners[i % owners.len()]);
+        let name = ChannelName::new(format!("ch{i:06}"))?;
+        let mut info = ChannelInfo::new(name.clone(), Epoch(1), now_ms, VChannelInfo::default());
+        info.state = state;
+        ops.push(TxnOp::put(keys.channel(owner, &name), info.encode()));
+    }
+    Ok(ops)
+}
+
+/// Puts assignments straight into the store in big txns (set-up, not measured).
+pub(crate) async fn seed(
     c: &InProc,
     owners: &[NodeId],
     channels: usize,
     state: ChannelState,
 ) -> Result<Vec<i64>> {
-    let mut ops = Vec::with_capacity(channels);
-    for i in 0..channels {
-        let owner = ChannelOwner::Node(owners[i % owners.len()]);
-        let name = ChannelName::new(format!("ch{i:06}"))?;
-        let mut info = ChannelInfo::new(
-            name.clone(),
-            Epoch(1),
-            c.clock.unix_ms(),
-            VChannelInfo::default(),
-        );
-        info.state = state;
-        ops.push(TxnOp::put(c.keys.channel(owner, &name), info.encode()));
-    }
+    let ops = seed_ops(&c.keys, owners, channels, c.clock.unix_ms(), state)?;
     let mut revs = Vec::new();
     for chunk in ops.chunks(c.store.limits().max_txn_ops) {
         revs.push(
@@ -373,18 +380,13 @@ pub async fn ack(args: &BenchAckArgs) -> Result<()> {
             .watch(&c.keys.channels_prefix(), start_rev + 1)
             .await?;
         let t0 = Instant::now();
-        let mut ops = Vec::with_capacity(args.channels);
-        for i in 0..args.channels {
-            let owner = ChannelOwner::Node(ids[i % ids.len()]);
-            let name = ChannelName::new(format!("ch{i:06}"))?;
-            let info = ChannelInfo::new(
-                name.clone(),
-                Epoch(1),
-                c.clock.unix_ms(),
-                VChannelInfo::default(),
-            );
-            ops.push(TxnOp::put(c.keys.channel(owner, &name), info.encode()));
-        }
+        let ops = seed_ops(
+            &c.keys,
+            &ids,
+            args.channels,
+            c.clock.unix_ms(),
+            ChannelState::ToWatch,
+        )?;
         // Commit times per revision, as each txn returns.
         let mut committed: BTreeMap<i64, Instant> = BTreeMap::new();
         for chunk in ops.chunks(store.limits().max_txn_ops) {
