@@ -292,6 +292,7 @@ pub async fn run(
     loop {
         // A fresh lease per campaign: a leader that lost its lease must not reuse it.
         let lease = tokio::select! {
+            biased;
             () = &mut shutdown => return Ok(()),
             l = store.grant(config.session_ttl) => l,
         };
@@ -457,6 +458,7 @@ async fn serve_standby_until(
     tokio::pin!(until);
     loop {
         tokio::select! {
+            biased;
             () = shutdown.as_mut() => return true,
             () = &mut until => return false,
             Some(req) = requests.recv() => {
@@ -548,8 +550,16 @@ impl Term<'_> {
         let mut plan_gap = PLAN_EVERY;
         loop {
             tokio::select! {
+                biased;
                 () = shutdown.as_mut() => return TermEnd::Shutdown,
                 () = lost.cancelled() => return TermEnd::Lost("leader lease lost or not renewed in time".into()),
+                Some(req) = requests.recv() => {
+                    if !recovered {
+                        refuse(req, ApiError::Store("the leader is still recovering; retry shortly".into()));
+                    } else if let Err(why) = self.handle(req).await {
+                        return TermEnd::Lost(why);
+                    }
+                }
                 update = lw.next() => {
                     let Some(update) = update else { return TermEnd::Lost("list-watch ended".into()) };
                     self.apply(update);
@@ -568,13 +578,6 @@ impl Term<'_> {
                 }
                 () = tokio::time::sleep_until(last_plan + plan_gap), if dirty => {}
                 _ = reconcile.tick() => lw.relist(),
-                Some(req) = requests.recv() => {
-                    if !recovered {
-                        refuse(req, ApiError::Store("the leader is still recovering; retry shortly".into()));
-                    } else if let Err(why) = self.handle(req).await {
-                        return TermEnd::Lost(why);
-                    }
-                }
             }
             let restarts = lw.restarts();
             self.config

@@ -14,6 +14,8 @@ pub mod handler;
 pub mod metrics;
 pub mod runtime;
 
-pub use handler::{ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad};
+pub use handler::{
+    Behaviour, ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad,
+};
 pub use metrics::NodeMetrics;
-pub use runtime::{run, NodeConfig, NodeError, NodeStatus};
+pub use runtime::{run, NodeConfig, NodeError, NodeStatus, PlantedBug};

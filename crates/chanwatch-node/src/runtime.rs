@@ -7,7 +7,7 @@
 //!
 //! Must not: write any key but the ID counter, its session and its own channels' acks.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,6 +42,21 @@ pub struct NodeConfig {
     pub capacity: u32,
     /// Where the node's metrics go (shared by the nodes of one process).
     pub metrics: Arc<crate::metrics::NodeMetrics>,
+    /// Test-only: a safety mechanism switched off, so the simulation can prove that its
+    /// invariant checker notices. Never set outside tests; no flag reaches it.
+    #[doc(hidden)]
+    pub planted_bug: Option<PlantedBug>,
+}
+
+/// Safety mechanisms a test can switch off (see [`NodeConfig::planted_bug`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlantedBug {
+    /// Keep running channels while keepalives fail, until the store says the lease is gone
+    /// (no self-fencing at `ttl - margin`).
+    NoFencing,
+    /// Acknowledge without comparing the key's mod revision or the session.
+    UnguardedAck,
 }
 
 impl Default for NodeConfig {
@@ -54,6 +69,7 @@ impl Default for NodeConfig {
             admin_addr: String::new(),
             capacity: 0,
             metrics: Arc::new(crate::metrics::NodeMetrics::new()),
+            planted_bug: None,
         }
     }
 }
@@ -110,6 +126,7 @@ pub async fn run(
     let mut attempt = 0u32;
     loop {
         let session = tokio::select! {
+            biased;
             () = &mut shutdown => return Ok(()),
             s = register(&*store, &config, &clock) => s,
         };
@@ -123,6 +140,7 @@ pub async fn run(
                 let wait = Duration::from_millis(100 * u64::from(attempt.min(50)));
                 warn!(error = %e, ?wait, "node: cannot register yet; retrying");
                 tokio::select! {
+                    biased;
                     () = &mut shutdown => return Ok(()),
                     () = clock.sleep(wait) => continue,
                 }
@@ -251,13 +269,14 @@ struct Session {
     clock: Clock,
     reg: Registered,
     machine: NodeMachine,
-    runners: HashMap<ChannelName, Runner>,
+    runners: BTreeMap<ChannelName, Runner>,
     next_generation: u64,
     events_tx: mpsc::UnboundedSender<RunnerEvent>,
     events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
     metrics: Arc<crate::metrics::NodeMetrics>,
+    planted_bug: Option<PlantedBug>,
     /// When each loading channel's assignment was seen, for the ack latency.
-    seen_at: HashMap<ChannelName, tokio::time::Instant>,
+    seen_at: BTreeMap<ChannelName, tokio::time::Instant>,
 }
 
 impl Session {
@@ -279,12 +298,13 @@ impl Session {
             clock,
             reg,
             machine: NodeMachine::new(),
-            runners: HashMap::new(),
+            runners: BTreeMap::new(),
             next_generation: 0,
             events_tx,
             events_rx,
             metrics: config.metrics.clone(),
-            seen_at: HashMap::new(),
+            planted_bug: config.planted_bug,
+            seen_at: BTreeMap::new(),
         }
     }
 
@@ -313,6 +333,7 @@ impl Session {
         fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                biased;
                 () = shutdown.as_mut() => {
                     info!(node = %self.reg.id, "node: shutting down; stopping channels and revoking the lease");
                     self.stop_all().await;
@@ -330,13 +351,28 @@ impl Session {
                     self.metrics.watch_restarts.inc_by(restarts - restarts_seen);
                     restarts_seen = restarts;
                     let silent = self.clock.now().saturating_duration_since(*last_ok.borrow());
-                    if silent + self.margin >= self.ttl {
+                    if silent + self.margin >= self.ttl && self.planted_bug != Some(PlantedBug::NoFencing) {
                         self.stop_all().await;
                         return SessionEnd::Fenced(format!(
                             "no successful keepalive for {silent:?}; the lease ({:?}) may expire within {:?}",
                             self.ttl, self.margin
                         ));
                     }
+                }
+                Some(first) = self.events_rx.recv() => {
+                    // Drain what else is ready so that their acks share txns.
+                    let mut batch = vec![first];
+                    while batch.len() < 1024 {
+                        match self.events_rx.try_recv() {
+                            Ok(ev) => batch.push(ev),
+                            Err(_) => break,
+                        }
+                    }
+                    let mut cmds = Vec::new();
+                    for ev in batch {
+                        cmds.extend(self.on_runner_event(ev));
+                    }
+                    self.execute(cmds).await;
                 }
                 update = lw.next() => match update {
                     Some(Update::Reset { kvs, revision }) => {
@@ -369,21 +405,6 @@ impl Session {
                         return SessionEnd::Fenced("list-watch task ended".into());
                     }
                 },
-                Some(first) = self.events_rx.recv() => {
-                    // Drain what else is ready so that their acks share txns.
-                    let mut batch = vec![first];
-                    while batch.len() < 1024 {
-                        match self.events_rx.try_recv() {
-                            Ok(ev) => batch.push(ev),
-                            Err(_) => break,
-                        }
-                    }
-                    let mut cmds = Vec::new();
-                    for ev in batch {
-                        cmds.extend(self.on_runner_event(ev));
-                    }
-                    self.execute(cmds).await;
-                }
             }
         }
     }
@@ -493,11 +514,18 @@ impl Session {
 
     async fn ack_chunk(&mut self, chunk: Vec<(ChannelInfo, i64, Vec<u8>)>) {
         if chunk.len() > 1 {
-            let mut compares = vec![self.session_guard()];
+            let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
+            let mut compares = if unguarded {
+                Vec::new()
+            } else {
+                vec![self.session_guard()]
+            };
             let mut puts = Vec::with_capacity(chunk.len());
             for (info, expect, value) in &chunk {
                 let key = self.key(&info.channel);
-                compares.push(Compare::mod_revision(&key, *expect));
+                if !unguarded {
+                    compares.push(Compare::mod_revision(&key, *expect));
+                }
                 puts.push(TxnOp::put(key, value.clone()));
             }
             match self
@@ -599,8 +627,13 @@ impl Session {
     /// still exists. Returns the new mod revision when it landed.
     async fn ack(&self, info: &ChannelInfo, expect: i64) -> Option<i64> {
         let key = self.key(&info.channel);
+        let compares = if self.planted_bug == Some(PlantedBug::UnguardedAck) {
+            Vec::new()
+        } else {
+            vec![Compare::mod_revision(&key, expect), self.session_guard()]
+        };
         let txn = Txn::new()
-            .when([Compare::mod_revision(&key, expect), self.session_guard()])
+            .when(compares)
             .and_then([TxnOp::put(&key, info.encode())]);
         match self.store.txn(txn).await {
             Ok(r) if r.succeeded => {
@@ -623,7 +656,8 @@ impl Session {
 
     /// Stops every runner and waits for each release.
     async fn stop_all(&mut self) {
-        let runners: Vec<(ChannelName, Runner)> = self.runners.drain().collect();
+        let runners: Vec<(ChannelName, Runner)> =
+            std::mem::take(&mut self.runners).into_iter().collect();
         for (_, r) in &runners {
             r.cancel.cancel();
         }
@@ -662,8 +696,9 @@ async fn run_channel(
     let info = ctx.info.clone();
     let events = ctx.events.clone();
     let loaded = tokio::select! {
-        r = handler.watch(ctx) => Some(r),
+        biased;
         () = cancel.cancelled() => None,
+        r = handler.watch(ctx) => Some(r),
     };
     if let Some(result) = loaded {
         let ok = result.is_ok();

@@ -101,6 +101,8 @@ struct State {
     /// Events of each revision after `compact_revision`, oldest first.
     history: VecDeque<(Revision, Arc<[WatchEvent]>)>,
     watchers: Vec<Watcher>,
+    /// Sees every revision, whatever happens to watches (see [`EmbeddedStore::observe`]).
+    observers: Vec<mpsc::UnboundedSender<(Revision, Arc<[WatchEvent]>)>>,
     leases: HashMap<LeaseId, LeaseState>,
     /// Lease deadlines in order, for the reaper and for lazy expiry.
     deadlines: BTreeSet<(Instant, LeaseId)>,
@@ -141,6 +143,15 @@ impl EmbeddedStore {
     /// would. Watchers must relist or watch again.
     pub fn break_watches(&self) {
         self.lock().watchers.clear();
+    }
+
+    /// Every revision committed from now on, in order: a test's or a simulation's invariant
+    /// checker reads the whole history through it. Unlike a watch it is never broken by
+    /// [`break_watches`](Self::break_watches) nor cut short by compaction.
+    pub fn observe(&self) -> mpsc::UnboundedReceiver<(Revision, Arc<[WatchEvent]>)> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.lock().observers.push(tx);
+        rx
     }
 
     /// Number of live keys (for metrics and benchmarks).
@@ -186,6 +197,7 @@ async fn reap_leases(shared: Weak<Shared>, wake: Arc<Notify>) {
         match next {
             Some(deadline) => {
                 tokio::select! {
+                    biased;
                     () = tokio::time::sleep_until(deadline) => {}
                     () = wake.notified() => {}
                 }
@@ -265,6 +277,8 @@ impl State {
                 .collect();
             matching.is_empty() || w.tx.send(Ok(WatchBatch { events: matching })).is_ok()
         });
+        self.observers
+            .retain(|o| o.send((rev, events.clone())).is_ok());
         self.history.push_back((rev, events));
         if let Some(keep) = shared.history_revisions {
             let keep = Revision::try_from(keep).unwrap_or(Revision::MAX);

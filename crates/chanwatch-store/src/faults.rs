@@ -1,24 +1,55 @@
 //! Fault injection: a [`MetaStore`] wrapper whose calls can be made to fail on demand.
 //!
 //! Owns: switches that tests and simulations flip to make keepalives or txns fail the way an
-//! unreachable etcd makes them fail (`Unavailable`, retryable).
+//! unreachable etcd makes them fail (`Unavailable`, retryable), to delay keepalives, or to
+//! hold every call of one client (a frozen process), and a hook that attributes commits.
 //! Must not: change the semantics of calls that are let through.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::sync::watch;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse};
 use crate::{MetaStore, WatchStream};
 
+/// Called with the revision of every txn that wrote something through the wrapper.
+pub type CommitHook = Arc<dyn Fn(Revision) + Send + Sync>;
+
 /// Switches of a [`FaultyStore`]. Cheap to clone; clones share the switches.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone)]
 pub struct Faults {
     keepalive: Arc<AtomicBool>,
     txn: Arc<AtomicBool>,
+    keepalive_delay_ms: Arc<AtomicU64>,
+    hold: Arc<watch::Sender<bool>>,
+    on_commit: Arc<Mutex<Option<CommitHook>>>,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Faults {
+            keepalive: Arc::default(),
+            txn: Arc::default(),
+            keepalive_delay_ms: Arc::default(),
+            hold: Arc::new(watch::channel(false).0),
+            on_commit: Arc::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Faults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Faults")
+            .field("keepalive", &self.keepalive)
+            .field("txn", &self.txn)
+            .field("keepalive_delay_ms", &self.keepalive_delay_ms)
+            .field("hold", &*self.hold.borrow())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Faults {
@@ -29,6 +60,34 @@ impl Faults {
     /// Makes every txn fail (`true`) or pass (`false`).
     pub fn fail_txns(&self, on: bool) {
         self.txn.store(on, Ordering::SeqCst);
+    }
+    /// Delays every keepalive by `d` before it is sent (a slow network to the store).
+    pub fn delay_keepalives(&self, d: Duration) {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        self.keepalive_delay_ms.store(ms, Ordering::SeqCst);
+    }
+    /// While on, every call waits (is neither sent nor failed) until it is turned off: what
+    /// a frozen process (`SIGSTOP`) or a stalled connection looks like from the store.
+    pub fn hold(&self, on: bool) {
+        self.hold.send_replace(on);
+    }
+    /// Whether calls are being held.
+    pub fn held(&self) -> bool {
+        *self.hold.borrow()
+    }
+    /// Calls `hook` with the revision of every txn that wrote through this wrapper, so a
+    /// checker can tell who made each revision.
+    pub fn on_commit(&self, hook: CommitHook) {
+        *self
+            .on_commit
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(hook);
+    }
+
+    async fn gate(&self) {
+        let mut rx = self.hold.subscribe();
+        // The sender lives as long as `self`, so this only ends when the hold is released.
+        let _ = rx.wait_for(|held| !*held).await;
     }
 }
 
@@ -63,33 +122,62 @@ fn injected(what: &str) -> StoreError {
 #[async_trait]
 impl<S: MetaStore> MetaStore for FaultyStore<S> {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        self.faults.gate().await;
         self.inner.get(key).await
     }
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+        self.faults.gate().await;
         self.inner.range(prefix).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+        self.faults.gate().await;
         if self.faults.txn.load(Ordering::SeqCst) {
             return Err(injected("txn"));
         }
-        self.inner.txn(txn).await
+        let writes = txn
+            .then
+            .iter()
+            .chain(&txn.otherwise)
+            .any(|op| !matches!(op, crate::types::TxnOp::Get { .. }));
+        let resp = self.inner.txn(txn).await?;
+        if writes {
+            let hook = self
+                .faults
+                .on_commit
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            if let Some(hook) = hook {
+                hook(resp.revision);
+            }
+        }
+        Ok(resp)
     }
     async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
+        self.faults.gate().await;
         self.inner.watch(prefix, from_revision).await
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
+        self.faults.gate().await;
         self.inner.grant(ttl).await
     }
     async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
+        let delay = self.faults.keepalive_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        self.faults.gate().await;
         if self.faults.keepalive.load(Ordering::SeqCst) {
             return Err(injected("keepalive"));
         }
         self.inner.keepalive(lease).await
     }
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
+        self.faults.gate().await;
         self.inner.revoke(lease).await
     }
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
+        self.faults.gate().await;
         self.inner.compact(revision).await
     }
     fn limits(&self) -> &Limits {

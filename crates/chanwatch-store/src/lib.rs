@@ -49,7 +49,7 @@ pub use clock::Clock;
 pub use embedded::{EmbeddedOptions, EmbeddedStore};
 pub use error::{StoreError, StoreResult};
 pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
-pub use faults::{Faults, FaultyStore};
+pub use faults::{CommitHook, Faults, FaultyStore};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
     Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Limits, OpResponse,

@@ -105,17 +105,17 @@ impl ListWatch {
     }
 }
 
-fn backoff(attempt: u32) -> Duration {
+fn backoff(prefix: &str, attempt: u32, restarts: u64) -> Duration {
+    use std::hash::{Hash, Hasher};
     let exp = BACKOFF_START.saturating_mul(1u32 << attempt.min(10));
     let capped = exp.min(BACKOFF_MAX);
-    // Jitter from the sub-second clock: spreads relists of many nodes after an etcd restart
-    // without needing an RNG (and stays deterministic under a paused clock).
-    let nanos = u64::from(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos()),
-    );
-    let jitter = capped.mul_f64((nanos % 500) as f64 / 1000.0);
+    // Jitter (up to half the wait) from a hash of who is waiting and how often it failed:
+    // it spreads the relists of many watchers after an etcd restart, and, unlike the wall
+    // clock or an OS RNG, gives the same waits in every run of a deterministic simulation.
+    // `DefaultHasher::new()` has fixed keys.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (prefix, attempt, restarts).hash(&mut h);
+    let jitter = capped.mul_f64((h.finish() % 500) as f64 / 1000.0);
     capped.saturating_sub(jitter)
 }
 
@@ -154,7 +154,8 @@ async fn run(
             },
             Phase::Backoff { attempt } => {
                 tokio::select! {
-                    () = tokio::time::sleep(backoff(attempt)) => {}
+                    biased;
+                    () = tokio::time::sleep(backoff(&prefix, attempt, restarts.load(std::sync::atomic::Ordering::Relaxed))) => {}
                     () = relist.notified() => {}
                 }
                 Phase::List {
@@ -166,6 +167,7 @@ async fn run(
                 next_revision,
             } => {
                 tokio::select! {
+                    biased;
                     () = relist.notified() => Phase::List { attempt: 0 },
                     item = stream.next() => match item {
                         Some(Ok(batch)) => {
