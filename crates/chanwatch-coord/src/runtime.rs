@@ -399,13 +399,14 @@ pub async fn run(
                 chanwatch_store::OpResponse::Get { kv: Some(kv) } => Some(kv.clone()),
                 _ => None,
             });
-            let (addr, from) = match &leader {
-                Some(kv) => (
-                    CoordSession::decode(&kv.value).ok().map(|s| s.admin_addr),
-                    kv.mod_revision,
-                ),
-                None => (None, resp.revision),
-            };
+            // Watch from the txn's revision, not from the key's mod revision: the key is known
+            // to exist then, and an old mod revision may be compacted away, which would fail
+            // the watch at once and spin the campaign (found by the simulation).
+            let addr = leader
+                .as_ref()
+                .and_then(|kv| CoordSession::decode(&kv.value).ok())
+                .map(|s| s.admin_addr);
+            let from = resp.revision;
             debug!(leader = ?addr, "coord: standing by");
             status.send_modify(|s| {
                 s.leader = false;
@@ -423,12 +424,14 @@ pub async fn run(
     }
 }
 
-/// Waits until the leader key is deleted (or the watch breaks: campaigning again is safe).
+/// Waits until the leader key is deleted (or the watch breaks: campaigning again is safe,
+/// after a pause so that a watch that keeps failing cannot spin the campaign loop).
 async fn leader_gone(store: &dyn MetaStore, key: &str, from: i64) {
+    const RETRY: Duration = Duration::from_millis(500);
     let mut stream = match store.watch(key, from).await {
         Ok(s) => s,
         Err(_) => {
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            tokio::time::sleep(RETRY).await;
             return;
         }
     };
@@ -443,9 +446,10 @@ async fn leader_gone(store: &dyn MetaStore, key: &str, from: i64) {
                     return;
                 }
             }
-            Err(_) => return,
+            Err(_) => break,
         }
     }
+    tokio::time::sleep(RETRY).await;
 }
 
 /// Answers requests with `NotLeader` until `until` completes. Returns true on shutdown.

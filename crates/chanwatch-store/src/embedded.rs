@@ -78,6 +78,17 @@ impl Drop for Shared {
     }
 }
 
+/// One committed revision, as [`EmbeddedStore::observe`] reports it.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The revision.
+    pub revision: Revision,
+    /// When it was committed (tokio time).
+    pub at: Instant,
+    /// Its events, in order.
+    pub events: Arc<[WatchEvent]>,
+}
+
 #[derive(Debug)]
 struct Watcher {
     prefix: String,
@@ -102,7 +113,7 @@ struct State {
     history: VecDeque<(Revision, Arc<[WatchEvent]>)>,
     watchers: Vec<Watcher>,
     /// Sees every revision, whatever happens to watches (see [`EmbeddedStore::observe`]).
-    observers: Vec<mpsc::UnboundedSender<(Revision, Arc<[WatchEvent]>)>>,
+    observers: Vec<mpsc::UnboundedSender<Observed>>,
     leases: HashMap<LeaseId, LeaseState>,
     /// Lease deadlines in order, for the reaper and for lazy expiry.
     deadlines: BTreeSet<(Instant, LeaseId)>,
@@ -148,7 +159,7 @@ impl EmbeddedStore {
     /// Every revision committed from now on, in order: a test's or a simulation's invariant
     /// checker reads the whole history through it. Unlike a watch it is never broken by
     /// [`break_watches`](Self::break_watches) nor cut short by compaction.
-    pub fn observe(&self) -> mpsc::UnboundedReceiver<(Revision, Arc<[WatchEvent]>)> {
+    pub fn observe(&self) -> mpsc::UnboundedReceiver<Observed> {
         let (tx, rx) = mpsc::unbounded_channel();
         self.lock().observers.push(tx);
         rx
@@ -277,8 +288,15 @@ impl State {
                 .collect();
             matching.is_empty() || w.tx.send(Ok(WatchBatch { events: matching })).is_ok()
         });
-        self.observers
-            .retain(|o| o.send((rev, events.clone())).is_ok());
+        let at = Instant::now();
+        self.observers.retain(|o| {
+            o.send(Observed {
+                revision: rev,
+                at,
+                events: events.clone(),
+            })
+            .is_ok()
+        });
         self.history.push_back((rev, events));
         if let Some(keep) = shared.history_revisions {
             let keep = Revision::try_from(keep).unwrap_or(Revision::MAX);

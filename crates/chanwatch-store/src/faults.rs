@@ -134,13 +134,13 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         if self.faults.txn.load(Ordering::SeqCst) {
             return Err(injected("txn"));
         }
-        let writes = txn
-            .then
-            .iter()
-            .chain(&txn.otherwise)
-            .any(|op| !matches!(op, crate::types::TxnOp::Get { .. }));
+        let writes = |ops: &[crate::types::TxnOp]| {
+            ops.iter()
+                .any(|op| !matches!(op, crate::types::TxnOp::Get { .. }))
+        };
+        let (then_writes, otherwise_writes) = (writes(&txn.then), writes(&txn.otherwise));
         let resp = self.inner.txn(txn).await?;
-        if writes {
+        if (resp.succeeded && then_writes) || (!resp.succeeded && otherwise_writes) {
             let hook = self
                 .faults
                 .on_commit

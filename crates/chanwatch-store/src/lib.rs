@@ -46,7 +46,7 @@ use async_trait::async_trait;
 use futures_util::Stream;
 
 pub use clock::Clock;
-pub use embedded::{EmbeddedOptions, EmbeddedStore};
+pub use embedded::{EmbeddedOptions, EmbeddedStore, Observed};
 pub use error::{StoreError, StoreResult};
 pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
 pub use faults::{CommitHook, Faults, FaultyStore};

@@ -1,0 +1,430 @@
+//! The invariant checker of a simulation (DESIGN.md §6).
+//!
+//! Owns: a shadow copy of the key space, rebuilt from every committed revision (through
+//! [`chanwatch_store::EmbeddedStore::observe`], which no fault can break), the record of who
+//! wrote each revision, and the list of violations.
+//!
+//! Checked on every revision: one assignment key per channel; epochs never go back and are
+//! never reused by another owner; a node writes only keys that exist, of its own live
+//! session, at the epoch already there (no stale ack or checkpoint); a coordinator writes only
+//! while it holds the leader key; channels appear and disappear only by add and remove
+//! requests. Checked after the run settles: see [`Checker::settled`]. Single ownership in time
+//! is checked from the handler's intervals by [`overlaps`].
+//!
+//! Must not: drive the cluster or read the clock; the driver passes the time in.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use chanwatch_core::{
+    ChannelInfo, ChannelName, ChannelOwner, ChannelState, CoordSession, Epoch, Keys, NodeId,
+};
+use chanwatch_node::Interval;
+use chanwatch_store::{EventKind, KeyValue, Observed, Revision, WatchEvent};
+use tokio::sync::mpsc;
+
+/// Who made a revision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Writer {
+    /// A coordinator, by its ID.
+    Coord(String),
+    /// A node process, by its slot in the simulation.
+    Node(usize),
+    /// The store itself (lease expiry).
+    Store,
+}
+
+impl std::fmt::Display for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Writer::Coord(id) => write!(f, "{id}"),
+            Writer::Node(slot) => write!(f, "proc{slot}"),
+            Writer::Store => write!(f, "lease"),
+        }
+    }
+}
+
+/// Revision → writer, filled by the commit hooks of every actor's store.
+pub type Writers = Arc<Mutex<BTreeMap<Revision, Writer>>>;
+
+/// A time window during which a fault excuses two nodes running one channel at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Excuse {
+    /// Whom it covers.
+    pub scope: Scope,
+    /// Unix ms, inclusive.
+    pub from_ms: u64,
+    /// Unix ms, inclusive.
+    pub to_ms: u64,
+}
+
+/// What an [`Excuse`] covers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every run of this node (it was frozen and could not stop anything).
+    Node(NodeId),
+    /// Every run of this channel (its load hung past the watch timeout).
+    Channel(ChannelName),
+    /// Everything (watch streams were broken).
+    All,
+}
+
+/// The checker. Feed it with [`Checker::poll`] after every step.
+#[derive(Debug)]
+pub struct Checker {
+    keys: Keys,
+    rx: mpsc::UnboundedReceiver<Observed>,
+    writers: Writers,
+    kv: BTreeMap<String, KeyValue>,
+    owners: BTreeMap<ChannelName, BTreeSet<ChannelOwner>>,
+    max_epoch: BTreeMap<ChannelName, (Epoch, ChannelOwner)>,
+    /// Channels the driver asked to add (granted or not).
+    pub requested_adds: BTreeSet<ChannelName>,
+    /// Channels the driver asked to remove (granted or not).
+    pub requested_removes: BTreeSet<ChannelName>,
+    /// What went wrong, with the revision or time.
+    pub violations: Vec<String>,
+    /// The last revision seen.
+    pub revision: Revision,
+}
+
+impl Checker {
+    /// A checker reading `rx` (opened before any write) under `keys`.
+    pub fn new(keys: Keys, rx: mpsc::UnboundedReceiver<Observed>, writers: Writers) -> Self {
+        Checker {
+            keys,
+            rx,
+            writers,
+            kv: BTreeMap::new(),
+            owners: BTreeMap::new(),
+            max_epoch: BTreeMap::new(),
+            requested_adds: BTreeSet::new(),
+            requested_removes: BTreeSet::new(),
+            violations: Vec::new(),
+            revision: 0,
+        }
+    }
+
+    /// Applies and checks every revision committed since the last call; each becomes a
+    /// trace line through `trace`.
+    pub fn poll(&mut self, trace: &mut dyn FnMut(tokio::time::Instant, String)) {
+        while let Ok(Observed {
+            revision: rev,
+            at,
+            events,
+        }) = self.rx.try_recv()
+        {
+            let writer = self
+                .writers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&rev)
+                .unwrap_or(Writer::Store);
+            self.revision = rev;
+            for e in events.iter() {
+                trace(at, format!("r{rev} {writer} {}", self.describe(e)));
+            }
+            self.check_revision(rev, &writer, &events);
+        }
+    }
+
+    fn describe(&self, e: &WatchEvent) -> String {
+        let key = e.kv.key.strip_prefix(self.keys.root()).unwrap_or(&e.kv.key);
+        match e.kind {
+            EventKind::Delete => format!("del {key}"),
+            EventKind::Put => match ChannelInfo::decode(&e.kv.value) {
+                Ok(i) if self.keys.parse_channel(&e.kv.key).is_ok() => {
+                    let progress = i.progress.map(|p| format!(" {}%", p.percent));
+                    format!(
+                        "put {key} {} {}{}",
+                        i.state,
+                        i.epoch,
+                        progress.unwrap_or_default()
+                    )
+                }
+                _ => format!("put {key}"),
+            },
+        }
+    }
+
+    fn violation(&mut self, rev: Revision, what: String) {
+        self.violations.push(format!("r{rev}: {what}"));
+    }
+
+    fn session_alive(&self, node: NodeId) -> bool {
+        self.kv.contains_key(&self.keys.session(node))
+    }
+
+    fn check_revision(&mut self, rev: Revision, writer: &Writer, events: &[WatchEvent]) {
+        // Checks against the state before the revision.
+        match writer {
+            Writer::Coord(id) => {
+                let leader = self.keys.leader();
+                let campaign = events.iter().any(|e| e.kv.key == leader);
+                let holder = self
+                    .kv
+                    .get(&leader)
+                    .and_then(|kv| CoordSession::decode(&kv.value).ok())
+                    .map(|s| s.id);
+                if !campaign && holder.as_deref() != Some(id.as_str()) {
+                    self.violation(
+                        rev,
+                        format!("{id} wrote while the leader key was held by {holder:?}"),
+                    );
+                }
+            }
+            Writer::Node(slot) => {
+                for e in events {
+                    let Ok(ck) = self.keys.parse_channel(&e.kv.key) else {
+                        continue;
+                    };
+                    let ChannelOwner::Node(owner) = ck.owner else {
+                        self.violation(rev, format!("proc{slot} wrote {}", e.kv.key));
+                        continue;
+                    };
+                    if !self.session_alive(owner) {
+                        self.violation(
+                            rev,
+                            format!("proc{slot} wrote {} after session {owner} ended", e.kv.key),
+                        );
+                    }
+                    let before = self
+                        .kv
+                        .get(&e.kv.key)
+                        .and_then(|kv| ChannelInfo::decode(&kv.value).ok());
+                    let after = ChannelInfo::decode(&e.kv.value).ok();
+                    match (e.kind, before, after) {
+                        (EventKind::Put, None, _) => self.violation(
+                            rev,
+                            format!("proc{slot} created {} (a stale ack landed)", e.kv.key),
+                        ),
+                        (EventKind::Put, Some(b), Some(a)) if a.epoch != b.epoch => self
+                            .violation(
+                                rev,
+                                format!(
+                                    "proc{slot} wrote {} at epoch {} over epoch {} (stale ack or checkpoint)",
+                                    e.kv.key, a.epoch, b.epoch
+                                ),
+                            ),
+                        (EventKind::Delete, _, _) => {
+                            self.violation(rev, format!("proc{slot} deleted {}", e.kv.key))
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            Writer::Store => {
+                for e in events {
+                    if self.keys.parse_channel(&e.kv.key).is_ok() {
+                        self.violation(rev, format!("a lease expiry touched {}", e.kv.key));
+                    }
+                }
+            }
+        }
+        // Apply, then check the state after.
+        let mut touched = BTreeMap::new();
+        for e in events {
+            if let Ok(ck) = self.keys.parse_channel(&e.kv.key) {
+                let had = self.owners.get(&ck.channel).is_some_and(|o| !o.is_empty());
+                touched.entry(ck.channel.clone()).or_insert(had);
+                let owners = self.owners.entry(ck.channel.clone()).or_default();
+                match e.kind {
+                    EventKind::Put => {
+                        owners.insert(ck.owner);
+                    }
+                    EventKind::Delete => {
+                        owners.remove(&ck.owner);
+                    }
+                }
+                if e.kind == EventKind::Put {
+                    self.check_epoch(rev, &ck.channel, ck.owner, &e.kv.value);
+                }
+            }
+            match e.kind {
+                EventKind::Put => {
+                    self.kv.insert(e.kv.key.clone(), e.kv.clone());
+                }
+                EventKind::Delete => {
+                    self.kv.remove(&e.kv.key);
+                }
+            }
+        }
+        for (channel, had) in touched {
+            let owners = self.owners.get(&channel).cloned().unwrap_or_default();
+            if owners.len() > 1 {
+                self.violation(
+                    rev,
+                    format!("{channel} has {} assignment keys: {owners:?}", owners.len()),
+                );
+            }
+            let coord = matches!(writer, Writer::Coord(_));
+            if !had && !owners.is_empty() && !(coord && self.requested_adds.contains(&channel)) {
+                self.violation(
+                    rev,
+                    format!("{channel} appeared without an add (by {writer})"),
+                );
+            }
+            if had && owners.is_empty() && !(coord && self.requested_removes.contains(&channel)) {
+                self.violation(
+                    rev,
+                    format!("{channel} vanished without a remove (by {writer})"),
+                );
+            }
+        }
+    }
+
+    fn check_epoch(&mut self, rev: Revision, channel: &ChannelName, owner: ChannelOwner, v: &[u8]) {
+        let info = match ChannelInfo::decode(v) {
+            Ok(i) => i,
+            Err(e) => {
+                self.violation(rev, format!("{channel}: value does not decode: {e}"));
+                return;
+            }
+        };
+        match self.max_epoch.get(channel).copied() {
+            Some((max, _)) if info.epoch < max => self.violation(
+                rev,
+                format!("{channel}: epoch went back from {max} to {}", info.epoch),
+            ),
+            // Parking keeps the epoch (no node owns it); any other new owner needs a new one.
+            Some((max, by))
+                if info.epoch == max && by != owner && owner != ChannelOwner::Remaining =>
+            {
+                self.violation(
+                    rev,
+                    format!("{channel}: epoch {max} reused by {owner} after {by}"),
+                );
+            }
+            _ => {}
+        }
+        let entry = self
+            .max_epoch
+            .entry(channel.clone())
+            .or_insert((info.epoch, owner));
+        if info.epoch >= entry.0 {
+            *entry = (info.epoch, owner);
+        }
+    }
+
+    /// Why the cluster is not settled yet (`None`: settled). Settled means: the channels
+    /// are exactly those added and not removed; each has one key; none is under a node
+    /// without a session; each is `Watched` on a live node, or under `remaining` when no
+    /// live node takes channels; and the loads of the nodes that take channels differ by
+    /// at most one.
+    /// Channels in `ambiguous` (an add or remove with an unknown outcome) may be there or not.
+    pub fn settled(
+        &self,
+        expected: &BTreeSet<ChannelName>,
+        ambiguous: &BTreeSet<ChannelName>,
+    ) -> Option<String> {
+        let live: BTreeSet<NodeId> = self
+            .kv
+            .keys()
+            .filter_map(|k| self.keys.parse_session(k).ok())
+            .collect();
+        let draining: BTreeSet<NodeId> = self
+            .kv
+            .keys()
+            .filter_map(|k| self.keys.parse_drain(k).ok())
+            .collect();
+        let assignable: BTreeSet<NodeId> = live.difference(&draining).copied().collect();
+        let present: BTreeSet<ChannelName> = self
+            .owners
+            .iter()
+            .filter(|(_, o)| !o.is_empty())
+            .map(|(c, _)| c.clone())
+            .collect();
+        let missing: Vec<_> = expected.difference(&present).collect();
+        let extra: Vec<_> = present
+            .iter()
+            .filter(|c| !expected.contains(*c) && !ambiguous.contains(*c))
+            .collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            return Some(format!(
+                "channels missing {missing:?}, unexpected {extra:?}"
+            ));
+        }
+        let mut loads: BTreeMap<NodeId, usize> = assignable.iter().map(|n| (*n, 0)).collect();
+        for (key, kv) in &self.kv {
+            let Ok(ck) = self.keys.parse_channel(key) else {
+                continue;
+            };
+            let state = ChannelInfo::decode(&kv.value).map(|i| i.state).ok();
+            match ck.owner {
+                ChannelOwner::Node(n) if !live.contains(&n) => {
+                    return Some(format!(
+                        "{} is under node {n}, which has no session",
+                        ck.channel
+                    ))
+                }
+                ChannelOwner::Node(n) => {
+                    if state != Some(ChannelState::Watched) {
+                        return Some(format!("{} on node {n} is {state:?}", ck.channel));
+                    }
+                    *loads.entry(n).or_default() += 1;
+                }
+                ChannelOwner::Remaining if !assignable.is_empty() => {
+                    return Some(format!("{} is parked although nodes are alive", ck.channel))
+                }
+                ChannelOwner::Remaining => {}
+            }
+        }
+        let counts: Vec<usize> = assignable
+            .iter()
+            .map(|n| loads.get(n).copied().unwrap_or(0))
+            .collect();
+        if let (Some(max), Some(min)) = (counts.iter().max(), counts.iter().min()) {
+            if max - min > 1 {
+                return Some(format!("unbalanced: loads {loads:?}"));
+            }
+        }
+        for n in &draining {
+            if loads.get(n).copied().unwrap_or(0) > 0 {
+                return Some(format!("draining node {n} still has channels"));
+            }
+        }
+        None
+    }
+}
+
+/// Pairs of runs of one channel on two nodes at the same instant that no fault excuses.
+pub fn overlaps(intervals: &[Interval], excuses: &[Excuse]) -> Vec<String> {
+    let mut by_channel: BTreeMap<&ChannelName, Vec<&Interval>> = BTreeMap::new();
+    for i in intervals {
+        by_channel.entry(&i.channel).or_default().push(i);
+    }
+    let mut out = Vec::new();
+    for (channel, runs) in by_channel {
+        for (k, a) in runs.iter().enumerate() {
+            for b in &runs[k + 1..] {
+                if a.node == b.node {
+                    continue;
+                }
+                let from = a.start_ms.max(b.start_ms);
+                let to = a
+                    .end_ms
+                    .unwrap_or(u64::MAX)
+                    .min(b.end_ms.unwrap_or(u64::MAX));
+                if from >= to {
+                    continue;
+                }
+                let excused = excuses.iter().any(|x| {
+                    x.from_ms <= to
+                        && from <= x.to_ms
+                        && match &x.scope {
+                            Scope::All => true,
+                            Scope::Node(n) => *n == a.node || *n == b.node,
+                            Scope::Channel(c) => c == channel,
+                        }
+                });
+                if !excused {
+                    out.push(format!(
+                        "{channel} ran on node {} (epoch {}) and node {} (epoch {}) at once during {}..{} ms",
+                        a.node, a.epoch, b.node, b.epoch, from, to
+                    ));
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,786 @@
+//! The simulated cluster and the fault driver.
+//!
+//! Owns: the processes of one run (coordinators and nodes as pausable tasks, each with its
+//! own [`FaultyStore`] over the shared embedded store), the seeded choice of the next fault,
+//! the undo list of timed faults, and the settle phase.
+//! Must not: check invariants itself (the [`Checker`] does) or use anything but the seeded
+//! RNG and tokio's paused clock.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chanwatch_coord::{CoordHandle, CoordMetrics, CoordinatorConfig};
+use chanwatch_core::coord::CoordConfig;
+use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
+use chanwatch_node::{
+    Behaviour, ChannelHandler, NodeConfig, NodeMetrics, NodeStatus, RecordingHandler,
+};
+use chanwatch_store::{Clock, EmbeddedStore, Faults, FaultyStore, MetaStore};
+use rand::{RngExt, SeedableRng};
+use rand_xorshift::XorShiftRng;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::check::{overlaps, Checker, Excuse, Scope, Writer, Writers};
+use crate::{Report, SimOptions, Trace};
+
+/// Unix ms of simulated time zero (fixed, so values written to the store are identical).
+const BASE_MS: u64 = 1_800_000_000_000;
+const SESSION_TTL: Duration = Duration::from_secs(4);
+const WATCH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time allowed after the faults stop and one session TTL has passed.
+const SETTLE: Duration = Duration::from_secs(40);
+/// How long an admin request may take before its outcome counts as unknown.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Runs `f` except while the gate says paused: a frozen process.
+async fn pausable(f: impl Future<Output = ()>, mut gate: watch::Receiver<bool>) {
+    tokio::pin!(f);
+    loop {
+        if *gate.borrow_and_update() {
+            if gate.changed().await.is_err() {
+                return f.await;
+            }
+            continue;
+        }
+        tokio::select! {
+            biased;
+            () = &mut f => return,
+            changed = gate.changed() => if changed.is_err() { return f.await; },
+        }
+    }
+}
+
+struct NodeProc {
+    slot: usize,
+    task: JoinHandle<()>,
+    faults: Faults,
+    pause: watch::Sender<bool>,
+    status: watch::Receiver<NodeStatus>,
+}
+
+impl NodeProc {
+    fn id(&self) -> Option<NodeId> {
+        self.status.borrow().id
+    }
+}
+
+struct CoordProc {
+    name: String,
+    task: JoinHandle<()>,
+    faults: Faults,
+    pause: watch::Sender<bool>,
+    handle: CoordHandle,
+}
+
+/// A timed fault's end.
+struct Undo {
+    at: Instant,
+    what: String,
+    run: Box<dyn FnOnce()>,
+}
+
+/// What an admin request came to.
+enum Outcome {
+    Done,
+    Refused,
+    Unknown,
+}
+
+struct World {
+    rng: XorShiftRng,
+    options: SimOptions,
+    keys: Keys,
+    clock: Clock,
+    start: Instant,
+    store: EmbeddedStore,
+    writers: Writers,
+    handler: RecordingHandler,
+    node_metrics: Arc<NodeMetrics>,
+    nodes: Vec<NodeProc>,
+    coords: Vec<CoordProc>,
+    next_slot: usize,
+    incarnations: u32,
+    next_channel: usize,
+    /// Channels added for sure and not asked to be removed.
+    expected: BTreeSet<ChannelName>,
+    /// Channels whose add or remove has an unknown outcome: present or absent is fine.
+    ambiguous: BTreeSet<ChannelName>,
+    /// Load behaviour of each channel when it is not faulted.
+    behaviours: Vec<(ChannelName, Behaviour)>,
+    undo: Vec<Undo>,
+    excuses: Vec<Excuse>,
+    checker: Checker,
+    trace: Trace,
+    report: Report,
+}
+
+pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
+    let store = EmbeddedStore::new();
+    let keys = Keys::default();
+    let writers = Writers::default();
+    let checker = Checker::new(keys.clone(), store.observe(), writers.clone());
+    let clock = Clock::with_unix_base(BASE_MS);
+    let mut w = World {
+        rng: XorShiftRng::seed_from_u64(seed),
+        trace: Trace::new(options.keep_trace, options.echo_trace),
+        options,
+        keys,
+        clock,
+        start: Instant::now(),
+        store,
+        writers,
+        handler: RecordingHandler::new(clock),
+        node_metrics: Arc::new(NodeMetrics::new()),
+        nodes: Vec::new(),
+        coords: Vec::new(),
+        next_slot: 0,
+        incarnations: 0,
+        next_channel: 0,
+        expected: BTreeSet::new(),
+        ambiguous: BTreeSet::new(),
+        behaviours: Vec::new(),
+        undo: Vec::new(),
+        excuses: Vec::new(),
+        checker,
+        report: Report {
+            seed,
+            violations: Vec::new(),
+            trace: Vec::new(),
+            trace_hash: 0,
+            trace_lines: 0,
+            faults: Default::default(),
+            settle_ms: None,
+            sim_ms: 0,
+            revisions: 0,
+        },
+    };
+    w.run().await;
+    w.finish()
+}
+
+impl World {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn log(&mut self, text: &str) {
+        // Store events first, so the trace stays in time order.
+        self.poll();
+        let t = self.now_ms();
+        self.trace.push(t, text);
+    }
+
+    fn fault(&mut self, kind: &'static str, text: &str) {
+        *self.report.faults.entry(kind).or_default() += 1;
+        self.log(&format!("fault {kind}: {text}"));
+    }
+
+    /// Lets the cluster run for `d` of simulated time, then checks every new revision.
+    async fn advance(&mut self, d: Duration) {
+        tokio::time::sleep(d).await;
+        self.poll();
+    }
+
+    fn poll(&mut self) {
+        let start = self.start;
+        let trace = &mut self.trace;
+        self.checker.poll(&mut |at, line| {
+            let since = at.saturating_duration_since(start);
+            let t = u64::try_from(since.as_millis()).unwrap_or(u64::MAX);
+            trace.push(t, &line);
+        });
+    }
+
+    fn spawn_node(&mut self) {
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        let (store, faults) = FaultyStore::new(self.store.clone());
+        let writers = self.writers.clone();
+        faults.on_commit(Arc::new(move |rev| {
+            writers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(rev, Writer::Node(slot));
+        }));
+        let config = NodeConfig {
+            keys: self.keys.clone(),
+            session_ttl: SESSION_TTL,
+            progress_interval: Duration::from_millis(500),
+            admin_addr: format!("proc{slot}"),
+            metrics: self.node_metrics.clone(),
+            planted_bug: self.options.planted_bug,
+            ..NodeConfig::default()
+        };
+        let (status_tx, status) = watch::channel(NodeStatus::default());
+        let (pause, gate) = watch::channel(false);
+        let handler: Arc<dyn ChannelHandler> = Arc::new(self.handler.clone());
+        let clock = self.clock;
+        let task = tokio::spawn(pausable(
+            async move {
+                let store: Arc<dyn MetaStore> = Arc::new(store);
+                let _ = chanwatch_node::run(
+                    store,
+                    handler,
+                    config,
+                    clock,
+                    status_tx,
+                    std::future::pending(),
+                )
+                .await;
+            },
+            gate,
+        ));
+        self.log(&format!("start proc{slot}"));
+        self.nodes.push(NodeProc {
+            slot,
+            task,
+            faults,
+            pause,
+            status,
+        });
+    }
+
+    fn spawn_coord(&mut self) {
+        self.incarnations += 1;
+        let name = format!("coord{}", self.incarnations);
+        let (store, faults) = FaultyStore::new(self.store.clone());
+        let writers = self.writers.clone();
+        let writer = Writer::Coord(name.clone());
+        faults.on_commit(Arc::new(move |rev| {
+            writers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(rev, writer.clone());
+        }));
+        let timeout_ms = u64::try_from(WATCH_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
+        let config = CoordinatorConfig {
+            keys: self.keys.clone(),
+            planner: CoordConfig {
+                watch_timeout_ms: timeout_ms,
+                release_timeout_ms: timeout_ms,
+                failed_node_backoff_ms: timeout_ms,
+                ..CoordConfig::default()
+            },
+            session_ttl: SESSION_TTL,
+            reconcile_interval: Duration::from_secs(3),
+            tick: Duration::from_millis(250),
+            pipeline: 4,
+            id: name.clone(),
+            admin_addr: name.clone(),
+            metrics: Arc::new(CoordMetrics::new()),
+        };
+        let (handle, requests, status) = CoordHandle::new();
+        let (pause, gate) = watch::channel(false);
+        let clock = self.clock;
+        let task = tokio::spawn(pausable(
+            async move {
+                let store: Arc<dyn MetaStore> = Arc::new(store);
+                let _ = chanwatch_coord::run(
+                    store,
+                    config,
+                    clock,
+                    requests,
+                    status,
+                    std::future::pending(),
+                )
+                .await;
+            },
+            gate,
+        ));
+        self.log(&format!("start {name}"));
+        self.coords.push(CoordProc {
+            name,
+            task,
+            faults,
+            pause,
+            handle,
+        });
+    }
+
+    fn leader(&self) -> Option<CoordHandle> {
+        self.coords
+            .iter()
+            .find(|c| {
+                let s = c.handle.status();
+                s.leader && s.ready && !*c.pause.borrow()
+            })
+            .map(|c| c.handle.clone())
+    }
+
+    fn pick(&mut self, n: usize) -> Option<usize> {
+        (n > 0).then(|| self.rng.random_range(0..n))
+    }
+
+    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(self.rng.random_range(lo..=hi))
+    }
+
+    fn schedule(&mut self, after: Duration, what: String, run: Box<dyn FnOnce()>) {
+        self.undo.push(Undo {
+            at: Instant::now() + after,
+            what,
+            run,
+        });
+    }
+
+    fn run_due_undos(&mut self, all: bool) {
+        let now = Instant::now();
+        // In schedule order, so ties resolve the same way every run.
+        let (due, later): (Vec<Undo>, Vec<Undo>) = std::mem::take(&mut self.undo)
+            .into_iter()
+            .partition(|u| all || u.at <= now);
+        self.undo = later;
+        for u in due {
+            self.log(&format!("end {}", u.what));
+            (u.run)();
+        }
+    }
+
+    fn excuse(&mut self, scope: Scope, for_ms: u64) {
+        let from_ms = self.clock.unix_ms();
+        self.excuses.push(Excuse {
+            scope,
+            from_ms,
+            to_ms: from_ms + for_ms,
+        });
+    }
+
+    async fn run(&mut self) {
+        self.spawn_coord();
+        self.spawn_coord();
+        for _ in 0..self.options.nodes {
+            self.spawn_node();
+        }
+        let mut waited = 0;
+        while self.leader().is_none() && waited < 100 {
+            self.advance(Duration::from_millis(100)).await;
+            waited += 1;
+        }
+        for _ in 0..self.options.channels {
+            let behaviour = match self.rng.random_range(0..10) {
+                0 => Behaviour::Slow {
+                    delay: self.ms(6_000, 12_000),
+                },
+                1 => Behaviour::Fail,
+                _ => Behaviour::Load {
+                    delay: self.ms(0, 800),
+                },
+            };
+            let name = self.next_name();
+            if behaviour == Behaviour::Fail {
+                // A failing channel fails only for a while, or it could never settle.
+                self.handler.set(name.as_str(), Behaviour::Fail);
+                let after = self.ms(1_000, 20_000);
+                let handler = self.handler.clone();
+                let n = name.clone();
+                self.schedule(
+                    after,
+                    format!("load failures of {name}"),
+                    Box::new(move || {
+                        handler.set(
+                            n.as_str(),
+                            Behaviour::Load {
+                                delay: Duration::from_millis(100),
+                            },
+                        )
+                    }),
+                );
+            }
+            self.add_channel(name, behaviour).await;
+        }
+        for _ in 0..self.options.steps {
+            self.run_due_undos(false);
+            self.step().await;
+            let dt = self.ms(50, 1_500);
+            self.advance(dt).await;
+        }
+        self.stop_faults();
+        self.settle().await;
+    }
+
+    fn next_name(&mut self) -> ChannelName {
+        let name = format!("ch-{:03}", self.next_channel);
+        self.next_channel += 1;
+        ChannelName::new(name).unwrap_or_else(|_| unreachable!("generated names are valid"))
+    }
+
+    /// Asks the leader to add `name`; a `Fail` behaviour is already set by the caller.
+    async fn add_channel(&mut self, name: ChannelName, behaviour: Behaviour) {
+        let failing = behaviour == Behaviour::Fail;
+        let behaviour = if failing {
+            Behaviour::Load {
+                delay: Duration::from_millis(100),
+            }
+        } else {
+            behaviour
+        };
+        self.behaviours.push((name.clone(), behaviour));
+        if !failing {
+            self.handler.set(name.as_str(), behaviour);
+        }
+        self.checker.requested_adds.insert(name.clone());
+        let outcome = match self.leader() {
+            None => Outcome::Refused,
+            Some(h) => {
+                let n = name.clone();
+                self.log(&format!("request add {n}"));
+                let r = tokio::time::timeout(
+                    REQUEST_TIMEOUT,
+                    h.add_channel(n, VChannelInfo::default()),
+                )
+                .await;
+                classify(r.map(|r| r.map(|_| ())))
+            }
+        };
+        self.record(&name, outcome, true);
+    }
+
+    async fn remove_channel(&mut self) {
+        let candidates: Vec<ChannelName> = self.expected.iter().cloned().collect();
+        let Some(i) = self.pick(candidates.len()) else {
+            return;
+        };
+        let name = candidates[i].clone();
+        let Some(h) = self.leader() else { return };
+        self.checker.requested_removes.insert(name.clone());
+        self.log(&format!("request remove {name}"));
+        let r = tokio::time::timeout(REQUEST_TIMEOUT, h.remove_channel(name.clone())).await;
+        let outcome = classify(r.map(|r| r.map(|_| ())));
+        self.record(&name, outcome, false);
+    }
+
+    fn record(&mut self, name: &ChannelName, outcome: Outcome, add: bool) {
+        let word = match outcome {
+            Outcome::Done => "done",
+            Outcome::Refused => "refused",
+            Outcome::Unknown => "unknown",
+        };
+        self.log(&format!(
+            "{} {name}: {word}",
+            if add { "add" } else { "remove" }
+        ));
+        match (outcome, add) {
+            (Outcome::Done, true) => {
+                self.expected.insert(name.clone());
+            }
+            (Outcome::Done, false) => {
+                self.expected.remove(name);
+            }
+            (Outcome::Refused, _) => {}
+            (Outcome::Unknown, _) => {
+                self.expected.remove(name);
+                self.ambiguous.insert(name.clone());
+            }
+        }
+    }
+
+    /// One step: maybe one fault or request, chosen by the RNG.
+    async fn step(&mut self) {
+        let roll = self.rng.random_range(0..100u32);
+        match roll {
+            0..=39 => {}
+            40..=44 => {
+                // Crash: the process dies without revoking its lease.
+                if let Some(i) = self.pick(self.nodes.len()) {
+                    let node = self.nodes.remove(i);
+                    node.task.abort();
+                    let id = node.id();
+                    if let Some(id) = id {
+                        self.handler.mark_dead(id);
+                    }
+                    self.fault("node-crash", &format!("proc{} (node {id:?})", node.slot));
+                    // Admin requests during the failover.
+                    match self.rng.random_range(0..4) {
+                        0 => self.drain().await,
+                        1 => self.balance().await,
+                        _ => {}
+                    }
+                }
+            }
+            45..=49 => {
+                if self.nodes.len() < self.options.max_nodes {
+                    *self.report.faults.entry("node-start").or_default() += 1;
+                    self.spawn_node();
+                }
+            }
+            50..=54 => {
+                // Frozen (SIGSTOP), often past the TTL: on waking it must not ack anything.
+                if let Some(i) = self.pick(self.nodes.len()) {
+                    let ttl = u64::try_from(SESSION_TTL.as_millis()).unwrap_or(4_000);
+                    let d = self.ms(1_000, 3 * ttl);
+                    let node = &self.nodes[i];
+                    if *node.pause.borrow() {
+                        return;
+                    }
+                    let (slot, id) = (node.slot, node.id());
+                    node.pause.send_replace(true);
+                    node.faults.hold(true);
+                    let (pause, faults) = (node.pause.clone(), node.faults.clone());
+                    if let Some(id) = id {
+                        self.excuse(Scope::Node(id), d.as_millis() as u64 + ttl);
+                    }
+                    self.fault("node-pause", &format!("proc{slot} (node {id:?}) for {d:?}"));
+                    self.schedule(
+                        d,
+                        format!("pause of proc{slot}"),
+                        Box::new(move || {
+                            faults.hold(false);
+                            pause.send_replace(false);
+                        }),
+                    );
+                }
+            }
+            55..=57 => {
+                let Some(i) = self.leader_index() else { return };
+                let c = self.coords.remove(i);
+                c.task.abort();
+                self.fault("coord-crash", &c.name);
+            }
+            58..=61 => {
+                if self.coords.len() < 2 {
+                    *self.report.faults.entry("coord-start").or_default() += 1;
+                    self.spawn_coord();
+                }
+            }
+            62..=64 => {
+                // A deposed leader: frozen past its TTL while a standby takes over, then
+                // running again with its old view.
+                let Some(i) = self.leader_index() else { return };
+                let d = self.ms(4_000, 12_000);
+                let c = &self.coords[i];
+                c.pause.send_replace(true);
+                c.faults.hold(true);
+                let (pause, faults, name) = (c.pause.clone(), c.faults.clone(), c.name.clone());
+                self.fault("coord-pause", &format!("{name} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("pause of {name}"),
+                    Box::new(move || {
+                        faults.hold(false);
+                        pause.send_replace(false);
+                    }),
+                );
+            }
+            65..=69 => {
+                let Some(i) = self.pick(self.nodes.len()) else {
+                    return;
+                };
+                let d = self.ms(500, 8_000);
+                let node = &self.nodes[i];
+                let (slot, faults) = (node.slot, node.faults.clone());
+                faults.fail_keepalives(true);
+                self.fault("keepalive-loss", &format!("proc{slot} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("keepalive loss of proc{slot}"),
+                    Box::new(move || faults.fail_keepalives(false)),
+                );
+            }
+            70..=72 => {
+                let (who, faults) = self.any_actor();
+                let Some(faults) = faults else { return };
+                let delay = self.ms(100, 2_000);
+                let d = self.ms(1_000, 8_000);
+                faults.delay_keepalives(delay);
+                self.fault("keepalive-delay", &format!("{who} by {delay:?} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("keepalive delay of {who}"),
+                    Box::new(move || faults.delay_keepalives(Duration::ZERO)),
+                );
+            }
+            73..=75 => {
+                self.store.break_watches();
+                self.excuse(Scope::All, 2_000);
+                self.fault("watch-break", "every watch stream");
+            }
+            76..=78 => {
+                let back = self.rng.random_range(0..20);
+                let rev = self.store.revision() - back;
+                let r = self.store.compact(rev).await;
+                self.fault(
+                    "compaction",
+                    &format!("at r{rev}: {}", if r.is_ok() { "ok" } else { "refused" }),
+                );
+            }
+            79..=82 => {
+                let (who, faults) = self.any_actor();
+                let Some(faults) = faults else { return };
+                let d = self.ms(200, 3_000);
+                faults.fail_txns(true);
+                self.fault("txn-failures", &format!("{who} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("txn failures of {who}"),
+                    Box::new(move || faults.fail_txns(false)),
+                );
+            }
+            83..=85 => {
+                let candidates: Vec<ChannelName> = self.expected.iter().cloned().collect();
+                let Some(i) = self.pick(candidates.len()) else {
+                    return;
+                };
+                let name = candidates[i].clone();
+                let d = self.ms(2_000, 15_000);
+                self.handler.set(name.as_str(), Behaviour::Hang);
+                let timeout = WATCH_TIMEOUT.as_millis() as u64;
+                self.excuse(
+                    Scope::Channel(name.clone()),
+                    d.as_millis() as u64 + timeout + 2_000,
+                );
+                self.fault("hung-load", &format!("{name} for {d:?}"));
+                let restore = self.behaviours.iter().find(|(n, _)| n == &name).map_or(
+                    Behaviour::Load {
+                        delay: Duration::ZERO,
+                    },
+                    |(_, b)| *b,
+                );
+                let handler = self.handler.clone();
+                self.schedule(
+                    d,
+                    format!("hung loads of {name}"),
+                    Box::new(move || handler.set(name.as_str(), restore)),
+                );
+            }
+            86..=90 => {
+                *self.report.faults.entry("channel-add").or_default() += 1;
+                let delay = self.ms(0, 800);
+                let name = self.next_name();
+                self.add_channel(name, Behaviour::Load { delay }).await;
+            }
+            91..=93 => {
+                *self.report.faults.entry("channel-remove").or_default() += 1;
+                self.remove_channel().await;
+            }
+            94..=96 => self.drain().await,
+            _ => self.balance().await,
+        }
+    }
+
+    fn leader_index(&self) -> Option<usize> {
+        self.coords.iter().position(|c| c.handle.status().leader)
+    }
+
+    fn any_actor(&mut self) -> (String, Option<Faults>) {
+        let n = self.nodes.len() + self.coords.len();
+        let Some(i) = self.pick(n) else {
+            return (String::new(), None);
+        };
+        if i < self.nodes.len() {
+            let node = &self.nodes[i];
+            (format!("proc{}", node.slot), Some(node.faults.clone()))
+        } else {
+            let c = &self.coords[i - self.nodes.len()];
+            (c.name.clone(), Some(c.faults.clone()))
+        }
+    }
+
+    async fn drain(&mut self) {
+        // Keep two nodes taking channels, so a drain never parks everything.
+        let ids: Vec<NodeId> = self.nodes.iter().filter_map(NodeProc::id).collect();
+        if ids.len() < 3 {
+            return;
+        }
+        let Some(i) = self.pick(ids.len()) else {
+            return;
+        };
+        let Some(h) = self.leader() else { return };
+        let r = tokio::time::timeout(REQUEST_TIMEOUT, h.drain(ids[i])).await;
+        let word = match r {
+            Ok(Ok(())) => "ok",
+            Ok(Err(_)) => "refused",
+            Err(_) => "timed out",
+        };
+        self.fault("drain", &format!("node {}: {word}", ids[i]));
+    }
+
+    async fn balance(&mut self) {
+        let Some(h) = self.leader() else { return };
+        let r = tokio::time::timeout(REQUEST_TIMEOUT, h.balance(false)).await;
+        let word = match r {
+            Ok(Ok(moves)) => format!("{} moves", moves.len()),
+            Ok(Err(_)) => "refused".into(),
+            Err(_) => "timed out".into(),
+        };
+        self.fault("balance", &word);
+    }
+
+    /// Ends every fault: timed ones are undone, a coordinator is running.
+    fn stop_faults(&mut self) {
+        self.log("faults stop");
+        self.run_due_undos(true);
+        while self.coords.len() < 2 {
+            self.spawn_coord();
+        }
+        for (name, b) in &self.behaviours {
+            self.handler.set(name.as_str(), *b);
+        }
+    }
+
+    async fn settle(&mut self) {
+        let stopped = Instant::now();
+        let deadline = stopped + SESSION_TTL + SETTLE;
+        let mut last = None;
+        while Instant::now() < deadline {
+            self.advance(Duration::from_millis(250)).await;
+            let expected = self.expected.clone();
+            last = self.checker.settled(&expected, &self.ambiguous);
+            if last.is_none() {
+                let ms = u64::try_from(stopped.elapsed().as_millis()).unwrap_or(u64::MAX);
+                self.report.settle_ms = Some(ms);
+                self.log(&format!("settled after {ms} ms"));
+                return;
+            }
+        }
+        let why = last.unwrap_or_default();
+        self.log(&format!("not settled: {why}"));
+        self.report.violations.push(format!(
+            "not settled {:?} after the faults stopped: {why}",
+            SESSION_TTL + SETTLE
+        ));
+    }
+
+    fn finish(mut self) -> Report {
+        let overlap = overlaps(&self.handler.intervals(), &self.excuses);
+        for o in &overlap {
+            self.log(&format!("violation: {o}"));
+        }
+        let mut report = self.report;
+        let mut violations = std::mem::take(&mut self.checker.violations);
+        violations.extend(overlap);
+        violations.append(&mut report.violations);
+        report.violations = violations;
+        report.sim_ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        report.revisions = self.checker.revision;
+        report.trace_hash = std::hash::Hasher::finish(&self.trace.hash);
+        report.trace_lines = self.trace.count;
+        report.trace = self.trace.lines.into_iter().collect();
+        for n in self.nodes {
+            n.task.abort();
+        }
+        for c in self.coords {
+            c.task.abort();
+        }
+        report
+    }
+}
+
+fn classify<E>(r: Result<Result<(), E>, tokio::time::error::Elapsed>) -> Outcome
+where
+    E: Into<chanwatch_coord::ApiError>,
+{
+    match r {
+        Ok(Ok(())) => Outcome::Done,
+        Ok(Err(e)) => match e.into() {
+            chanwatch_coord::ApiError::Admin(_) | chanwatch_coord::ApiError::NotLeader { .. } => {
+                Outcome::Refused
+            }
+            chanwatch_coord::ApiError::Store(_) => Outcome::Unknown,
+        },
+        Err(_) => Outcome::Unknown,
+    }
+}
