@@ -501,8 +501,10 @@ async fn keepalive(
     let mut last_ok = clock.now();
     loop {
         clock.sleep(period).await;
+        // The lease runs from when the store got the renewal, which is no earlier than this.
+        let sent = clock.now();
         match tokio::time::timeout(period, store.keepalive(lease)).await {
-            Ok(Ok(())) => last_ok = clock.now(),
+            Ok(Ok(())) => last_ok = sent,
             Ok(Err(StoreError::LeaseNotFound(_))) => {
                 lost.cancel();
                 return;

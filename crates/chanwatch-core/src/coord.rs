@@ -704,7 +704,7 @@ impl CoordState {
             return Err(AdminError::AlreadyThere(channel.clone(), to));
         }
         let change = match e.info.state {
-            ChannelState::Watched | ChannelState::ToRelease => {
+            ChannelState::Watched | ChannelState::ToWatch | ChannelState::ToRelease => {
                 self.moves.insert(
                     channel.clone(),
                     PendingMove {
@@ -1083,7 +1083,10 @@ impl CoordState {
             *loads.entry(to).or_default() += 1;
             budget -= 1;
             match e.info.state {
-                ChannelState::Watched => {
+                // A loading channel runs too: it is released first like a watched one, or a
+                // node that misses the delete (a stalled connection) would load it while the
+                // target does (found by the simulation).
+                ChannelState::Watched | ChannelState::ToWatch => {
                     new_moves.push((
                         channel.clone(),
                         PendingMove {
@@ -1094,7 +1097,7 @@ impl CoordState {
                     ));
                     changes.push(release(e, Cause::Drain));
                 }
-                ChannelState::ToWatch => {
+                ChannelState::WatchFailed => {
                     changes.push(reassign(e, ChannelOwner::Node(to), Cause::Drain, now_ms))
                 }
                 _ => {}
@@ -1761,12 +1764,16 @@ mod tests {
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
         w.put(n(1), info("b", ChannelState::ToWatch, 1, 0));
+        w.put(n(1), info("f", ChannelState::WatchFailed, 1, 0));
         let txn = w.state.drain(NodeId(1)).expect("live");
         w.rev += 1;
         w.state.applied(&txn, w.rev);
         w.settle(0);
+        w.settle(1); // new moves start in a round with nothing else to do
+                     // Loading or running: released first (break-before-make); failed: moved at once.
         assert_eq!(w.owner_of("a").1, ChannelState::ToRelease);
-        assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        assert_eq!(w.owner_of("b").1, ChannelState::ToRelease);
+        assert_eq!(w.owner_of("f"), (n(2), ChannelState::ToWatch, Epoch(2)));
         let txn = w
             .state
             .add_channel(name("c"), VChannelInfo::default(), 0)

@@ -275,6 +275,12 @@ struct Session {
     events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
     metrics: Arc<crate::metrics::NodeMetrics>,
     planted_bug: Option<PlantedBug>,
+    /// Cancelled when the session must stop everything (lease lost or not renewed in time);
+    /// every runner's token is a child of it.
+    fence: CancellationToken,
+    /// An ack failed for a store error (not a refusal): relist soon, which re-acks what is
+    /// loaded, instead of leaving the channel to the coordinator's watch timeout.
+    retry_acks: std::sync::atomic::AtomicBool,
     /// When each loading channel's assignment was seen, for the ack latency.
     seen_at: BTreeMap<ChannelName, tokio::time::Instant>,
 }
@@ -304,6 +310,8 @@ impl Session {
             events_rx,
             metrics: config.metrics.clone(),
             planted_bug: config.planted_bug,
+            fence: CancellationToken::new(),
+            retry_acks: std::sync::atomic::AtomicBool::new(false),
             seen_at: BTreeMap::new(),
         }
     }
@@ -321,16 +329,25 @@ impl Session {
             self.clock,
             last_ok_tx,
             lost.clone(),
+            self.fence.clone(),
         )));
+        // Fencing runs beside the event loop, not in it: a store call that hangs in the
+        // loop (an ack on a stalled connection) must not keep channels running past the
+        // lease (found by the simulation). Runners' tokens are children of `fence`.
+        let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
+            AbortOnDrop(tokio::spawn(watchdog(
+                last_ok,
+                self.ttl.saturating_sub(self.margin),
+                self.fence.clone(),
+            )))
+        });
         let prefix = self
             .keys
             .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));
         let mut lw = ListWatch::spawn(self.store.clone(), prefix);
-        let check_every =
-            (self.ttl / 10).clamp(Duration::from_millis(50), Duration::from_millis(500));
-        let mut fence_check = tokio::time::interval(check_every);
+        let mut metrics_tick = tokio::time::interval(Duration::from_millis(500));
         let mut restarts_seen = 0;
-        fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
@@ -342,22 +359,26 @@ impl Session {
                     }
                     return SessionEnd::Shutdown;
                 }
-                () = lost.cancelled() => {
+                () = self.fence.cancelled() => {
                     self.stop_all().await;
-                    return SessionEnd::Fenced("the store says our lease is gone".into());
+                    return SessionEnd::Fenced(if lost.is_cancelled() {
+                        "the store says our lease is gone".into()
+                    } else {
+                        format!(
+                            "no successful keepalive for {:?}; the lease may expire within {:?}",
+                            self.ttl.saturating_sub(self.margin),
+                            self.margin
+                        )
+                    });
                 }
-                _ = fence_check.tick() => {
+                _ = metrics_tick.tick() => {
+                    if self.retry_acks.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                        debug!(node = %self.reg.id, "node: relisting to retry failed acks");
+                        lw.relist();
+                    }
                     let restarts = lw.restarts();
                     self.metrics.watch_restarts.inc_by(restarts - restarts_seen);
                     restarts_seen = restarts;
-                    let silent = self.clock.now().saturating_duration_since(*last_ok.borrow());
-                    if silent + self.margin >= self.ttl && self.planted_bug != Some(PlantedBug::NoFencing) {
-                        self.stop_all().await;
-                        return SessionEnd::Fenced(format!(
-                            "no successful keepalive for {silent:?}; the lease ({:?}) may expire within {:?}",
-                            self.ttl, self.margin
-                        ));
-                    }
                 }
                 Some(first) = self.events_rx.recv() => {
                     // Drain what else is ready so that their acks share txns.
@@ -372,7 +393,7 @@ impl Session {
                     for ev in batch {
                         cmds.extend(self.on_runner_event(ev));
                     }
-                    self.execute(cmds).await;
+                    self.execute_or_fence(cmds).await;
                 }
                 update = lw.next() => match update {
                     Some(Update::Reset { kvs, revision }) => {
@@ -380,7 +401,7 @@ impl Session {
                         debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
                         let list = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
                         let cmds = self.machine.reset(list);
-                        self.execute(cmds).await;
+                        self.execute_or_fence(cmds).await;
                     }
                     Some(Update::Events(events)) => {
                         let mut cmds = Vec::new();
@@ -397,7 +418,7 @@ impl Session {
                             };
                             cmds.extend(self.machine.step(event));
                         }
-                        self.execute(cmds).await;
+                        self.execute_or_fence(cmds).await;
                     }
                     None => {
                         error!("node: list-watch task ended unexpectedly; fencing");
@@ -463,6 +484,17 @@ impl Session {
                 error!(node = %self.reg.id, key, error = %e, "node: assignment value does not decode; ignoring it");
                 None
             }
+        }
+    }
+
+    /// Executes `cmds` unless the session is fenced meanwhile: then it gives up at once (an
+    /// ack it abandons could only be refused, the session being gone).
+    async fn execute_or_fence(&mut self, cmds: Vec<NodeCommand>) {
+        let fence = self.fence.clone();
+        tokio::select! {
+            biased;
+            () = fence.cancelled() => {}
+            () = self.execute(cmds) => {}
         }
     }
 
@@ -594,7 +626,7 @@ impl Session {
         info!(node = %self.reg.id, channel = %info.channel, epoch = %info.epoch, "node: starting channel");
         self.next_generation += 1;
         let generation = self.next_generation;
-        let cancel = CancellationToken::new();
+        let cancel = self.fence.child_token();
         let ctx = ChannelContext {
             node: self.reg.id,
             info: info.clone(),
@@ -648,7 +680,9 @@ impl Session {
             }
             Err(e) => {
                 self.metrics.acks("error", 1);
-                warn!(node = %self.reg.id, channel = %info.channel, error = %e, "node: ack failed; a relist or the coordinator's timeout will recover");
+                self.retry_acks
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                warn!(node = %self.reg.id, channel = %info.channel, error = %e, "node: ack failed; retrying after a relist");
                 None
             }
         }
@@ -718,8 +752,9 @@ async fn run_channel(
     });
 }
 
-/// Renews the lease every ttl/3 and publishes the time of the last success. Signals `lost`
-/// when the store says the lease no longer exists.
+/// Renews the lease every ttl/3 and publishes when the last successful renewal was sent
+/// (the lease runs from when the store got it, which is no earlier). Cancels `lost` and
+/// `fence` when the store says the lease no longer exists.
 async fn keepalive(
     store: Arc<dyn MetaStore>,
     lease: i64,
@@ -727,21 +762,44 @@ async fn keepalive(
     clock: Clock,
     last_ok: watch::Sender<tokio::time::Instant>,
     lost: CancellationToken,
+    fence: CancellationToken,
 ) {
     let period = ttl / 3;
     loop {
         clock.sleep(period).await;
+        let sent = clock.now();
         let attempt = tokio::time::timeout(period, store.keepalive(lease)).await;
         match attempt {
             Ok(Ok(())) => {
-                let _ = last_ok.send(clock.now());
+                let _ = last_ok.send(sent);
             }
             Ok(Err(StoreError::LeaseNotFound(_))) => {
                 lost.cancel();
+                fence.cancel();
                 return;
             }
             Ok(Err(e)) => warn!(lease, error = %e, "node: keepalive failed"),
             Err(_) => warn!(lease, "node: keepalive timed out"),
+        }
+    }
+}
+
+/// Cancels `fence` when no renewal was sent successfully for `limit` (ttl − margin): the
+/// lease may expire soon, and a channel must stop before anyone else can own it.
+async fn watchdog(
+    mut last_ok: watch::Receiver<tokio::time::Instant>,
+    limit: Duration,
+    fence: CancellationToken,
+) {
+    loop {
+        let deadline = *last_ok.borrow_and_update() + limit;
+        tokio::select! {
+            biased;
+            changed = last_ok.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep_until(deadline) => {
+                fence.cancel();
+                return;
+            }
         }
     }
 }

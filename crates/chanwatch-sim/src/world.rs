@@ -33,6 +33,8 @@ const SESSION_TTL: Duration = Duration::from_secs(4);
 const WATCH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed after the faults stop and one session TTL has passed.
 const SETTLE: Duration = Duration::from_secs(40);
+/// Most network latency of one store call (each picked from the seed).
+const LATENCY: Duration = Duration::from_millis(15);
 /// How long an admin request may take before its outcome counts as unknown.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -91,6 +93,7 @@ enum Outcome {
 }
 
 struct World {
+    seed: u64,
     rng: XorShiftRng,
     options: SimOptions,
     keys: Keys,
@@ -125,6 +128,7 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
     let checker = Checker::new(keys.clone(), store.observe(), writers.clone());
     let clock = Clock::with_unix_base(BASE_MS);
     let mut w = World {
+        seed,
         rng: XorShiftRng::seed_from_u64(seed),
         trace: Trace::new(options.keep_trace, options.echo_trace),
         options,
@@ -199,6 +203,7 @@ impl World {
         let slot = self.next_slot;
         self.next_slot += 1;
         let (store, faults) = FaultyStore::new(self.store.clone());
+        faults.latency(LATENCY, self.seed ^ (slot as u64) << 8);
         let writers = self.writers.clone();
         faults.on_commit(Arc::new(move |rev| {
             writers
@@ -248,6 +253,7 @@ impl World {
         self.incarnations += 1;
         let name = format!("coord{}", self.incarnations);
         let (store, faults) = FaultyStore::new(self.store.clone());
+        faults.latency(LATENCY, self.seed ^ u64::from(self.incarnations) << 32);
         let writers = self.writers.clone();
         let writer = Writer::Coord(name.clone());
         faults.on_commit(Arc::new(move |rev| {
@@ -480,7 +486,7 @@ impl World {
 
     /// One step: maybe one fault or request, chosen by the RNG.
     async fn step(&mut self) {
-        let roll = self.rng.random_range(0..100u32);
+        let roll = self.rng.random_range(0..110u32);
         match roll {
             0..=39 => {}
             40..=44 => {
@@ -657,7 +663,43 @@ impl World {
                 self.remove_channel().await;
             }
             94..=96 => self.drain().await,
-            _ => self.balance().await,
+            97..=99 => self.balance().await,
+            100..=104 => {
+                // A stalled connection: calls hang (neither fail nor land) while the process
+                // runs; its fencing must stop the channels before the lease can expire.
+                let Some(i) = self.pick(self.nodes.len()) else {
+                    return;
+                };
+                let d = self.ms(1_000, 12_000);
+                let node = &self.nodes[i];
+                if node.faults.held() {
+                    return;
+                }
+                let (slot, faults) = (node.slot, node.faults.clone());
+                faults.hold(true);
+                self.fault("node-stall", &format!("proc{slot} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("stall of proc{slot}"),
+                    Box::new(move || faults.hold(false)),
+                );
+            }
+            _ => {
+                // Cut off from the store: every call fails and its watches end.
+                let Some(i) = self.pick(self.nodes.len()) else {
+                    return;
+                };
+                let d = self.ms(1_000, 12_000);
+                let node = &self.nodes[i];
+                let (slot, faults) = (node.slot, node.faults.clone());
+                faults.partition(true);
+                self.fault("node-partition", &format!("proc{slot} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("partition of proc{slot}"),
+                    Box::new(move || faults.partition(false)),
+                );
+            }
         }
     }
 

@@ -1,8 +1,10 @@
 //! Fault injection: a [`MetaStore`] wrapper whose calls can be made to fail on demand.
 //!
 //! Owns: switches that tests and simulations flip to make keepalives or txns fail the way an
-//! unreachable etcd makes them fail (`Unavailable`, retryable), to delay keepalives, or to
-//! hold every call of one client (a frozen process), and a hook that attributes commits.
+//! unreachable etcd makes them fail (`Unavailable`, retryable), to cut one client off
+//! (partition: every call fails and its watch streams end), to delay keepalives, to hold
+//! every call of one client (a frozen process or a stalled connection), to add network
+//! latency (deterministic, from a seed), and a hook that attributes commits.
 //! Must not: change the semantics of calls that are let through.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,6 +28,11 @@ pub struct Faults {
     txn: Arc<AtomicBool>,
     keepalive_delay_ms: Arc<AtomicU64>,
     hold: Arc<watch::Sender<bool>>,
+    partition: Arc<watch::Sender<bool>>,
+    /// Most latency per call in µs (0: none), and the seed and counter that pick each one.
+    latency_us: Arc<AtomicU64>,
+    latency_seed: Arc<AtomicU64>,
+    calls: Arc<AtomicU64>,
     on_commit: Arc<Mutex<Option<CommitHook>>>,
 }
 
@@ -36,6 +43,10 @@ impl Default for Faults {
             txn: Arc::default(),
             keepalive_delay_ms: Arc::default(),
             hold: Arc::new(watch::channel(false).0),
+            partition: Arc::new(watch::channel(false).0),
+            latency_us: Arc::default(),
+            latency_seed: Arc::default(),
+            calls: Arc::default(),
             on_commit: Arc::default(),
         }
     }
@@ -48,6 +59,8 @@ impl std::fmt::Debug for Faults {
             .field("txn", &self.txn)
             .field("keepalive_delay_ms", &self.keepalive_delay_ms)
             .field("hold", &*self.hold.borrow())
+            .field("partition", &*self.partition.borrow())
+            .field("latency_us", &self.latency_us)
             .finish_non_exhaustive()
     }
 }
@@ -71,6 +84,18 @@ impl Faults {
     pub fn hold(&self, on: bool) {
         self.hold.send_replace(on);
     }
+    /// While on, every call fails as if the store were unreachable, and every open watch
+    /// stream ends: a network partition between this client and the store.
+    pub fn partition(&self, on: bool) {
+        self.partition.send_replace(on);
+    }
+    /// Delays every call by up to `max` before it is sent (zero: no delay). Each delay is
+    /// picked from `seed` and a call counter, so a simulation replays the same delays.
+    pub fn latency(&self, max: Duration, seed: u64) {
+        self.latency_seed.store(seed, Ordering::SeqCst);
+        let us = u64::try_from(max.as_micros()).unwrap_or(u64::MAX);
+        self.latency_us.store(us, Ordering::SeqCst);
+    }
     /// Whether calls are being held.
     pub fn held(&self) -> bool {
         *self.hold.borrow()
@@ -84,17 +109,30 @@ impl Faults {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(hook);
     }
 
-    async fn gate(&self) {
+    /// What every call goes through first: latency, then a hold, then a partition.
+    async fn gate(&self) -> StoreResult<()> {
+        let max = self.latency_us.load(Ordering::SeqCst);
+        if max > 0 {
+            use std::hash::{Hash, Hasher};
+            let n = self.calls.fetch_add(1, Ordering::SeqCst);
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (self.latency_seed.load(Ordering::SeqCst), n).hash(&mut h);
+            tokio::time::sleep(Duration::from_micros(h.finish() % (max + 1))).await;
+        }
         let mut rx = self.hold.subscribe();
         // The sender lives as long as `self`, so this only ends when the hold is released.
         let _ = rx.wait_for(|held| !*held).await;
+        if *self.partition.borrow() {
+            return Err(injected("every call (partition)"));
+        }
+        Ok(())
     }
 }
 
 /// A store that forwards to `inner` unless a fault switch is on.
 #[derive(Debug)]
 pub struct FaultyStore<S> {
-    inner: S,
+    inner: Arc<S>,
     faults: Faults,
 }
 
@@ -104,7 +142,7 @@ impl<S: MetaStore> FaultyStore<S> {
         let faults = Faults::default();
         (
             FaultyStore {
-                inner,
+                inner: Arc::new(inner),
                 faults: faults.clone(),
             },
             faults,
@@ -122,43 +160,61 @@ fn injected(what: &str) -> StoreError {
 #[async_trait]
 impl<S: MetaStore> MetaStore for FaultyStore<S> {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
-        self.faults.gate().await;
+        self.faults.gate().await?;
         self.inner.get(key).await
     }
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
-        self.faults.gate().await;
+        self.faults.gate().await?;
         self.inner.range(prefix).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
-        self.faults.gate().await;
-        if self.faults.txn.load(Ordering::SeqCst) {
+        if *self.faults.partition.borrow() || self.faults.txn.load(Ordering::SeqCst) {
             return Err(injected("txn"));
         }
-        let writes = |ops: &[crate::types::TxnOp]| {
-            ops.iter()
-                .any(|op| !matches!(op, crate::types::TxnOp::Get { .. }))
-        };
-        let (then_writes, otherwise_writes) = (writes(&txn.then), writes(&txn.otherwise));
-        let resp = self.inner.txn(txn).await?;
-        if (resp.succeeded && then_writes) || (!resp.succeeded && otherwise_writes) {
-            let hook = self
-                .faults
-                .on_commit
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone();
-            if let Some(hook) = hook {
-                hook(resp.revision);
+        // Once sent, a txn is on the wire: latency and a stalled connection delay it, but a
+        // caller that stops waiting does not take it back; it may still land later, as with
+        // a real network. So it travels in a task of its own.
+        let faults = self.faults.clone();
+        let inner = self.inner.clone();
+        let delivery = tokio::spawn(async move {
+            faults.gate().await?;
+            let writes = |ops: &[crate::types::TxnOp]| {
+                ops.iter()
+                    .any(|op| !matches!(op, crate::types::TxnOp::Get { .. }))
+            };
+            let (then_writes, otherwise_writes) = (writes(&txn.then), writes(&txn.otherwise));
+            let resp = inner.txn(txn).await?;
+            if (resp.succeeded && then_writes) || (!resp.succeeded && otherwise_writes) {
+                let hook = faults
+                    .on_commit
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone();
+                if let Some(hook) = hook {
+                    hook(resp.revision);
+                }
             }
-        }
-        Ok(resp)
+            Ok(resp)
+        });
+        delivery
+            .await
+            .unwrap_or_else(|_| Err(injected("txn delivery task")))
     }
     async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
-        self.faults.gate().await;
-        self.inner.watch(prefix, from_revision).await
+        self.faults.gate().await?;
+        let stream = self.inner.watch(prefix, from_revision).await?;
+        let mut cut = self.faults.partition.subscribe();
+        let partitioned = async move {
+            let _ = cut.wait_for(|p| *p).await;
+        };
+        // Ends when a partition begins, as a stream on a broken connection does.
+        Ok(Box::pin(futures_util::StreamExt::take_until(
+            stream,
+            partitioned,
+        )))
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
-        self.faults.gate().await;
+        self.faults.gate().await?;
         self.inner.grant(ttl).await
     }
     async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
@@ -166,18 +222,18 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
-        self.faults.gate().await;
+        self.faults.gate().await?;
         if self.faults.keepalive.load(Ordering::SeqCst) {
             return Err(injected("keepalive"));
         }
         self.inner.keepalive(lease).await
     }
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
-        self.faults.gate().await;
+        self.faults.gate().await?;
         self.inner.revoke(lease).await
     }
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
-        self.faults.gate().await;
+        self.faults.gate().await?;
         self.inner.compact(revision).await
     }
     fn limits(&self) -> &Limits {
