@@ -912,6 +912,7 @@ impl CoordState {
         let backoff = self.config.failed_node_backoff_ms;
         let mut planned = Vec::new();
         let mut newly_avoided = Vec::new();
+        let mut new_moves = Vec::new();
         for (channel, entries) in &self.channels {
             if entries.len() != 1 {
                 continue;
@@ -955,12 +956,28 @@ impl CoordState {
                 *l += 1;
             }
             newly_avoided.push((channel.clone(), node));
-            planned.push(reassign(
-                e,
-                ChannelOwner::Node(target),
-                Cause::Timeout,
-                now_ms,
-            ));
+            if e.info.state == ChannelState::ToWatch {
+                // The node lives and may still be loading (its progress writes may be what
+                // failed): release first, break-before-make, and force the move only after
+                // the release timeout, when a node that cannot hear us has fenced itself
+                // (found by the simulation: a direct move overlapped such a load).
+                new_moves.push((
+                    channel.clone(),
+                    PendingMove {
+                        to: target,
+                        since_ms: now_ms,
+                        cause: Cause::Timeout,
+                    },
+                ));
+                planned.push(release(e, Cause::Timeout));
+            } else {
+                planned.push(reassign(
+                    e,
+                    ChannelOwner::Node(target),
+                    Cause::Timeout,
+                    now_ms,
+                ));
+            }
         }
         for (channel, node) in newly_avoided {
             self.avoid
@@ -968,6 +985,7 @@ impl CoordState {
                 .or_default()
                 .insert(node, now_ms + backoff);
         }
+        self.moves.extend(new_moves);
         changes.extend(planned);
     }
 
@@ -1536,8 +1554,16 @@ mod tests {
             .map(|t| t.channel.as_str())
             .collect();
         assert_eq!(moved, ["hung"]);
-        assert_eq!(w.owner_of("hung"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        // Released first: the node may still be loading it.
+        assert_eq!(
+            w.owner_of("hung"),
+            (n(1), ChannelState::ToRelease, Epoch(1))
+        );
         assert_eq!(w.owner_of("slow"), (n(1), ChannelState::ToWatch, Epoch(1)));
+        // The node acks Released: the move completes on the other node.
+        w.put(n(1), info("hung", ChannelState::Released, 1, 0));
+        w.settle(1_600);
+        assert_eq!(w.owner_of("hung"), (n(2), ChannelState::ToWatch, Epoch(2)));
     }
 
     #[test]

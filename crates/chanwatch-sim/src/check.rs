@@ -61,12 +61,10 @@ pub struct Excuse {
 /// What an [`Excuse`] covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scope {
-    /// Every run of this node (it was frozen and could not stop anything).
+    /// Every run of this node: it was frozen (`SIGSTOP`) and could not stop anything. This
+    /// is the only fault that excuses an overlap; every other fault must be survived by
+    /// break-before-make moves and fencing.
     Node(NodeId),
-    /// Every run of this channel (its load hung past the watch timeout).
-    Channel(ChannelName),
-    /// Everything (watch streams were broken).
-    All,
 }
 
 /// The checker. Feed it with [`Checker::poll`] after every step.
@@ -412,9 +410,7 @@ pub fn overlaps(intervals: &[Interval], excuses: &[Excuse]) -> Vec<String> {
                     x.from_ms <= to
                         && from <= x.to_ms
                         && match &x.scope {
-                            Scope::All => true,
                             Scope::Node(n) => *n == a.node || *n == b.node,
-                            Scope::Channel(c) => c == channel,
                         }
                 });
                 if !excused {

@@ -601,7 +601,6 @@ impl World {
             }
             73..=75 => {
                 self.store.break_watches();
-                self.excuse(Scope::All, 2_000);
                 self.fault("watch-break", "every watch stream");
             }
             76..=78 => {
@@ -633,11 +632,6 @@ impl World {
                 let name = candidates[i].clone();
                 let d = self.ms(2_000, 15_000);
                 self.handler.set(name.as_str(), Behaviour::Hang);
-                let timeout = WATCH_TIMEOUT.as_millis() as u64;
-                self.excuse(
-                    Scope::Channel(name.clone()),
-                    d.as_millis() as u64 + timeout + 2_000,
-                );
                 self.fault("hung-load", &format!("{name} for {d:?}"));
                 let restore = self.behaviours.iter().find(|(n, _)| n == &name).map_or(
                     Behaviour::Load {
