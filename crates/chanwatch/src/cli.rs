@@ -127,6 +127,48 @@ pub enum Command {
     Ctl(CtlArgs),
     /// Benchmarks; one JSON line per result on stdout, a table on stderr.
     Bench(BenchArgs),
+    /// Deterministic simulation: whole clusters (2 coordinators, nodes, embedded store) on
+    /// simulated time under seeded random faults, checking the invariants of DESIGN.md §6
+    /// after every step. The same seed always replays the same run.
+    Sim(SimArgs),
+}
+
+/// Flags of `sim`.
+#[derive(Debug, Clone, Args)]
+pub struct SimArgs {
+    /// How many seeds to run (seeds START, START+1, ...).
+    #[arg(long, default_value_t = 100)]
+    pub seeds: u64,
+    /// First seed.
+    #[arg(long, default_value_t = 0)]
+    pub start: u64,
+    /// Run just this seed (replay a failure); with --trace, print its whole trace.
+    #[arg(long, conflicts_with_all = ["seeds", "start"])]
+    pub seed: Option<u64>,
+    /// Print every line of the trace as it happens (with --seed).
+    #[arg(long, requires = "seed")]
+    pub trace: bool,
+    /// Fault steps per seed before the faults stop and the cluster must settle.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: u32,
+    /// Seeds run at once (default: one per core).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub jobs: Option<u64>,
+    /// Also print the summary as one JSON line on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Switch a safety mechanism off in every node, to see the checker catch it.
+    #[arg(long, value_enum, hide = true)]
+    pub plant: Option<PlantArg>,
+}
+
+/// Bugs `sim --plant` can switch on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlantArg {
+    /// Nodes do not fence themselves when keepalives stop.
+    NoFencing,
+    /// Acks do not compare the mod revision or the session.
+    UnguardedAck,
 }
 
 /// The root prefix of every key.
@@ -438,6 +480,10 @@ pub async fn run(cli: Cli) -> Result<()> {
             BenchWhat::Balance(args) => crate::bench_system::balance(&args).await,
             BenchWhat::Ack(args) => crate::bench_system::ack(&args).await,
         },
+        // Each seed runs on a runtime of its own, on plain threads.
+        Command::Sim(args) => tokio::task::spawn_blocking(move || crate::sim::run(&args))
+            .await
+            .map_err(|e| anyhow::anyhow!("the simulation crashed: {e}"))?,
     }
 }
 

@@ -13,6 +13,7 @@ mod config;
 mod ctl;
 mod demo;
 mod inproc;
+mod sim;
 
 use clap::Parser;
 
@@ -33,6 +34,8 @@ fn main() -> std::process::ExitCode {
     // The demo and ctl print tables for a person; their logs would only clutter them.
     let default_level = match cli.command {
         cli::Command::Demo | cli::Command::Ctl(_) | cli::Command::Bench(_) => "warn",
+        // Thousands of simulated failures would log thousands of warnings.
+        cli::Command::Sim(_) => "off",
         _ => "info",
     };
     cli::init_logging(&cli.global, default_level);

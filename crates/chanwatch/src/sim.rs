@@ -1,0 +1,184 @@
+//! `chanwatch sim`: runs many seeds of the deterministic simulation in parallel, shows
+//! progress, and prints a summary — or, for a failing seed, its violations, the tail of its
+//! trace and the command that replays it.
+//!
+//! Must not: simulate anything itself; `chanwatch-sim` does.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use chanwatch_sim::{run_seed, PlantedBug, Report, SimOptions};
+
+use crate::cli::{PlantArg, SimArgs};
+
+/// Runs the seeds; fails when any seed violated an invariant.
+pub fn run(args: &SimArgs) -> Result<()> {
+    let planted_bug = args.plant.map(|p| match p {
+        PlantArg::NoFencing => PlantedBug::NoFencing,
+        PlantArg::UnguardedAck => PlantedBug::UnguardedAck,
+    });
+    let options = SimOptions {
+        steps: args.steps,
+        planted_bug,
+        keep_trace: args.trace,
+        echo_trace: args.trace,
+        ..SimOptions::default()
+    };
+    let (first, count) = match args.seed {
+        Some(s) => (s, 1),
+        None => (args.start, args.seeds),
+    };
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64))
+        .min(count.max(1));
+    let started = Instant::now();
+    let next = AtomicU64::new(0);
+    let reports: Mutex<Vec<Report>> = Mutex::new(Vec::new());
+    let error: Mutex<Option<String>> = Mutex::new(None);
+    let done = AtomicU64::new(0);
+    let failed = AtomicU64::new(0);
+    let progress = count > 1 && !args.trace;
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= count {
+                    return;
+                }
+                match run_seed(first + i, &options) {
+                    Ok(r) => {
+                        if !r.passed() {
+                            failed.fetch_add(1, Ordering::SeqCst);
+                        }
+                        lock(&reports).push(r);
+                    }
+                    Err(e) => {
+                        *lock(&error) = Some(format!("cannot build a runtime: {e}"));
+                        return;
+                    }
+                }
+                let d = done.fetch_add(1, Ordering::SeqCst) + 1;
+                // On a terminal a bar redrawn in place; in a log, a line every tenth.
+                let tty = std::io::stderr().is_terminal();
+                let every = if tty { count / 100 } else { count / 10 }.max(1);
+                if progress && (d == count || d % every == 0) {
+                    let width = 30;
+                    let filled = usize::try_from(d * width / count).unwrap_or(0);
+                    eprint!(
+                        "{}[{}{}] {d}/{count} seeds, {} failed, {:.0?}{}",
+                        if tty { "\r" } else { "" },
+                        "#".repeat(filled),
+                        " ".repeat(30 - filled.min(30)),
+                        failed.load(Ordering::SeqCst),
+                        started.elapsed(),
+                        if tty { "" } else { "\n" }
+                    );
+                    let _ = std::io::stderr().flush();
+                }
+            });
+        }
+    });
+    if progress && std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+    if let Some(e) = lock(&error).take() {
+        bail!("{e}");
+    }
+    let mut reports = std::mem::take(&mut *lock(&reports));
+    reports.sort_by_key(|r| r.seed);
+    summarize(&reports, args, started.elapsed().as_secs_f64())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn summarize(reports: &[Report], args: &SimArgs, wall_secs: f64) -> Result<()> {
+    let failed: Vec<&Report> = reports.iter().filter(|r| !r.passed()).collect();
+    let mut faults: BTreeMap<&str, u64> = BTreeMap::new();
+    for r in reports {
+        for (k, v) in &r.faults {
+            *faults.entry(k).or_default() += v;
+        }
+    }
+    let mut settle: Vec<u64> = reports.iter().filter_map(|r| r.settle_ms).collect();
+    settle.sort_unstable();
+    let sim_secs: u64 = reports.iter().map(|r| r.sim_ms).sum::<u64>() / 1000;
+    let total_faults: u64 = faults.values().sum();
+    let first = reports.first().map_or(0, |r| r.seed);
+    let last = reports.last().map_or(0, |r| r.seed);
+    println!(
+        "sim: seeds {first}..={last}: {} run, {} passed, {} failed; {} steps each; {total_faults} faults; {sim_secs} s simulated in {wall_secs:.1} s",
+        reports.len(),
+        reports.len() - failed.len(),
+        failed.len(),
+        args.steps
+    );
+    println!(
+        "sim: settle after the faults stop: p50 {} ms, p99 {} ms, max {} ms",
+        percentile(&settle, 0.5),
+        percentile(&settle, 0.99),
+        settle.last().copied().unwrap_or(0)
+    );
+    let list: Vec<String> = faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!("sim: faults: {}", list.join(", "));
+    if args.json {
+        let line = serde_json::json!({
+            "seeds": reports.len(),
+            "first_seed": first,
+            "failed": failed.iter().map(|r| r.seed).collect::<Vec<_>>(),
+            "steps": args.steps,
+            "faults": faults,
+            "settle_ms_p50": percentile(&settle, 0.5),
+            "settle_ms_p99": percentile(&settle, 0.99),
+            "simulated_s": sim_secs,
+            "wall_s": wall_secs,
+        });
+        println!("{line}");
+    }
+    for r in failed.iter().take(3) {
+        println!("\nseed {} FAILED:", r.seed);
+        for v in r.violations.iter().take(10) {
+            println!("  violation: {v}");
+        }
+        if !args.trace {
+            println!("  last {} trace lines:", r.trace.len());
+            for l in &r.trace {
+                println!("    {l}");
+            }
+        }
+        let plant = args
+            .plant
+            .map(|p| match p {
+                PlantArg::NoFencing => " --plant no-fencing",
+                PlantArg::UnguardedAck => " --plant unguarded-ack",
+            })
+            .unwrap_or_default();
+        println!(
+            "  replay: chanwatch sim --seed {} --steps {}{plant} --trace",
+            r.seed, args.steps
+        );
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} of {} seeds violated an invariant (first: seed {})",
+            failed.len(),
+            reports.len(),
+            failed[0].seed
+        );
+    }
+    Ok(())
+}
