@@ -329,3 +329,88 @@ impl ChannelHandler for RecordingHandler {
         }
     }
 }
+
+/// Wraps a handler and appends one line per run boundary to a file, so that single ownership
+/// can be audited across processes (the chaos test reads these files):
+/// `start {node} {channel} {epoch} {unix_ms}` when a load begins and
+/// `stop {node} {channel} {epoch} {unix_ms}` when it fails, is cancelled or is released.
+/// Each line is one `write` call, so a process killed with `SIGKILL` loses no line it wrote.
+#[derive(Debug)]
+pub struct AuditLog<H> {
+    inner: H,
+    file: Mutex<std::fs::File>,
+    clock: Clock,
+}
+
+impl<H: ChannelHandler> AuditLog<H> {
+    /// Appends to `path` (created if missing).
+    ///
+    /// # Errors
+    /// When the file cannot be opened for appending.
+    pub fn open(inner: H, path: &std::path::Path, clock: Clock) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(AuditLog {
+            inner,
+            file: Mutex::new(file),
+            clock,
+        })
+    }
+
+    fn line(&self, what: &str, node: NodeId, info: &ChannelInfo) {
+        use std::io::Write;
+        let line = format!(
+            "{what} {node} {} {} {}\n",
+            info.channel,
+            info.epoch.0,
+            self.clock.unix_ms()
+        );
+        let mut f = self
+            .file
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(e) = f.write_all(line.as_bytes()) {
+            tracing::warn!(error = %e, "node: cannot append to the handler log");
+        }
+    }
+}
+
+/// Writes the `stop` line when a load ends without success, even if its future is dropped.
+struct StopOnDrop<'a, H: ChannelHandler> {
+    log: &'a AuditLog<H>,
+    node: NodeId,
+    info: ChannelInfo,
+    armed: bool,
+}
+
+impl<H: ChannelHandler> Drop for StopOnDrop<'_, H> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.log.line("stop", self.node, &self.info);
+        }
+    }
+}
+
+#[async_trait]
+impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
+    async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
+        let (node, info) = (ctx.node, ctx.info.clone());
+        self.line("start", node, &info);
+        let mut guard = StopOnDrop {
+            log: self,
+            node,
+            info,
+            armed: true,
+        };
+        let result = self.inner.watch(ctx).await;
+        guard.armed = result.is_err();
+        result
+    }
+
+    async fn release(&self, node: NodeId, info: &ChannelInfo) {
+        self.inner.release(node, info).await;
+        self.line("stop", node, info);
+    }
+}

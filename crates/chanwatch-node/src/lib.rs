@@ -15,7 +15,7 @@ pub mod metrics;
 pub mod runtime;
 
 pub use handler::{
-    Behaviour, ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad,
+    AuditLog, Behaviour, ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad,
 };
 pub use metrics::NodeMetrics;
 pub use runtime::{run, NodeConfig, NodeError, NodeStatus, PlantedBug};

@@ -364,3 +364,131 @@ impl Drop for EtcdFixture {
         let _ = self.child.wait();
     }
 }
+
+/// A cluster of etcd members on loopback ports, each with its own data dir; killed on drop.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    _dir: tempfile::TempDir,
+}
+
+#[derive(Debug)]
+struct Member {
+    child: Option<Child>,
+    client_url: String,
+    command: Vec<String>,
+    dir: PathBuf,
+}
+
+impl EtcdCluster {
+    /// Starts `n` members and waits until every one serves.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when the binary is missing or a member does not come up within 30 s.
+    pub async fn start(n: usize) -> Result<Self, FixtureError> {
+        let bin = etcd_binary()?;
+        let base = Path::new("/dev/shm");
+        let dir = if base.is_dir() {
+            tempfile::Builder::new()
+                .prefix("chanwatch-etcd-cluster-")
+                .tempdir_in(base)?
+        } else {
+            tempfile::Builder::new()
+                .prefix("chanwatch-etcd-cluster-")
+                .tempdir()?
+        };
+        let mut ports = Vec::new();
+        for _ in 0..n {
+            ports.push((free_port()?, free_port()?));
+        }
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut members = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let mdir = dir.path().join(format!("m{i}"));
+            std::fs::create_dir_all(&mdir)?;
+            let client_url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let command = vec![
+                bin.display().to_string(),
+                format!("--name=m{i}"),
+                format!("--data-dir={}", mdir.join("data").display()),
+                format!("--listen-client-urls={client_url}"),
+                format!("--advertise-client-urls={client_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster={}", initial.join(",")),
+                "--initial-cluster-state=new".to_owned(),
+                "--initial-cluster-token=chanwatch-test".to_owned(),
+                "--log-level=warn".to_owned(),
+            ];
+            let child = spawn(&command, &mdir)?;
+            members.push(Member {
+                child: Some(child),
+                client_url,
+                command,
+                dir: mdir,
+            });
+        }
+        let cluster = EtcdCluster { members, _dir: dir };
+        for i in 0..n {
+            cluster.wait_member(i, Duration::from_secs(30)).await?;
+        }
+        Ok(cluster)
+    }
+
+    /// Every member's client URL.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.client_url.clone()).collect()
+    }
+
+    /// Kills member `i` (`SIGKILL`) and starts it again on its data: it rejoins the cluster.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when it does not serve again within 30 s.
+    pub async fn restart_member(&mut self, i: usize) -> Result<(), FixtureError> {
+        let m = &mut self.members[i];
+        if let Some(mut c) = m.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        m.child = Some(spawn(&m.command, &m.dir)?);
+        self.wait_member(i, Duration::from_secs(30)).await
+    }
+
+    async fn wait_member(&self, i: usize, timeout: Duration) -> Result<(), FixtureError> {
+        let url = &self.members[i].client_url;
+        let started = Instant::now();
+        while started.elapsed() < timeout {
+            let probe = async {
+                let mut c = etcd_client::Client::connect([url], None).await?;
+                c.get("health", None).await
+            };
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), probe).await {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let text =
+            std::fs::read_to_string(self.members[i].dir.join("etcd.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        Err(FixtureError::NotHealthy {
+            timeout,
+            log: lines[lines.len().saturating_sub(30)..].join("\n"),
+        })
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            if let Some(mut c) = m.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}

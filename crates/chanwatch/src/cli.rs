@@ -248,6 +248,10 @@ pub struct NodeArgs {
     /// Least time between two progress writes of one load.
     #[arg(long, env = "CHANWATCH_PROGRESS_INTERVAL", value_parser = humantime_secs, default_value = "5s")]
     pub progress_interval: Duration,
+    /// Append a line to this file whenever a channel starts or stops running here
+    /// (`start|stop NODE CHANNEL EPOCH UNIX_MS`), to audit single ownership.
+    #[arg(long, env = "CHANWATCH_HANDLER_LOG")]
+    pub handler_log: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -179,9 +179,16 @@ pub async fn node(args: NodeArgs) -> Result<()> {
         ..NodeConfig::default()
     };
     info!(admin = %admin_addr, store = %store.describe(), "node starting");
-    let handler = Arc::new(SimulatedLoad {
+    let load = SimulatedLoad {
         load_delay: args.load_delay,
-    });
+    };
+    let handler: Arc<dyn chanwatch_node::ChannelHandler> = match &args.handler_log {
+        None => Arc::new(load),
+        Some(path) => Arc::new(
+            chanwatch_node::AuditLog::open(load, path, Clock::system())
+                .with_context(|| format!("cannot append to --handler-log {}", path.display()))?,
+        ),
+    };
     chanwatch_node::run(
         store,
         handler,

@@ -1,0 +1,476 @@
+//! Process-level chaos against real etcd: a 3-member etcd cluster, 2 coordinator and 5 node
+//! processes of the real binary, 500 channels. For `CHANWATCH_CHAOS_SECS` (default 120) it
+//! injects at random: `kill -9` of a node or of the leader, `SIGSTOP`/`SIGCONT` of a node past
+//! its TTL, a restart of one etcd member, compaction. After each fault it measures the time
+//! until every channel is `Watched` on a live node again; at the end it checks the store's
+//! invariants and single ownership from the nodes' handler logs (`--handler-log`).
+//!
+//! Ignored by `cargo test`: `.ci/run` runs it on its own (it takes minutes), as
+//! `cargo test -p chanwatch --test chaos -- --ignored --nocapture`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, CoordSession, Keys, NodeId};
+use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore};
+use chanwatch_testkit::EtcdCluster;
+
+const NODES: usize = 5;
+const CHANNELS: usize = 500;
+const TTL_SECS: u64 = 4;
+const SETTLE: Duration = Duration::from_secs(60);
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One OS process of the binary.
+struct Proc {
+    child: Child,
+    log: Option<PathBuf>,
+    /// The admin address (coordinators).
+    admin: String,
+}
+
+impl Proc {
+    fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status();
+    }
+}
+
+struct Chaos {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    endpoints: String,
+    store: Arc<dyn MetaStore>,
+    keys: Keys,
+    coords: Vec<Proc>,
+    nodes: Vec<Proc>,
+    spawned: usize,
+    /// (log file, unix ms) of processes killed with SIGKILL.
+    killed: Vec<(PathBuf, u64)>,
+    /// (log file, from, to) of processes stopped with SIGSTOP.
+    frozen: Vec<(PathBuf, u64, u64)>,
+    rng: u64,
+}
+
+impl Chaos {
+    fn rand(&mut self, n: u64) -> u64 {
+        // xorshift64*: the fault order need not be reproducible here (real processes are
+        // not), only varied; the seed is printed anyway.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n.max(1)
+    }
+
+    fn spawn(&mut self, args: &[&str], log: Option<PathBuf>) -> Proc {
+        self.spawned += 1;
+        let out = std::fs::File::create(self.dir.path().join(format!("proc{}.out", self.spawned)))
+            .expect("process output file");
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .arg(format!("--endpoints={}", self.endpoints))
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out);
+        if let Some(l) = &log {
+            cmd.arg(format!("--handler-log={}", l.display()));
+        }
+        Proc {
+            child: cmd.spawn().expect("spawn chanwatch"),
+            log,
+            admin: String::new(),
+        }
+    }
+
+    fn spawn_coord(&mut self) {
+        let ttl = format!("--session-ttl={TTL_SECS}s");
+        // A known port, so the leader key tells which process leads.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let admin = format!("127.0.0.1:{port}");
+        let flag = format!("--admin={admin}");
+        let mut p = self.spawn(
+            &[
+                "coord",
+                &flag,
+                &ttl,
+                "--watch-timeout=10s",
+                "--reconcile-interval=5s",
+            ],
+            None,
+        );
+        p.admin = admin;
+        self.coords.push(p);
+    }
+
+    fn spawn_node(&mut self) {
+        let log = self
+            .dir
+            .path()
+            .join(format!("node{}.log", self.spawned + 1));
+        let ttl = format!("--session-ttl={TTL_SECS}s");
+        let p = self.spawn(
+            &["node", &ttl, "--load-delay=200ms", "--progress-interval=1s"],
+            Some(log),
+        );
+        self.nodes.push(p);
+    }
+
+    async fn leader_addr(&self) -> Option<String> {
+        let kv = self.store.get(&self.keys.leader()).await.ok()??;
+        CoordSession::decode(&kv.value).ok().map(|s| s.admin_addr)
+    }
+
+    /// Why the cluster is not settled (None: every channel Watched once on a live node; with
+    /// `balanced`, also loads within one).
+    async fn unsettled(&self, balanced: bool, after: &After) -> Option<String> {
+        let list = match self.store.range(self.keys.root()).await {
+            Ok(l) => l,
+            Err(e) => return Some(format!("cannot list: {e}")),
+        };
+        let live: BTreeSet<NodeId> = list
+            .kvs
+            .iter()
+            .filter_map(|kv| self.keys.parse_session(&kv.key).ok())
+            .collect();
+        match after {
+            After::Nothing => {}
+            After::NodeGone(n) if live.contains(n) => {
+                return Some(format!("node {n} still has a session"))
+            }
+            After::NodeGone(_) => {}
+            After::NewLeader(old) => match self.leader_addr().await {
+                Some(a) if &a != old => {}
+                other => return Some(format!("no new leader yet ({other:?})")),
+            },
+        }
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        let mut loads: BTreeMap<NodeId, usize> = live.iter().map(|n| (*n, 0)).collect();
+        for kv in &list.kvs {
+            let Ok(ck) = self.keys.parse_channel(&kv.key) else {
+                continue;
+            };
+            *seen.entry(ck.channel.to_string()).or_default() += 1;
+            let state = ChannelInfo::decode(&kv.value).map(|i| i.state).ok();
+            match ck.owner {
+                ChannelOwner::Node(n)
+                    if live.contains(&n) && state == Some(ChannelState::Watched) =>
+                {
+                    *loads.entry(n).or_default() += 1;
+                }
+                other => return Some(format!("{} is {state:?} under {other}", ck.channel)),
+            }
+        }
+        if seen.len() != CHANNELS {
+            return Some(format!("{} channels, expected {CHANNELS}", seen.len()));
+        }
+        if let Some((c, n)) = seen.iter().find(|(_, n)| **n > 1) {
+            return Some(format!("{c} has {n} keys"));
+        }
+        let (max, min) = (loads.values().max(), loads.values().min());
+        if balanced && max.zip(min).is_some_and(|(a, b)| a - b > 1) {
+            return Some(format!("unbalanced: {loads:?}"));
+        }
+        None
+    }
+
+    /// Waits until settled; returns the time since `since`.
+    async fn wait_settled(
+        &self,
+        balanced: bool,
+        after: &After,
+        since: Instant,
+        limit: Duration,
+    ) -> Result<Duration, String> {
+        let started = since;
+        loop {
+            let why = self.unsettled(balanced, after).await;
+            match why {
+                None => return Ok(started.elapsed()),
+                Some(w) if started.elapsed() > limit => return Err(w),
+                Some(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+}
+
+/// What a fault must have led to before the cluster counts as settled again.
+enum After {
+    Nothing,
+    /// The node's session is gone (and, as always, its channels are elsewhere).
+    NodeGone(NodeId),
+    /// A leader other than the one at this admin address leads.
+    NewLeader(String),
+}
+
+/// The node ID a process used last, from its handler log.
+fn last_node_id(log: &Path) -> Option<NodeId> {
+    let text = std::fs::read_to_string(log).ok()?;
+    text.lines()
+        .rev()
+        .find_map(|l| l.split(' ').nth(1)?.parse().ok().map(NodeId))
+}
+
+/// Runs of one channel by one node: (node, channel, epoch) → (start, end).
+fn intervals(
+    logs: &[PathBuf],
+    killed: &[(PathBuf, u64)],
+    end: u64,
+) -> Vec<(u64, String, u64, u64, u64, PathBuf)> {
+    let mut out = Vec::new();
+    for log in logs {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let cut = killed.iter().find(|(p, _)| p == log).map(|(_, t)| *t);
+        let mut open: BTreeMap<(u64, String, u64), u64> = BTreeMap::new();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            let [what, node, channel, epoch, ms] = f[..] else {
+                continue;
+            };
+            let (Ok(node), Ok(epoch), Ok(ms)) = (node.parse(), epoch.parse(), ms.parse()) else {
+                continue;
+            };
+            let key = (node, channel.to_owned(), epoch);
+            match what {
+                "start" => {
+                    open.insert(key, ms);
+                }
+                "stop" => {
+                    if let Some(s) = open.remove(&key) {
+                        out.push((node, key.1, epoch, s, ms, log.clone()));
+                    }
+                }
+                _ => {}
+            }
+        }
+        for ((node, channel, epoch), s) in open {
+            out.push((node, channel, epoch, s, cut.unwrap_or(end), log.clone()));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes long; .ci/run runs it on its own"]
+async fn chaos_against_real_etcd() {
+    let secs: u64 = std::env::var("CHANWATCH_CHAOS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    let mut cluster = EtcdCluster::start(3).await.expect("3-member etcd cluster");
+    let endpoints = cluster.endpoints();
+    let store: Arc<dyn MetaStore> = Arc::new(
+        EtcdStore::connect(EtcdConfig {
+            endpoints: endpoints.clone(),
+            ..EtcdConfig::default()
+        })
+        .await
+        .expect("connect"),
+    );
+    let seed = unix_ms();
+    let mut c = Chaos {
+        bin: PathBuf::from(env!("CARGO_BIN_EXE_chanwatch")),
+        dir: tempfile::tempdir().expect("tempdir"),
+        endpoints: endpoints.join(","),
+        store,
+        keys: Keys::default(),
+        coords: Vec::new(),
+        nodes: Vec::new(),
+        spawned: 0,
+        killed: Vec::new(),
+        frozen: Vec::new(),
+        rng: seed | 1,
+    };
+    println!(
+        "chaos: seed {seed}, {secs} s, logs in {}",
+        c.dir.path().display()
+    );
+    c.spawn_coord();
+    c.spawn_coord();
+    for _ in 0..NODES {
+        c.spawn_node();
+    }
+    // Register the channels through the leader's admin API.
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    let mut added = 0;
+    while added < CHANNELS {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "could not add channels"
+        );
+        let Some(addr) = c.leader_addr().await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let r = http
+            .post(format!("http://{addr}/api/v1/channels"))
+            .json(&serde_json::json!({ "name": format!("ch-{added:04}") }))
+            .send()
+            .await;
+        match r {
+            Ok(resp) if resp.status().is_success() || resp.status() == 409 => added += 1,
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    c.wait_settled(true, &After::Nothing, Instant::now(), SETTLE)
+        .await
+        .expect("initial assignment");
+    println!(
+        "chaos: {CHANNELS} channels on {NODES} nodes in {:?}",
+        started.elapsed()
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut settle: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
+    let mut violations = Vec::new();
+    while Instant::now() < deadline {
+        let t0 = Instant::now();
+        let mut after = After::Nothing;
+        let kind = match c.rand(5) {
+            0 => {
+                let i = c.rand(c.nodes.len() as u64) as usize;
+                let mut p = c.nodes.remove(i);
+                let _ = p.child.kill();
+                let _ = p.child.wait();
+                let log = p.log.clone().expect("node log");
+                if let Some(id) = last_node_id(&log) {
+                    after = After::NodeGone(id);
+                }
+                c.killed.push((log, unix_ms()));
+                c.spawn_node();
+                "kill-node"
+            }
+            1 => {
+                let addr = c.leader_addr().await;
+                let i = c
+                    .coords
+                    .iter()
+                    .position(|p| Some(&p.admin) == addr.as_ref())
+                    .unwrap_or(0);
+                let mut p = c.coords.remove(i);
+                let _ = p.child.kill();
+                let _ = p.child.wait();
+                after = After::NewLeader(p.admin.clone());
+                c.spawn_coord();
+                "kill-leader"
+            }
+            2 => {
+                let i = c.rand(c.nodes.len() as u64) as usize;
+                let from = unix_ms();
+                if let Some(id) = c.nodes[i].log.as_deref().and_then(last_node_id) {
+                    after = After::NodeGone(id);
+                }
+                c.nodes[i].signal("-STOP");
+                tokio::time::sleep(Duration::from_secs(TTL_SECS + 2)).await;
+                c.nodes[i].signal("-CONT");
+                let log = c.nodes[i].log.clone().expect("node log");
+                // The frozen process may run until it notices: a few seconds of slack.
+                c.frozen.push((log, from, unix_ms() + 2_000));
+                "stop-node"
+            }
+            3 => {
+                let i = c.rand(3) as usize;
+                cluster
+                    .restart_member(i)
+                    .await
+                    .expect("etcd member restarts");
+                "restart-etcd"
+            }
+            _ => {
+                if let Ok(l) = c.store.range(&c.keys.leader()).await {
+                    let _ = c.store.compact(l.revision).await;
+                }
+                "compact"
+            }
+        };
+        match c.wait_settled(false, &after, t0, SETTLE).await {
+            Ok(d) => settle.entry(kind).or_default().push(d),
+            Err(why) => violations.push(format!("{kind}: not settled in {SETTLE:?}: {why}")),
+        }
+        tokio::time::sleep(Duration::from_millis(500 + c.rand(1500))).await;
+    }
+    if let Err(why) = c
+        .wait_settled(true, &After::Nothing, Instant::now(), SETTLE)
+        .await
+    {
+        violations.push(format!(
+            "final: not settled and balanced in {SETTLE:?}: {why}"
+        ));
+    }
+    // Single ownership from the handler logs.
+    let end = unix_ms();
+    let logs: Vec<PathBuf> = std::fs::read_dir(c.dir.path())
+        .expect("logs")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    let runs = intervals(&logs, &c.killed, end);
+    let frozen = |log: &Path, from: u64, to: u64| {
+        c.frozen
+            .iter()
+            .any(|(p, f, t)| p == log && *f <= to && from <= *t)
+    };
+    let mut by_channel: BTreeMap<&str, Vec<&(u64, String, u64, u64, u64, PathBuf)>> =
+        BTreeMap::new();
+    for r in &runs {
+        by_channel.entry(r.1.as_str()).or_default().push(r);
+    }
+    let mut overlaps = 0;
+    for (channel, rs) in &by_channel {
+        for (k, a) in rs.iter().enumerate() {
+            for b in &rs[k + 1..] {
+                let (from, to) = (a.3.max(b.3), a.4.min(b.4));
+                if a.0 == b.0 || from >= to {
+                    continue;
+                }
+                if frozen(&a.5, from, to) || frozen(&b.5, from, to) {
+                    continue;
+                }
+                overlaps += 1;
+                violations.push(format!(
+                    "{channel} ran on node {} (epoch {}) and node {} (epoch {}) during {from}..{to}",
+                    a.0, a.2, b.0, b.2
+                ));
+            }
+        }
+    }
+    let total: usize = settle.values().map(Vec::len).sum();
+    println!(
+        "chaos: {total} faults injected, {} runs audited, {overlaps} overlaps",
+        runs.len()
+    );
+    for (kind, ds) in &mut settle {
+        ds.sort();
+        let p = |q: f64| ds[((ds.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "chaos: {kind:<13} {:>3} × settle p50 {:>6.2} s  p99 {:>6.2} s",
+            ds.len(),
+            p(0.5).as_secs_f64(),
+            p(0.99).as_secs_f64()
+        );
+    }
+    println!("chaos: violations: {}", violations.len());
+    for p in c.coords.iter_mut().chain(c.nodes.iter_mut()) {
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+    assert!(
+        violations.is_empty(),
+        "violations:\n{}",
+        violations.join("\n")
+    );
+    assert!(total > 0, "no fault was injected");
+}
