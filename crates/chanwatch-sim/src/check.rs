@@ -255,14 +255,19 @@ impl Checker {
                     format!("{channel} has {} assignment keys: {owners:?}", owners.len()),
                 );
             }
-            let coord = matches!(writer, Writer::Coord(_));
-            if !had && !owners.is_empty() && !(coord && self.requested_adds.contains(&channel)) {
+            // Only a coordinator, asked to, may make a channel appear or vanish.
+            let allowed = |asked: &BTreeSet<ChannelName>| {
+                matches!(writer, Writer::Coord(_)) && asked.contains(&channel)
+            };
+            let appeared = !had && !owners.is_empty();
+            let vanished = had && owners.is_empty();
+            if appeared && !allowed(&self.requested_adds) {
                 self.violation(
                     rev,
                     format!("{channel} appeared without an add (by {writer})"),
                 );
             }
-            if had && owners.is_empty() && !(coord && self.requested_removes.contains(&channel)) {
+            if vanished && !allowed(&self.requested_removes) {
                 self.violation(
                     rev,
                     format!("{channel} vanished without a remove (by {writer})"),

@@ -223,12 +223,11 @@ fn last_node_id(log: &Path) -> Option<NodeId> {
         .find_map(|l| l.split(' ').nth(1)?.parse().ok().map(NodeId))
 }
 
-/// Runs of one channel by one node: (node, channel, epoch) → (start, end).
-fn intervals(
-    logs: &[PathBuf],
-    killed: &[(PathBuf, u64)],
-    end: u64,
-) -> Vec<(u64, String, u64, u64, u64, PathBuf)> {
+/// One run of a channel: node, channel, epoch, start ms, end ms, the process's log.
+type Run = (u64, String, u64, u64, u64, PathBuf);
+
+/// Runs of channels by nodes, from the handler logs.
+fn intervals(logs: &[PathBuf], killed: &[(PathBuf, u64)], end: u64) -> Vec<Run> {
     let mut out = Vec::new();
     for log in logs {
         let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -423,8 +422,7 @@ async fn chaos_against_real_etcd() {
             .iter()
             .any(|(p, f, t)| p == log && *f <= to && from <= *t)
     };
-    let mut by_channel: BTreeMap<&str, Vec<&(u64, String, u64, u64, u64, PathBuf)>> =
-        BTreeMap::new();
+    let mut by_channel: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
     for r in &runs {
         by_channel.entry(r.1.as_str()).or_default().push(r);
     }
