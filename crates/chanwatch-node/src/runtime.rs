@@ -331,20 +331,25 @@ impl Session {
             lost.clone(),
             self.fence.clone(),
         )));
-        // Fencing runs beside the event loop, not in it: a store call that hangs in the
-        // loop (an ack on a stalled connection) must not keep channels running past the
-        // lease (found by the simulation). Runners' tokens are children of `fence`.
-        let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
-            AbortOnDrop(tokio::spawn(watchdog(
-                last_ok,
-                self.ttl.saturating_sub(self.margin),
-                self.fence.clone(),
-            )))
-        });
         let prefix = self
             .keys
             .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));
         let mut lw = ListWatch::spawn(self.store.clone(), prefix);
+        // Fencing runs beside the event loop, not in it: a store call that hangs in the
+        // loop (an ack on a stalled connection) must not keep channels running past the
+        // lease (found by the simulation). Runners' tokens are children of `fence`. A node
+        // also fences when it cannot see its assignments for as long: the coordinator force-
+        // moves a channel it asked to release after the release timeout, and a node that kept
+        // renewing its lease between short partitions, yet never saw the request, would run
+        // it beside the new owner (found by the simulation too).
+        let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
+            AbortOnDrop(tokio::spawn(watchdog(
+                last_ok,
+                lw.blind_since(),
+                self.ttl.saturating_sub(self.margin),
+                self.fence.clone(),
+            )))
+        });
         let mut metrics_tick = tokio::time::interval(Duration::from_millis(500));
         let mut restarts_seen = 0;
         metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -365,7 +370,7 @@ impl Session {
                         "the store says our lease is gone".into()
                     } else {
                         format!(
-                            "no successful keepalive for {:?}; the lease may expire within {:?}",
+                            "no successful keepalive, or no view of its assignments, for {:?}; the lease may expire within {:?}",
                             self.ttl.saturating_sub(self.margin),
                             self.margin
                         )
@@ -785,17 +790,24 @@ async fn keepalive(
 }
 
 /// Cancels `fence` when no renewal was sent successfully for `limit` (ttl − margin): the
-/// lease may expire soon, and a channel must stop before anyone else can own it.
+/// lease may expire soon, and a channel must stop before anyone else can own it; or when the
+/// node has not seen its assignments for `limit` (see the list-watch's `blind_since`).
 async fn watchdog(
     mut last_ok: watch::Receiver<tokio::time::Instant>,
+    mut blind: watch::Receiver<Option<tokio::time::Instant>>,
     limit: Duration,
     fence: CancellationToken,
 ) {
     loop {
-        let deadline = *last_ok.borrow_and_update() + limit;
+        let renewed = *last_ok.borrow_and_update() + limit;
+        let deadline = match *blind.borrow_and_update() {
+            Some(since) => renewed.min(since + limit),
+            None => renewed,
+        };
         tokio::select! {
             biased;
             changed = last_ok.changed() => if changed.is_err() { return },
+            changed = blind.changed() => if changed.is_err() { return },
             () = tokio::time::sleep_until(deadline) => {
                 fence.cancel();
                 return;

@@ -61,7 +61,11 @@ pub struct ListWatch {
     relist: Arc<Notify>,
     task: tokio::task::JoinHandle<()>,
     restarts: Arc<std::sync::atomic::AtomicU64>,
+    blind: Blind,
 }
+
+/// Since when the consumer's view may be stale (`None`: watching, up to date).
+type Blind = Arc<tokio::sync::watch::Sender<Option<tokio::time::Instant>>>;
 
 impl Drop for ListWatch {
     fn drop(&mut self) {
@@ -75,12 +79,23 @@ impl ListWatch {
         let (tx, rx) = mpsc::channel(64);
         let relist = Arc::new(Notify::new());
         let restarts = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let task = tokio::spawn(run(store, prefix, tx, relist.clone(), restarts.clone()));
+        // Blind until the first list has arrived.
+        let blind: Blind =
+            Arc::new(tokio::sync::watch::channel(Some(tokio::time::Instant::now())).0);
+        let task = tokio::spawn(run(
+            store,
+            prefix,
+            tx,
+            relist.clone(),
+            restarts.clone(),
+            blind.clone(),
+        ));
         ListWatch {
             rx,
             relist,
             task,
             restarts,
+            blind,
         }
     }
 
@@ -97,6 +112,14 @@ impl ListWatch {
     /// Asks for a fresh list (periodic reconcile). The next `Reset` reflects it.
     pub fn relist(&self) {
         self.relist.notify_one();
+    }
+
+    /// Since when the view may be stale: set when a list or watch fails, cleared when a
+    /// fresh list has been handed over and the watch runs. A node fences itself when it has
+    /// been blind too long, as when its keepalives fail: a coordinator that cannot reach it
+    /// will eventually move its channels without its answer.
+    pub fn blind_since(&self) -> tokio::sync::watch::Receiver<Option<tokio::time::Instant>> {
+        self.blind.subscribe()
     }
 
     /// How many times the loop had to relist after an error (for metrics).
@@ -125,8 +148,18 @@ async fn run(
     tx: mpsc::Sender<Update>,
     relist: Arc<Notify>,
     restarts: Arc<std::sync::atomic::AtomicU64>,
+    blind: Blind,
 ) {
     let mut phase = Phase::List { attempt: 0 };
+    let failed =
+        |prefix: &str, e: &StoreError, attempt: u32, restarts: &std::sync::atomic::AtomicU64| {
+            blind.send_if_modified(|b| {
+                let was = b.is_none();
+                b.get_or_insert_with(tokio::time::Instant::now);
+                was
+            });
+            failed(prefix, e, attempt, restarts)
+        };
     loop {
         phase = match phase {
             Phase::List { attempt } => match store.range(&prefix).await {
@@ -143,6 +176,7 @@ async fn run(
                         {
                             return;
                         }
+                        blind.send_if_modified(|b| b.take().is_some());
                         Phase::Watch {
                             stream,
                             next_revision: revision + 1,
