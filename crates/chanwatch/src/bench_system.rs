@@ -17,7 +17,9 @@ use futures_util::StreamExt;
 use serde_json::{json, Value};
 
 use crate::bench::median;
-use crate::cli::{BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, EtcdArgs, StoreKind};
+use crate::cli::{
+    BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, BenchPlannerArgs, EtcdArgs, StoreKind,
+};
 use crate::inproc::{InProc, NodeProc, Timings};
 
 fn round3(x: f64) -> f64 {
@@ -474,4 +476,106 @@ mod tests {
         assert_eq!(minimum_moves(&[11, 10], 1), 7); // 21 over 3 = 7 each: 4 + 3 move
         assert_eq!(minimum_moves(&[3, 3, 3], 0), 0);
     }
+}
+
+/// The coordinator's view alone: bytes of RSS per channel once `channels` assignments are
+/// applied (as the coordinator holds them after its startup list), and the time of one
+/// steady-state plan round (nothing to change), which every store event batch and tick pays.
+pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
+    use chanwatch_core::coord::{CoordConfig, CoordState};
+    use chanwatch_core::{ChannelInfo, ChannelName, ChannelOwner, ChannelState, Epoch, Keys};
+    use chanwatch_core::{NodeId, NodeSession, VChannelInfo};
+    eprintln!(
+        "bench planner: {} channels on {} nodes, {} runs (no store, no nodes: the planner only)",
+        args.channels, args.nodes, args.runs
+    );
+    // Memory freed by one run is reused by the next in the same process, so each run of
+    // several is a fresh process of its own.
+    if args.runs > 1 {
+        let exe = std::env::current_exe()?;
+        let (mut bytes, mut plan_ms) = (Vec::new(), Vec::new());
+        for run in 1..=args.runs {
+            let out = std::process::Command::new(&exe)
+                .args(["bench", "planner", "--runs", "1"])
+                .args(["--channels", &args.channels.to_string()])
+                .args(["--nodes", &args.nodes.to_string()])
+                .stderr(std::process::Stdio::null())
+                .output()?;
+            anyhow::ensure!(out.status.success(), "run {run} failed");
+            let line: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+            let b = line["rss_bytes_per_channel_median"].as_f64().unwrap_or(0.0);
+            let p = line["plan_round_ms_median"].as_f64().unwrap_or(0.0);
+            eprintln!("  run {run}: {b:.0} B RSS/channel, plan round {p:.2} ms");
+            bytes.push(b);
+            plan_ms.push(p);
+        }
+        println!(
+            "{}",
+            json!({
+                "bench": "planner", "channels": args.channels, "nodes": args.nodes,
+                "runs": bytes.len(),
+                "rss_bytes_per_channel_median": median(bytes).round(),
+                "plan_round_ms_median": round3(median(plan_ms)),
+                "note": "the coordinator's view only (CoordState), no store, nodes or runtime; one process per run",
+            })
+        );
+        return Ok(());
+    }
+    let keys = Keys::default();
+    let mut bytes = Vec::new();
+    let mut plan_ms = Vec::new();
+    for run in 1..=args.runs.max(1) {
+        let rss0 = rss_bytes();
+        let mut state = CoordState::new(keys.clone(), CoordConfig::default());
+        let mut rev = 1;
+        for id in 1..=args.nodes as u64 {
+            rev += 1;
+            let session = NodeSession {
+                id: NodeId(id),
+                admin_addr: format!("10.0.0.{}:9871", id % 250),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                started_at_ms: 1,
+                capacity: 0,
+                extra: Default::default(),
+            };
+            state.apply_put(&keys.session(NodeId(id)), &session.encode(), rev);
+        }
+        for i in 0..args.channels {
+            rev += 1;
+            let name = ChannelName::new(format!("by-dev-rootcoord-dml_{i}_v0"))?;
+            let node = NodeId(1 + (i % args.nodes.max(1)) as u64);
+            let mut info = ChannelInfo::new(name.clone(), Epoch(1), 1, VChannelInfo::default());
+            info.state = ChannelState::Watched;
+            let key = keys.channel(ChannelOwner::Node(node), &name);
+            state.apply_put(&key, &info.encode(), rev);
+        }
+        let per_channel = rss_bytes().saturating_sub(rss0) as f64 / args.channels.max(1) as f64;
+        let mut rounds = Vec::new();
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            let txns = state.plan(2);
+            rounds.push(t.elapsed().as_secs_f64() * 1e3);
+            anyhow::ensure!(
+                txns.is_empty(),
+                "a settled view planned {} txns",
+                txns.len()
+            );
+        }
+        let round = median(rounds);
+        eprintln!("  run {run}: {per_channel:.0} B RSS/channel, plan round {round:.2} ms");
+        bytes.push(per_channel);
+        plan_ms.push(round);
+        drop(state);
+    }
+    println!(
+        "{}",
+        json!({
+            "bench": "planner", "channels": args.channels, "nodes": args.nodes,
+            "runs": bytes.len(),
+            "rss_bytes_per_channel_median": median(bytes).round(),
+            "plan_round_ms_median": round3(median(plan_ms)),
+            "note": "the coordinator's view only (CoordState), no store, nodes or runtime",
+        })
+    );
+    Ok(())
 }

@@ -337,6 +337,22 @@ pub enum BenchWhat {
     Balance(BenchBalanceArgs),
     /// Ack latency: assignments committed at once, time until each is Watched.
     Ack(BenchAckArgs),
+    /// The coordinator's own cost: memory of its view and time of one plan round, with
+    /// no store, nodes or network in the figure.
+    Planner(BenchPlannerArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchPlannerArgs {
+    /// Channels in the view.
+    #[arg(long, default_value_t = 100_000)]
+    pub channels: usize,
+    /// Live nodes in the view.
+    #[arg(long, default_value_t = 1000)]
+    pub nodes: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
 }
 
 #[derive(Debug, Args)]
@@ -482,6 +498,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             BenchWhat::Failover(args) => crate::bench::failover(&args).await,
             BenchWhat::Assign(args) => crate::bench_system::assign(&args).await,
             BenchWhat::Balance(args) => crate::bench_system::balance(&args).await,
+            BenchWhat::Planner(args) => crate::bench_system::planner(&args),
             BenchWhat::Ack(args) => crate::bench_system::ack(&args).await,
         },
         // Each seed runs on a runtime of its own, on plain threads.
