@@ -465,19 +465,6 @@ pub async fn ack(args: &BenchAckArgs) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::minimum_moves;
-
-    #[test]
-    fn minimum_moves_fill_the_new_nodes_to_the_mean() {
-        // 100 nodes x 100 channels, 10 join: 10000 / 110 = 90 rem 100.
-        assert_eq!(minimum_moves(&[100; 100], 10), 100 * 100 - (100 * 91));
-        assert_eq!(minimum_moves(&[11, 10], 1), 7); // 21 over 3 = 7 each: 4 + 3 move
-        assert_eq!(minimum_moves(&[3, 3, 3], 0), 0);
-    }
-}
-
 /// The coordinator's view alone: bytes of RSS per channel once `channels` assignments are
 /// applied (as the coordinator holds them after its startup list), and the time of one
 /// steady-state plan round (nothing to change), which every store event batch and tick pays.
@@ -578,4 +565,17 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
         })
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::minimum_moves;
+
+    #[test]
+    fn minimum_moves_fill_the_new_nodes_to_the_mean() {
+        // 100 nodes x 100 channels, 10 join: 10000 / 110 = 90 rem 100.
+        assert_eq!(minimum_moves(&[100; 100], 10), 100 * 100 - (100 * 91));
+        assert_eq!(minimum_moves(&[11, 10], 1), 7); // 21 over 3 = 7 each: 4 + 3 move
+        assert_eq!(minimum_moves(&[3, 3, 3], 0), 0);
+    }
 }
