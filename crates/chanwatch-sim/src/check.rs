@@ -309,11 +309,19 @@ impl Checker {
         }
     }
 
+    /// Nodes with a drain mark now.
+    pub fn draining(&self) -> BTreeSet<NodeId> {
+        self.kv
+            .keys()
+            .filter_map(|k| self.keys.parse_drain(k).ok())
+            .collect()
+    }
+
     /// Why the cluster is not settled yet (`None`: settled). Settled means: the channels
     /// are exactly those added and not removed; each has one key; none is under a node
     /// without a session; each is `Watched` on a live node, or under `remaining` when no
-    /// live node takes channels; and the loads of the nodes that take channels differ by
-    /// at most one.
+    /// live node takes channels; the loads of the nodes that take channels differ by at most
+    /// one; and draining nodes are empty unless every live node is draining.
     /// Channels in `ambiguous` (an add or remove with an unknown outcome) may be there or not.
     pub fn settled(
         &self,
@@ -381,7 +389,8 @@ impl Checker {
                 return Some(format!("unbalanced: loads {loads:?}"));
             }
         }
-        for n in &draining {
+        // With every live node draining, there is nowhere to move to: channels stay put.
+        for n in draining.iter().filter(|_| !assignable.is_empty()) {
             if loads.get(n).copied().unwrap_or(0) > 0 {
                 return Some(format!("draining node {n} still has channels"));
             }

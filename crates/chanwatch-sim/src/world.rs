@@ -716,8 +716,14 @@ impl World {
     }
 
     async fn drain(&mut self) {
-        // Keep two nodes taking channels, so a drain never parks everything.
-        let ids: Vec<NodeId> = self.nodes.iter().filter_map(NodeProc::id).collect();
+        // Leave at least two nodes taking channels (until nodes die later).
+        let draining = self.checker.draining();
+        let ids: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter_map(NodeProc::id)
+            .filter(|id| !draining.contains(id))
+            .collect();
         if ids.len() < 3 {
             return;
         }

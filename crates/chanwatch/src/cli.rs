@@ -137,7 +137,7 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
     /// How many seeds to run (seeds START, START+1, ...).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     pub seeds: u64,
     /// First seed.
     #[arg(long, default_value_t = 0)]
