@@ -199,18 +199,23 @@ impl World {
         });
     }
 
-    fn spawn_node(&mut self) {
-        let slot = self.next_slot;
-        self.next_slot += 1;
-        let (store, faults) = FaultyStore::new(self.store.clone());
-        faults.latency(LATENCY, self.seed ^ (slot as u64) << 8);
+    /// Records `writer` as the author of every revision committed through `faults`' store.
+    fn attribute(&self, faults: &Faults, writer: Writer) {
         let writers = self.writers.clone();
         faults.on_commit(Arc::new(move |rev| {
             writers
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(rev, Writer::Node(slot));
+                .insert(rev, writer.clone());
         }));
+    }
+
+    fn spawn_node(&mut self) {
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        let (store, faults) = FaultyStore::new(self.store.clone());
+        faults.latency(LATENCY, self.seed ^ (slot as u64) << 8);
+        self.attribute(&faults, Writer::Node(slot));
         let config = NodeConfig {
             keys: self.keys.clone(),
             session_ttl: SESSION_TTL,
@@ -254,14 +259,7 @@ impl World {
         let name = format!("coord{}", self.incarnations);
         let (store, faults) = FaultyStore::new(self.store.clone());
         faults.latency(LATENCY, self.seed ^ u64::from(self.incarnations) << 32);
-        let writers = self.writers.clone();
-        let writer = Writer::Coord(name.clone());
-        faults.on_commit(Arc::new(move |rev| {
-            writers
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(rev, writer.clone());
-        }));
+        self.attribute(&faults, Writer::Coord(name.clone()));
         let timeout_ms = u64::try_from(WATCH_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
         let config = CoordinatorConfig {
             keys: self.keys.clone(),

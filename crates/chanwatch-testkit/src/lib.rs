@@ -183,6 +183,22 @@ pub fn etcd_binary() -> Result<PathBuf, FixtureError> {
     Err(FixtureError::NoBinary)
 }
 
+/// A temporary directory for etcd data, on tmpfs when available: etcd fsyncs every commit,
+/// which dominates test time on disk.
+fn data_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
+    let base = Path::new("/dev/shm");
+    let builder = {
+        let mut b = tempfile::Builder::new();
+        b.prefix(prefix);
+        b
+    };
+    if base.is_dir() {
+        builder.tempdir_in(base)
+    } else {
+        builder.tempdir()
+    }
+}
+
 fn free_port() -> std::io::Result<u16> {
     // Bind port 0 and release it at once: a small race with other processes, acceptable for
     // tests; a collision shows up as "not healthy" with etcd's log explaining it.
@@ -204,17 +220,7 @@ impl EtcdFixture {
     /// [`FixtureError`] when the binary is missing or etcd does not come up within 20 s.
     pub async fn start_with(options: EtcdOptions) -> Result<Self, FixtureError> {
         let bin = etcd_binary()?;
-        // tmpfs when available: etcd fsyncs every commit, which dominates test time on disk.
-        let base = Path::new("/dev/shm");
-        let data_dir = if base.is_dir() {
-            tempfile::Builder::new()
-                .prefix("chanwatch-etcd-")
-                .tempdir_in(base)?
-        } else {
-            tempfile::Builder::new()
-                .prefix("chanwatch-etcd-")
-                .tempdir()?
-        };
+        let data_dir = data_tempdir("chanwatch-etcd-")?;
         let client_port = free_port()?;
         let peer_port = free_port()?;
         let tls = if options.tls {
@@ -387,16 +393,7 @@ impl EtcdCluster {
     /// [`FixtureError`] when the binary is missing or a member does not come up within 30 s.
     pub async fn start(n: usize) -> Result<Self, FixtureError> {
         let bin = etcd_binary()?;
-        let base = Path::new("/dev/shm");
-        let dir = if base.is_dir() {
-            tempfile::Builder::new()
-                .prefix("chanwatch-etcd-cluster-")
-                .tempdir_in(base)?
-        } else {
-            tempfile::Builder::new()
-                .prefix("chanwatch-etcd-cluster-")
-                .tempdir()?
-        };
+        let dir = data_tempdir("chanwatch-etcd-cluster-")?;
         let mut ports = Vec::new();
         for _ in 0..n {
             ports.push((free_port()?, free_port()?));
