@@ -56,6 +56,19 @@ async fn pausable(f: impl Future<Output = ()>, mut gate: watch::Receiver<bool>) 
     }
 }
 
+/// Spawns a process's body on its own store; the returned sender freezes it (`true`).
+fn spawn_process<F>(
+    store: FaultyStore<EmbeddedStore>,
+    body: impl FnOnce(Arc<dyn MetaStore>) -> F,
+) -> (JoinHandle<()>, watch::Sender<bool>)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (pause, gate) = watch::channel(false);
+    let task = tokio::spawn(pausable(body(Arc::new(store)), gate));
+    (task, pause)
+}
+
 struct NodeProc {
     slot: usize,
     task: JoinHandle<()>,
@@ -226,24 +239,12 @@ impl World {
             ..NodeConfig::default()
         };
         let (status_tx, status) = watch::channel(NodeStatus::default());
-        let (pause, gate) = watch::channel(false);
         let handler: Arc<dyn ChannelHandler> = Arc::new(self.handler.clone());
         let clock = self.clock;
-        let task = tokio::spawn(pausable(
-            async move {
-                let store: Arc<dyn MetaStore> = Arc::new(store);
-                let _ = chanwatch_node::run(
-                    store,
-                    handler,
-                    config,
-                    clock,
-                    status_tx,
-                    std::future::pending(),
-                )
-                .await;
-            },
-            gate,
-        ));
+        let (task, pause) = spawn_process(store, move |store| async move {
+            let never = std::future::pending();
+            let _ = chanwatch_node::run(store, handler, config, clock, status_tx, never).await;
+        });
         self.log(&format!("start proc{slot}"));
         self.nodes.push(NodeProc {
             slot,
@@ -278,23 +279,11 @@ impl World {
             metrics: Arc::new(CoordMetrics::new()),
         };
         let (handle, requests, status) = CoordHandle::new();
-        let (pause, gate) = watch::channel(false);
         let clock = self.clock;
-        let task = tokio::spawn(pausable(
-            async move {
-                let store: Arc<dyn MetaStore> = Arc::new(store);
-                let _ = chanwatch_coord::run(
-                    store,
-                    config,
-                    clock,
-                    requests,
-                    status,
-                    std::future::pending(),
-                )
-                .await;
-            },
-            gate,
-        ));
+        let (task, pause) = spawn_process(store, move |store| async move {
+            let never = std::future::pending();
+            let _ = chanwatch_coord::run(store, config, clock, requests, status, never).await;
+        });
         self.log(&format!("start {name}"));
         self.coords.push(CoordProc {
             name,
