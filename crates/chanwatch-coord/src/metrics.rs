@@ -8,7 +8,7 @@ use prometheus::{
 };
 
 use chanwatch_core::coord::CoordState;
-use chanwatch_core::{ChannelOwner, ChannelState};
+use chanwatch_core::ChannelState;
 
 /// Failover durations are seconds to tens of seconds (TTL-bound detection is not included:
 /// the clock starts when the session is seen gone).
@@ -175,24 +175,14 @@ impl CoordMetrics {
     /// Refreshes the gauges derived from the view. `with_balance` also computes the balance
     /// plan (a copy of the view), so callers do it at most once per tick.
     pub fn observe(&self, state: &CoordState, with_balance: bool) {
-        let mut by_state = [0i64; 5];
-        let mut remaining = 0;
-        for e in state.entries() {
-            let i = ChannelState::ALL
-                .iter()
-                .position(|s| *s == e.info.state)
-                .unwrap_or(0);
-            by_state[i] += 1;
-            if e.owner == ChannelOwner::Remaining {
-                remaining += 1;
-            }
-        }
+        let census = state.census();
         for (i, s) in ChannelState::ALL.iter().enumerate() {
             self.channels
                 .with_label_values(&[s.as_str()])
-                .set(by_state[i]);
+                .set(i64::try_from(census.by_state[i]).unwrap_or(i64::MAX));
         }
-        self.remaining.set(remaining);
+        self.remaining
+            .set(i64::try_from(census.remaining).unwrap_or(i64::MAX));
         self.nodes_alive
             .set(i64::try_from(state.nodes().len()).unwrap_or(i64::MAX));
         self.moves_in_flight

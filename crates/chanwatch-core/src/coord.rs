@@ -355,6 +355,15 @@ pub struct CoordState {
     draining: BTreeSet<NodeId>,
 }
 
+/// Counts of assignment keys, from [`CoordState::census`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Census {
+    /// Keys per state, in the order of [`ChannelState::ALL`].
+    pub by_state: [usize; 5],
+    /// Keys under `remaining`.
+    pub remaining: usize,
+}
+
 /// What a key under the root turned out to be.
 // Lives for one function call.
 #[allow(clippy::large_enum_variant)]
@@ -603,6 +612,29 @@ impl CoordState {
         &self.draining
     }
 
+    /// Assignment keys by state and how many are parked, in O(channels needing attention):
+    /// the metrics read it after every round.
+    pub fn census(&self) -> Census {
+        let mut c = Census {
+            by_state: [0; 5],
+            remaining: 0,
+        };
+        let watched = ChannelState::ALL
+            .iter()
+            .position(|s| *s == ChannelState::Watched)
+            .unwrap_or(1);
+        c.by_state[watched] = self.channels.len() - self.attention.len();
+        for e in self.unsettled().flat_map(|(_, o)| o.values()) {
+            if let Some(i) = ChannelState::ALL.iter().position(|s| *s == e.info.state) {
+                c.by_state[i] += 1;
+            }
+            if e.owner == ChannelOwner::Remaining {
+                c.remaining += 1;
+            }
+        }
+        c
+    }
+
     /// Moves in flight (`ToRelease` sent, waiting for `Released`).
     pub fn moves_in_flight(&self) -> usize {
         self.moves.len()
@@ -798,12 +830,36 @@ impl CoordState {
 
     /// The moves balance would make now, without making them.
     pub fn balance_plan(&self) -> Vec<PlannedMove> {
-        let mut sim = self.clone();
-        sim.config.max_concurrent_moves = usize::MAX;
-        sim.moves.clear();
-        let mut out = Vec::new();
-        sim.plan_balance(0, &mut Vec::new(), &mut out);
-        out
+        // As if no move were in flight and any number could be: loads are the keys each
+        // node holds now, and every `Watched` channel may move. No copy of the view (it
+        // runs on every metrics tick, and the view can be 100 MB).
+        let mut loads: BTreeMap<NodeId, usize> = self
+            .assignable()
+            .map(|n| (n, self.owned.get(&n).copied().unwrap_or(0)))
+            .collect();
+        if spread(&loads) <= 1 {
+            return Vec::new();
+        }
+        let mut movable = self.movable(false);
+        pick_moves(&mut loads, &mut movable, usize::MAX)
+    }
+
+    /// `Watched` channels with one key, per live node, in name order; `idle_only` leaves
+    /// out channels with a move in flight.
+    fn movable(&self, idle_only: bool) -> BTreeMap<NodeId, Vec<ChannelName>> {
+        let mut movable: BTreeMap<NodeId, Vec<ChannelName>> = BTreeMap::new();
+        for (channel, entries) in &self.channels {
+            if entries.len() != 1 || (idle_only && self.moves.contains_key(channel)) {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            if let (ChannelOwner::Node(n), ChannelState::Watched) = (e.owner, e.info.state) {
+                movable.entry(n).or_default().push(channel.clone());
+            }
+        }
+        movable
     }
 
     /// Everything that should change now. See the module docs.
@@ -827,7 +883,7 @@ impl CoordState {
         // based on the view those changes produced.
         if changes.is_empty() {
             self.plan_drains(now_ms, &mut changes);
-            self.plan_balance(now_ms, &mut changes, &mut Vec::new());
+            self.plan_balance(now_ms, &mut changes);
         }
         // One change per channel per round: two would each put the channel somewhere (two
         // assignment keys) or guard on a revision the other changes.
@@ -1205,9 +1261,8 @@ impl CoordState {
     }
 
     /// Move `Watched` channels from the most to the least loaded node until max - min <= 1,
-    /// with at most `max_concurrent_moves` in flight. `dry` collects the moves (for
-    /// `balance --dry-run`) in place of real releases.
-    fn plan_balance(&mut self, now_ms: u64, changes: &mut Vec<Change>, dry: &mut Vec<PlannedMove>) {
+    /// with at most `max_concurrent_moves` in flight.
+    fn plan_balance(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
         let mut loads: BTreeMap<NodeId, usize> = self
             .loads()
             .into_iter()
@@ -1216,54 +1271,22 @@ impl CoordState {
         if loads.len() < 2 {
             return;
         }
-        let spread = loads.values().max().unwrap_or(&0) - loads.values().min().unwrap_or(&0);
-        if spread <= 1 {
+        if spread(&loads) <= 1 {
             return; // balanced: skip collecting movable channels, the costly part
         }
-        // Channels that can move, per node: Watched and not mid-transition.
-        let mut movable: BTreeMap<NodeId, Vec<ChannelName>> = BTreeMap::new();
-        for (channel, entries) in &self.channels {
-            if entries.len() != 1 || self.moves.contains_key(channel) {
-                continue;
-            }
-            let Some(e) = entries.values().next() else {
-                continue;
-            };
-            if let (ChannelOwner::Node(n), ChannelState::Watched) = (e.owner, e.info.state) {
-                movable.entry(n).or_default().push(channel.clone());
-            }
-        }
-        while self.moves.len() < self.config.max_concurrent_moves {
-            let Some((&max_node, &max)) = loads
-                .iter()
-                .max_by_key(|(n, l)| (**l, std::cmp::Reverse(**n)))
-            else {
-                break;
-            };
-            let Some((&min_node, &min)) = loads.iter().min_by_key(|(n, l)| (**l, **n)) else {
-                break;
-            };
-            if max <= min + 1 {
-                break;
-            }
-            let Some(channel) = movable.get_mut(&max_node).and_then(Vec::pop) else {
-                // Everything on the busiest node is mid-transition; wait for it.
-                break;
-            };
-            *loads.entry(max_node).or_default() -= 1;
-            *loads.entry(min_node).or_default() += 1;
-            dry.push(PlannedMove {
-                channel: channel.clone(),
-                from: max_node,
-                to: min_node,
-            });
-            if let Some(e) = self.entry(&channel).cloned() {
-                changes.push(release(&e, Cause::Balance));
+        let mut movable = self.movable(true);
+        let budget = self
+            .config
+            .max_concurrent_moves
+            .saturating_sub(self.moves.len());
+        for m in pick_moves(&mut loads, &mut movable, budget) {
+            if let Some(e) = self.entry(&m.channel) {
+                changes.push(release(e, Cause::Balance));
             }
             self.moves.insert(
-                channel,
+                m.channel,
                 PendingMove {
-                    to: min_node,
+                    to: m.to,
                     since_ms: now_ms,
                     cause: Cause::Balance,
                 },
@@ -1311,6 +1334,48 @@ impl CoordState {
 }
 
 /// Joins txns produced for one admin request (removal of a channel with duplicates).
+/// Max − min load.
+fn spread(loads: &BTreeMap<NodeId, usize>) -> usize {
+    loads.values().max().unwrap_or(&0) - loads.values().min().unwrap_or(&0)
+}
+
+/// Up to `budget` moves, each of the last movable channel of the busiest node (ties: lowest
+/// ID) to the least loaded one (ties: lowest ID), until max − min ≤ 1 or the busiest node
+/// has nothing movable. `loads` ends as it would after the moves.
+fn pick_moves(
+    loads: &mut BTreeMap<NodeId, usize>,
+    movable: &mut BTreeMap<NodeId, Vec<ChannelName>>,
+    budget: usize,
+) -> Vec<PlannedMove> {
+    let mut out = Vec::new();
+    while out.len() < budget {
+        let Some((&max_node, &max)) = loads
+            .iter()
+            .max_by_key(|(n, l)| (**l, std::cmp::Reverse(**n)))
+        else {
+            break;
+        };
+        let Some((&min_node, &min)) = loads.iter().min_by_key(|(n, l)| (**l, **n)) else {
+            break;
+        };
+        if max <= min + 1 {
+            break;
+        }
+        let Some(channel) = movable.get_mut(&max_node).and_then(Vec::pop) else {
+            // Everything on the busiest node is mid-transition; wait for it.
+            break;
+        };
+        *loads.entry(max_node).or_default() -= 1;
+        *loads.entry(min_node).or_default() += 1;
+        out.push(PlannedMove {
+            channel,
+            from: max_node,
+            to: min_node,
+        });
+    }
+    out
+}
+
 /// Keeps the attention set in step after a change to `channel`.
 fn mark(attention: &mut BTreeSet<ChannelName>, channel: &ChannelName, settled: bool) {
     if settled {
@@ -2053,6 +2118,33 @@ mod convergence_tests {
                 .map(|(c, _)| c.clone())
                 .collect();
             assert_eq!(state.attention, expect, "attention set out of step");
+            let mut census = Census {
+                by_state: [0; 5],
+                remaining: 0,
+            };
+            for e in state.entries() {
+                let i = ChannelState::ALL
+                    .iter()
+                    .position(|s| *s == e.info.state)
+                    .unwrap();
+                census.by_state[i] += 1;
+                census.remaining += usize::from(e.owner == ChannelOwner::Remaining);
+            }
+            assert_eq!(state.census(), census, "census differs from a full count");
+            // `balance_plan` must be the round a copy of the view would plan with no move
+            // in flight and no limit.
+            let mut sim = state.clone();
+            sim.config.max_concurrent_moves = usize::MAX;
+            sim.moves.clear();
+            sim.plan_balance(0, &mut Vec::new());
+            let expect: BTreeMap<ChannelName, NodeId> =
+                sim.moves.iter().map(|(c, m)| (c.clone(), m.to)).collect();
+            let got: BTreeMap<ChannelName, NodeId> = state
+                .balance_plan()
+                .into_iter()
+                .map(|m| (m.channel, m.to))
+                .collect();
+            assert_eq!(got, expect, "balance plan differs from a round on a copy");
         }
 
         proptest! {
