@@ -2126,7 +2126,7 @@ mod convergence_tests {
                 let i = ChannelState::ALL
                     .iter()
                     .position(|s| *s == e.info.state)
-                    .unwrap();
+                    .expect("a state");
                 census.by_state[i] += 1;
                 census.remaining += usize::from(e.owner == ChannelOwner::Remaining);
             }
