@@ -14,7 +14,7 @@ use chanwatch_core::coord::{
 };
 use chanwatch_core::{ChannelName, CoordSession, Keys, NodeId, VChannelInfo};
 use chanwatch_store::{
-    Clock, Compare, EventKind, ListWatch, MetaStore, StoreError, Txn, TxnOp, Update,
+    Clock, Compare, EventKind, ListWatch, MetaStore, OpResponse, StoreError, Txn, TxnOp, Update,
 };
 use futures_util::StreamExt;
 use serde::Serialize;
@@ -597,8 +597,10 @@ impl Term<'_> {
                 let txns = self.state.plan(self.clock.unix_ms());
                 plan_gap =
                     PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
-                if let Err(why) = self.execute(txns).await {
-                    return TermEnd::Lost(why);
+                match self.execute(txns).await {
+                    // Re-plan on the refreshed view without waiting for another event.
+                    Ok(refused) => dirty |= refused > 0,
+                    Err(why) => return TermEnd::Lost(why),
                 }
                 self.finish_failovers();
                 self.config.metrics.observe(&self.state, ticked);
@@ -620,6 +622,7 @@ impl Term<'_> {
                     kvs.iter()
                         .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
                 );
+                self.state.caught_up(revision);
                 for (key, why) in self.state.corrupt() {
                     error!(key, error = %why, "coord: value does not decode; leaving it alone");
                 }
@@ -649,9 +652,10 @@ impl Term<'_> {
                                     self.failovers.push((self.clock.now(), id, held));
                                 }
                             }
-                            self.state.apply_delete(&ev.kv.key);
+                            self.state.apply_delete(&ev.kv.key, ev.kv.mod_revision);
                         }
                     }
+                    self.state.caught_up(ev.kv.mod_revision);
                 }
             }
         }
@@ -752,9 +756,11 @@ impl Term<'_> {
                 drop(reply.send(Ok(txn.transitions)));
                 Ok(())
             }
-            Ok(_) => {
-                self.check_leader().await?;
-                drop(reply.send(Err(ApiError::Store("the channel changed meanwhile".into()))));
+            Ok(r) => {
+                self.refresh(&txn, &r)?;
+                drop(reply.send(Err(ApiError::Store(
+                    "the channel changed meanwhile; retry".into(),
+                ))));
                 Ok(())
             }
             Err(e) => {
@@ -799,13 +805,61 @@ impl Term<'_> {
                 Op::Delete { .. } => {}
             }
         }
-        Txn::new().when(compares).and_then(ops)
+        // When a compare fails, the same round trip returns what the keys hold now (leader
+        // key first), so the view is fixed at once instead of when the watch catches up: a
+        // single stale guard refuses a whole txn of ~127 channels, and a watch that lags
+        // under load made a failover retry the same doomed txn for hundreds of ms.
+        let mut reads = Vec::with_capacity(t.guards.len() + 1);
+        reads.push(TxnOp::get(keys.leader()));
+        reads.extend(
+            t.guards
+                .iter()
+                .map(|g| TxnOp::get(keys.channel(g.owner, &g.channel))),
+        );
+        Txn::new().when(compares).and_then(ops).or_else(reads)
     }
 
-    /// Runs planned txns, up to `pipeline` at once. `Err` when leadership was lost.
-    async fn execute(&mut self, txns: Vec<PlannedTxn>) -> Result<(), String> {
+    /// Brings the view up to date with what a refused txn read back. `Err` when the leader
+    /// key is no longer ours.
+    fn refresh(
+        &mut self,
+        t: &PlannedTxn,
+        resp: &chanwatch_store::TxnResponse,
+    ) -> Result<(), String> {
+        let mut reads = resp.responses.iter();
+        match reads.next() {
+            Some(OpResponse::Get { kv: Some(kv) }) if kv.create_revision == self.leader_rev => {}
+            Some(OpResponse::Get { .. }) => {
+                return Err("the leader key belongs to someone else: deposed".into())
+            }
+            _ => return Ok(()),
+        }
+        let keys = &self.config.keys;
+        for (g, r) in t.guards.iter().zip(reads) {
+            let key = keys.channel(g.owner, &g.channel);
+            let now = match r {
+                OpResponse::Get { kv: Some(kv) } => kv.mod_revision,
+                _ => 0,
+            };
+            if now != g.mod_revision {
+                debug!(channel = %g.channel, owner = %g.owner, expected = g.mod_revision, found = now, "coord: stale guard");
+            }
+            match r {
+                OpResponse::Get { kv: Some(kv) } => {
+                    self.state.apply_put(&key, &kv.value, kv.mod_revision);
+                }
+                OpResponse::Get { kv: None } => self.state.apply_delete(&key, resp.revision),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs planned txns, up to `pipeline` at once, and returns how many were refused (the
+    /// view was stale; it is refreshed). `Err` when leadership was lost.
+    async fn execute(&mut self, txns: Vec<PlannedTxn>) -> Result<usize, String> {
         if txns.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let store = self.store.clone();
         let jobs: Vec<(PlannedTxn, Txn)> = txns
@@ -830,7 +884,15 @@ impl Term<'_> {
         .buffer_unordered(self.config.pipeline.max(1))
         .collect()
         .await;
-        let mut refused = false;
+        let mut refused = 0;
+        debug!(
+            txns = results.len(),
+            committed = results
+                .iter()
+                .filter(|(_, r, _)| r.as_ref().is_ok_and(|r| r.succeeded))
+                .count(),
+            "coord: executed a plan round"
+        );
         for (t, r, started) in results {
             self.record_txn(&r, started);
             match r {
@@ -838,29 +900,22 @@ impl Term<'_> {
                     self.state.applied(&t, resp.revision);
                     self.log_transitions(&t);
                 }
-                Ok(_) => refused = true,
+                Ok(resp) => {
+                    refused += 1;
+                    self.refresh(&t, &resp)?;
+                }
                 Err(e) => {
                     warn!(error = %e, channels = t.transitions.len(), "coord: txn failed; the next plan retries")
                 }
             }
         }
-        if refused {
-            self.check_leader().await?;
-            debug!("coord: a txn's compare failed (stale view); the watch will catch up");
+        if refused > 0 {
+            debug!(
+                refused,
+                "coord: txns refused (stale view); refreshed the keys they guard"
+            );
         }
-        Ok(())
-    }
-
-    /// `Err` when the leader key is no longer ours.
-    async fn check_leader(&self) -> Result<(), String> {
-        match self.store.get(&self.config.keys.leader()).await {
-            Ok(Some(kv)) if kv.create_revision == self.leader_rev => Ok(()),
-            Ok(_) => Err("the leader key belongs to someone else: deposed".into()),
-            Err(e) => {
-                warn!(error = %e, "coord: cannot check leadership");
-                Ok(())
-            }
-        }
+        Ok(refused)
     }
 }
 

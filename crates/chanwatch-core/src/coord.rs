@@ -342,6 +342,12 @@ pub struct CoordState {
     /// Channels that are not one `Watched` key under a node (duplicates, parked, loading,
     /// failed, releasing), kept in step with `channels`: what the passes of a round visit.
     attention: BTreeSet<ChannelName>,
+    /// Assignment keys known deleted at a revision the watch has not delivered yet (our own
+    /// txns, keys read back after a refused txn): a lagging watch's older PUT of such a key
+    /// must not bring it back. Pruned by [`CoordState::caught_up`]. Found by the failover
+    /// bench: resurrected keys made the coordinator re-plan failovers of channels it had
+    /// already moved, and every such txn was refused.
+    tombstones: BTreeMap<String, i64>,
     /// Keys under the managed prefixes whose value or key does not decode: reported, never
     /// overwritten or deleted.
     corrupt: BTreeMap<String, String>,
@@ -384,6 +390,7 @@ impl CoordState {
             channels: BTreeMap::new(),
             owned: BTreeMap::new(),
             attention: BTreeSet::new(),
+            tombstones: BTreeMap::new(),
             corrupt: BTreeMap::new(),
             moves: BTreeMap::new(),
             avoid: BTreeMap::new(),
@@ -463,6 +470,9 @@ impl CoordState {
                 None
             }
             Decoded::Channel(owner, info) => {
+                if self.tombstones.get(key).is_some_and(|d| mod_revision < *d) {
+                    return None; // an echo older than a delete we already know of
+                }
                 let channel = info.channel.clone();
                 let known = self
                     .channels
@@ -490,7 +500,7 @@ impl CoordState {
     #[cfg(test)]
     fn kill_for_test(&mut self, node: NodeId) {
         let key = self.keys.session(node);
-        self.apply_delete(&key);
+        self.apply_delete(&key, i64::MAX);
     }
 
     /// Inserts or replaces an entry, keeping the per-node counts in step.
@@ -505,14 +515,25 @@ impl CoordState {
         mark(&mut self.attention, &channel, settled);
     }
 
-    /// Applies a DELETE seen in the store.
-    pub fn apply_delete(&mut self, key: &str) {
+    /// Applies a DELETE seen in the store: `key` is absent as of `revision` (the delete's
+    /// revision, or a later one at which it was read absent).
+    pub fn apply_delete(&mut self, key: &str, revision: i64) {
         self.corrupt.remove(key);
         if let Ok(id) = self.keys.parse_session(key) {
             self.nodes.remove(&id);
         } else if let Ok(id) = self.keys.parse_drain(key) {
             self.draining.remove(&id);
         } else if let Ok(ck) = self.keys.parse_channel(key) {
+            let newer = self
+                .channels
+                .get(&ck.channel)
+                .and_then(|m| m.get(&ck.owner))
+                .is_some_and(|e| e.mod_revision > revision);
+            if newer {
+                return; // a delete older than the value we hold: the key was re-created
+            }
+            let known = self.tombstones.entry(key.to_owned()).or_insert(revision);
+            *known = (*known).max(revision);
             if let Some(entries) = self.channels.get_mut(&ck.channel) {
                 if entries.remove(&ck.owner).is_some() {
                     if let ChannelOwner::Node(n) = ck.owner {
@@ -551,6 +572,12 @@ impl CoordState {
         self.avoid.retain(|c, _| channels.contains_key(c));
     }
 
+    /// The watch (or a full list) has delivered everything up to `revision`: no older event
+    /// can arrive any more, so deletes at or below it need no tombstone.
+    pub fn caught_up(&mut self, revision: i64) {
+        self.tombstones.retain(|_, d| *d > revision);
+    }
+
     /// Records that a planned txn committed at `revision`, so the next plan does not repeat
     /// it before the watch echoes it.
     pub fn applied(&mut self, txn: &PlannedTxn, revision: i64) {
@@ -558,7 +585,7 @@ impl CoordState {
             match op {
                 Op::Delete { owner, channel } => {
                     let key = self.keys.channel(*owner, channel);
-                    self.apply_delete(&key);
+                    self.apply_delete(&key, revision);
                 }
                 Op::Drain { node } => {
                     self.draining.insert(*node);
@@ -1545,7 +1572,7 @@ mod tests {
             self.state.apply_put(&key, &session(id).encode(), self.rev);
         }
         pub(super) fn kill(&mut self, id: u64) {
-            self.state.apply_delete(&self.keys.session(NodeId(id)));
+            self.state.apply_delete(&self.keys.session(NodeId(id)), self.rev);
         }
         pub(super) fn put(&mut self, owner: ChannelOwner, i: ChannelInfo) -> i64 {
             self.rev += 1;
@@ -1908,6 +1935,41 @@ mod tests {
     }
 
     #[test]
+    fn late_echoes_do_not_bring_back_keys_known_deleted() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(2);
+        let old = w.keys.channel(n(1), &name("c"));
+        let stale = info("c", ChannelState::ToWatch, 1, 0);
+        w.put(n(1), stale.clone()); // node 1 has no session: the channel fails over
+        let before = w.rev;
+        w.rev += 5; // other keys' writes
+        let txns = w.settle(0);
+        assert_eq!(txns.len(), 1);
+        let moved = w.rev;
+        assert_eq!(w.owner_of("c").0, n(2));
+        // The watch lags: it now delivers an older write of the old key (the ack of a node
+        // that died), then the delete of our own txn.
+        assert_eq!(w.state.apply_put(&old, &stale.encode(), before + 2), None);
+        assert_eq!(w.state.channel_count(), 1);
+        assert!(
+            w.state.entries().all(|e| e.owner == n(2)),
+            "the old key came back"
+        );
+        assert!(w.state.plan(0).is_empty(), "a resurrected key was re-planned");
+        // A delete older than a value we hold is stale too.
+        let new = w.keys.channel(n(2), &name("c"));
+        w.state.apply_delete(&new, moved - 1);
+        assert_eq!(w.owner_of("c").0, n(2));
+        // Once the watch has passed the delete, the tombstone goes; a real re-creation of the
+        // old key (a later revision) is applied.
+        w.state.apply_delete(&old, moved);
+        w.state.caught_up(moved);
+        assert!(w.state.tombstones.is_empty());
+        assert_eq!(w.state.apply_put(&old, &stale.encode(), moved + 5), None);
+        assert_eq!(w.state.entries().count(), 2);
+    }
+
+    #[test]
     fn corrupt_values_are_reported_and_left_alone() {
         let mut w = World::new(CoordConfig::default());
         w.node(1);
@@ -1915,7 +1977,7 @@ mod tests {
         assert!(w.state.apply_put(key, b"{not json", 5).is_some());
         assert!(w.state.corrupt().contains_key(key));
         assert!(w.state.plan(0).is_empty());
-        w.state.apply_delete(key);
+        w.state.apply_delete(key, 6);
         assert!(w.state.corrupt().is_empty());
     }
 
@@ -2162,7 +2224,8 @@ mod convergence_tests {
                         }
                         Step::Delete { ch, owner: o } => {
                             let key = w.keys.channel(owner(o), &name(&format!("c{ch}")));
-                            w.state.apply_delete(&key);
+                            w.rev += 1;
+                            w.state.apply_delete(&key, w.rev);
                         }
                         Step::Plan { advance_ms, apply } => {
                             now += advance_ms;
