@@ -1572,7 +1572,8 @@ mod tests {
             self.state.apply_put(&key, &session(id).encode(), self.rev);
         }
         pub(super) fn kill(&mut self, id: u64) {
-            self.state.apply_delete(&self.keys.session(NodeId(id)), self.rev);
+            self.state
+                .apply_delete(&self.keys.session(NodeId(id)), self.rev);
         }
         pub(super) fn put(&mut self, owner: ChannelOwner, i: ChannelInfo) -> i64 {
             self.rev += 1;
@@ -1955,7 +1956,10 @@ mod tests {
             w.state.entries().all(|e| e.owner == n(2)),
             "the old key came back"
         );
-        assert!(w.state.plan(0).is_empty(), "a resurrected key was re-planned");
+        assert!(
+            w.state.plan(0).is_empty(),
+            "a resurrected key was re-planned"
+        );
         // A delete older than a value we hold is stale too.
         let new = w.keys.channel(n(2), &name("c"));
         w.state.apply_delete(&new, moved - 1);

@@ -283,6 +283,72 @@ struct Session {
     retry_acks: std::sync::atomic::AtomicBool,
     /// When each loading channel's assignment was seen, for the ack latency.
     seen_at: BTreeMap<ChannelName, tokio::time::Instant>,
+    /// Acks waiting for the write in flight to return.
+    ack_queue: Vec<(ChannelInfo, i64)>,
+    ack_in_flight: bool,
+    /// The write in flight; aborted with the session (its txn may still land: it is
+    /// guarded by the session and the key's revision, so that is harmless).
+    ack_task: Option<AbortOnDrop>,
+    acks_done_tx: mpsc::UnboundedSender<Vec<(ChannelInfo, AckOutcome)>>,
+    acks_done_rx: mpsc::UnboundedReceiver<Vec<(ChannelInfo, AckOutcome)>>,
+}
+
+/// One acknowledgement to write.
+struct AckWrite {
+    info: ChannelInfo,
+    /// The key's mod revision must be unchanged (`None` only under a planted bug).
+    compare: Option<Compare>,
+    put: TxnOp,
+}
+
+/// How one acknowledgement write ended.
+#[derive(Debug)]
+enum AckOutcome {
+    Committed(i64),
+    /// A compare failed: the assignment changed (or the session ended) meanwhile.
+    Refused,
+    Failed(String),
+}
+
+/// Writes acks in one shared txn (one compare per key, plus the session guard), and falls
+/// back to one txn per ack when the shared one fails, so that one changed assignment cannot
+/// hold back the others (DESIGN.md §4).
+async fn write_acks(
+    store: &dyn MetaStore,
+    session: Option<&Compare>,
+    chunk: Vec<AckWrite>,
+) -> Vec<(ChannelInfo, AckOutcome)> {
+    if chunk.len() > 1 {
+        let compares = session
+            .cloned()
+            .into_iter()
+            .chain(chunk.iter().filter_map(|w| w.compare.clone()));
+        let puts = chunk.iter().map(|w| w.put.clone());
+        match store.txn(Txn::new().when(compares).and_then(puts)).await {
+            Ok(r) if r.succeeded => {
+                return chunk
+                    .into_iter()
+                    .map(|w| (w.info, AckOutcome::Committed(r.revision)))
+                    .collect();
+            }
+            Ok(_) => debug!(
+                acks = chunk.len(),
+                "node: a batched ack's compare failed; acking one by one"
+            ),
+            Err(e) => warn!(error = %e, "node: batched ack failed; acking one by one"),
+        }
+    }
+    let mut out = Vec::with_capacity(chunk.len());
+    for w in chunk {
+        let compares = session.cloned().into_iter().chain(w.compare);
+        let outcome = match store.txn(Txn::new().when(compares).and_then([w.put])).await {
+            Ok(r) if r.succeeded => AckOutcome::Committed(r.revision),
+            Ok(_) => AckOutcome::Refused,
+            Err(e) => AckOutcome::Failed(e.to_string()),
+        };
+        out.push((w.info, outcome));
+    }
+    out
 }
 
 impl Session {
@@ -294,6 +360,7 @@ impl Session {
         reg: Registered,
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (acks_done_tx, acks_done_rx) = mpsc::unbounded_channel();
         Session {
             store,
             handler,
@@ -313,6 +380,11 @@ impl Session {
             fence: CancellationToken::new(),
             retry_acks: std::sync::atomic::AtomicBool::new(false),
             seen_at: BTreeMap::new(),
+            ack_queue: Vec::new(),
+            ack_in_flight: false,
+            ack_task: None,
+            acks_done_tx,
+            acks_done_rx,
         }
     }
 
@@ -400,6 +472,7 @@ impl Session {
                     }
                     self.execute_or_fence(cmds).await;
                 }
+                Some(outcomes) = self.acks_done_rx.recv() => self.acks_done(outcomes).await,
                 update = lw.next() => match update {
                     Some(Update::Reset { kvs, revision }) => {
                         self.metrics.relists.inc();
@@ -504,7 +577,6 @@ impl Session {
     }
 
     async fn execute(&mut self, cmds: Vec<NodeCommand>) {
-        let mut acks = Vec::new();
         let mut queue: std::collections::VecDeque<NodeCommand> = cmds.into();
         while let Some(cmd) = queue.pop_front() {
             match cmd {
@@ -519,85 +591,92 @@ impl Session {
                 NodeCommand::Ack {
                     info,
                     expect_mod_revision,
-                } => acks.push((info, expect_mod_revision)),
+                } => self.ack_queue.push((info, expect_mod_revision)),
             }
         }
-        self.flush_acks(acks).await;
+        self.send_acks();
     }
 
-    /// Writes acknowledgements in shared txns (one compare per key, plus the session guard)
-    /// and falls back to one txn per ack when a shared one fails its compares, so that one
-    /// changed assignment cannot hold back the others (DESIGN.md §4).
-    async fn flush_acks(&mut self, acks: Vec<(ChannelInfo, i64)>) {
+    /// Sends what is queued for acknowledgement, unless a write is already in flight: then
+    /// it goes when that one returns, together with whatever queued meanwhile (group
+    /// commit). The event loop does not wait for the store, so it keeps starting channels
+    /// while acks travel; with the loop blocked on each ack, a node under a burst of
+    /// assignments started its next channels only one ack round trip later, and ack
+    /// latency grew with the burst (the `ack` bench).
+    fn send_acks(&mut self) {
+        if self.ack_in_flight || self.ack_queue.is_empty() {
+            return;
+        }
+        let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
+        let session = (!unguarded).then(|| self.session_guard());
         // One compare slot is the session guard. Values are capped at 64 KiB, so a byte
         // budget of half the request limit also bounds a chunk.
         let max_keys = self.store.limits().max_txn_ops.saturating_sub(1).max(1);
         let max_bytes = self.store.limits().max_request_bytes / 2;
-        let mut chunk: Vec<(ChannelInfo, i64, Vec<u8>)> = Vec::new();
+        let mut chunks: Vec<Vec<AckWrite>> = vec![Vec::new()];
         let mut bytes = 0;
-        for (info, expect) in acks {
+        for (info, expect) in std::mem::take(&mut self.ack_queue) {
+            let key = self.key(&info.channel);
             let value = info.encode();
-            if !chunk.is_empty() && (chunk.len() >= max_keys || bytes + value.len() > max_bytes) {
-                self.ack_chunk(std::mem::take(&mut chunk)).await;
+            let last = chunks.last().map_or(0, Vec::len);
+            if last > 0 && (last >= max_keys || bytes + value.len() > max_bytes) {
+                chunks.push(Vec::new());
                 bytes = 0;
             }
             bytes += value.len();
-            chunk.push((info, expect, value));
+            let write = AckWrite {
+                compare: (!unguarded).then(|| Compare::mod_revision(&key, expect)),
+                put: TxnOp::put(key, value),
+                info,
+            };
+            if let Some(c) = chunks.last_mut() {
+                c.push(write);
+            }
         }
-        if !chunk.is_empty() {
-            self.ack_chunk(chunk).await;
-        }
+        self.ack_in_flight = true;
+        let store = self.store.clone();
+        let done = self.acks_done_tx.clone();
+        self.ack_task = Some(AbortOnDrop(tokio::spawn(async move {
+            let mut outcomes = Vec::new();
+            for chunk in chunks {
+                outcomes.extend(write_acks(store.as_ref(), session.as_ref(), chunk).await);
+            }
+            let _ = done.send(outcomes);
+        })));
     }
 
-    async fn ack_chunk(&mut self, chunk: Vec<(ChannelInfo, i64, Vec<u8>)>) {
-        if chunk.len() > 1 {
-            let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
-            let mut compares = if unguarded {
-                Vec::new()
-            } else {
-                vec![self.session_guard()]
+    /// Books the outcomes of one ack write and sends what queued meanwhile.
+    async fn acks_done(&mut self, outcomes: Vec<(ChannelInfo, AckOutcome)>) {
+        self.ack_in_flight = false;
+        let mut cmds = Vec::new();
+        for (info, outcome) in outcomes {
+            let committed = match outcome {
+                AckOutcome::Committed(rev) => {
+                    self.metrics.acks("committed", 1);
+                    debug!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack committed");
+                    self.observe_ack(&info);
+                    Some(rev)
+                }
+                AckOutcome::Refused => {
+                    self.metrics.acks("refused", 1);
+                    info!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack refused: the assignment changed meanwhile");
+                    None
+                }
+                AckOutcome::Failed(e) => {
+                    self.metrics.acks("error", 1);
+                    self.retry_acks
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    warn!(node = %self.reg.id, channel = %info.channel, error = %e, "node: ack failed; retrying after a relist");
+                    None
+                }
             };
-            let mut puts = Vec::with_capacity(chunk.len());
-            for (info, expect, value) in &chunk {
-                let key = self.key(&info.channel);
-                if !unguarded {
-                    compares.push(Compare::mod_revision(&key, *expect));
-                }
-                puts.push(TxnOp::put(key, value.clone()));
-            }
-            match self
-                .store
-                .txn(Txn::new().when(compares).and_then(puts))
-                .await
-            {
-                Ok(r) if r.succeeded => {
-                    debug!(node = %self.reg.id, acks = chunk.len(), "node: batched acks committed");
-                    self.metrics.acks("committed", chunk.len() as u64);
-                    for (info, _, _) in chunk {
-                        self.observe_ack(&info);
-                        self.machine.step(NodeEvent::AckDone {
-                            channel: info.channel,
-                            committed: Some(r.revision),
-                        });
-                    }
-                    return;
-                }
-                Ok(_) => {
-                    debug!(node = %self.reg.id, acks = chunk.len(), "node: a batched ack's compare failed; acking one by one")
-                }
-                Err(e) => {
-                    warn!(node = %self.reg.id, error = %e, "node: batched ack failed; acking one by one")
-                }
-            }
+            cmds.extend(self.machine.step(NodeEvent::AckDone {
+                channel: info.channel,
+                committed,
+            }));
         }
-        for (info, expect, _) in chunk {
-            let channel = info.channel.clone();
-            let committed = self.ack(&info, expect).await;
-            if committed.is_some() {
-                self.observe_ack(&info);
-            }
-            self.machine.step(NodeEvent::AckDone { channel, committed });
-        }
+        self.execute_or_fence(cmds).await;
+        self.send_acks();
     }
 
     fn observe_ack(&mut self, info: &ChannelInfo) {
@@ -658,39 +737,6 @@ impl Session {
                 task,
             },
         );
-    }
-
-    /// Writes an acknowledgement if the key is unchanged since `expect` and our session
-    /// still exists. Returns the new mod revision when it landed.
-    async fn ack(&self, info: &ChannelInfo, expect: i64) -> Option<i64> {
-        let key = self.key(&info.channel);
-        let compares = if self.planted_bug == Some(PlantedBug::UnguardedAck) {
-            Vec::new()
-        } else {
-            vec![Compare::mod_revision(&key, expect), self.session_guard()]
-        };
-        let txn = Txn::new()
-            .when(compares)
-            .and_then([TxnOp::put(&key, info.encode())]);
-        match self.store.txn(txn).await {
-            Ok(r) if r.succeeded => {
-                self.metrics.acks("committed", 1);
-                debug!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack committed");
-                Some(r.revision)
-            }
-            Ok(_) => {
-                self.metrics.acks("refused", 1);
-                info!(node = %self.reg.id, channel = %info.channel, state = %info.state, "node: ack refused: the assignment changed meanwhile");
-                None
-            }
-            Err(e) => {
-                self.metrics.acks("error", 1);
-                self.retry_acks
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
-                warn!(node = %self.reg.id, channel = %info.channel, error = %e, "node: ack failed; retrying after a relist");
-                None
-            }
-        }
     }
 
     /// Stops every runner and waits for each release.

@@ -389,16 +389,21 @@ pub async fn ack(args: &BenchAckArgs) -> Result<()> {
             c.clock.unix_ms(),
             ChannelState::ToWatch,
         )?;
-        // Commit times per revision, as each txn returns.
-        let mut committed: BTreeMap<i64, Instant> = BTreeMap::new();
-        for chunk in ops.chunks(store.limits().max_txn_ops) {
-            let rev = store
-                .txn(Txn::new().and_then(chunk.to_vec()))
-                .await?
-                .revision;
-            committed.insert(rev, Instant::now());
-        }
-        let mut created: BTreeMap<String, i64> = BTreeMap::new();
+        // The assignments are written by another task while this one reads the watch, so
+        // that every event is stamped when it arrives (reading only after the writes made
+        // the first figures of this bench measure the bench itself).
+        let max_ops = store.limits().max_txn_ops;
+        let writer_store = store.clone();
+        let writer = tokio::spawn(async move {
+            for chunk in ops.chunks(max_ops) {
+                writer_store
+                    .txn(Txn::new().and_then(chunk.to_vec()))
+                    .await?;
+            }
+            anyhow::Ok(())
+        });
+        // When each assignment's PUT was seen.
+        let mut seen: BTreeMap<String, Instant> = BTreeMap::new();
         let mut lat = Vec::with_capacity(args.channels);
         let deadline = t0 + Duration::from_secs(300);
         while lat.len() < args.channels {
@@ -420,18 +425,15 @@ pub async fn ack(args: &BenchAckArgs) -> Result<()> {
                     continue;
                 };
                 if info.state == ChannelState::ToWatch {
-                    created.insert(ev.kv.key.clone(), ev.kv.create_revision);
+                    seen.insert(ev.kv.key.clone(), now);
                 } else if info.state == ChannelState::Watched {
-                    let rev = created
-                        .get(&ev.kv.key)
-                        .copied()
-                        .unwrap_or(ev.kv.create_revision);
-                    if let Some(at) = committed.get(&rev) {
+                    if let Some(at) = seen.get(&ev.kv.key) {
                         lat.push(now.saturating_duration_since(*at).as_secs_f64());
                     }
                 }
             }
         }
+        writer.await??;
         lat.sort_by(f64::total_cmp);
         let pick = |q: f64| lat[((lat.len() as f64 - 1.0) * q).round() as usize];
         let rtt_med = median(rtt);

@@ -335,7 +335,7 @@ pub enum BenchWhat {
     Assign(BenchAssignArgs),
     /// Balance: nodes join a loaded cluster; time to max - min <= 1, moves vs the minimum.
     Balance(BenchBalanceArgs),
-    /// Ack latency: assignments committed at once, time until each is Watched.
+    /// Ack latency: assignments committed at once; for each, time from its PUT to its Watched PUT, both as one watcher sees them.
     Ack(BenchAckArgs),
     /// The coordinator's own cost: memory of its view and time of one plan round, with
     /// no store, nodes or network in the figure.
