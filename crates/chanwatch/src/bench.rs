@@ -248,7 +248,15 @@ async fn failover_case(args: &crate::cli::BenchFailoverArgs, kill: usize) -> Res
             Arc::new(SimulatedLoad::default()),
             "bench".into(),
         );
-        let mut nodes: Vec<_> = (0..args.nodes).map(|_| c.spawn_node()).collect();
+        // On etcd each node has a connection of its own, as node processes do: 100 nodes'
+        // watch streams and acks multiplexed on one HTTP/2 connection are not a deployment.
+        let mut nodes = Vec::with_capacity(args.nodes);
+        for _ in 0..args.nodes {
+            nodes.push(match args.store {
+                StoreKind::Embedded => c.spawn_node(),
+                StoreKind::Etcd => c.spawn_node_on(args.etcd.connect().await?),
+            });
+        }
         let mut ids = Vec::new();
         for n in &nodes {
             ids.push(c.node_id(n).await?);

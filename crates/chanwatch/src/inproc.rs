@@ -130,6 +130,11 @@ impl InProc {
 
     /// Starts a node; it registers under a fresh ID.
     pub fn spawn_node(&self) -> NodeProc {
+        self.spawn_node_on(self.store.clone())
+    }
+
+    /// A node with a store of its own (its own etcd connection, as a node process has).
+    pub fn spawn_node_on(&self, store: Arc<dyn MetaStore>) -> NodeProc {
         let config = NodeConfig {
             keys: self.keys.clone(),
             session_ttl: self.timings.session_ttl,
@@ -139,7 +144,6 @@ impl InProc {
         };
         let (status_tx, status) = watch::channel(NodeStatus::default());
         let (stop, stopped) = oneshot::channel::<()>();
-        let store = self.store.clone();
         let handler = self.handler.clone();
         let clock = self.clock;
         let task = tokio::spawn(async move {
