@@ -270,6 +270,7 @@ async fn failover_case(args: &crate::cli::BenchFailoverArgs, kill: usize) -> Res
             ensure!(Instant::now() < deadline, "setup did not settle");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        crate::bench_system::compact_history(store.as_ref()).await?;
         let victims: Vec<NodeId> = ids[..kill].to_vec();
         let mut leases = Vec::new();
         for v in &victims {
