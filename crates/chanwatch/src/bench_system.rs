@@ -511,16 +511,7 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
             bytes.push(b);
             plan_ms.push(p);
         }
-        println!(
-            "{}",
-            json!({
-                "bench": "planner", "channels": args.channels, "nodes": args.nodes,
-                "runs": bytes.len(),
-                "rss_bytes_per_channel_median": median(bytes).round(),
-                "plan_round_ms_median": round3(median(plan_ms)),
-                "note": "the coordinator's view only (CoordState), no store, nodes or runtime; one process per run",
-            })
-        );
+        print_planner(args, bytes, plan_ms, "; one process per run");
         return Ok(());
     }
     let keys = Keys::default();
@@ -569,6 +560,12 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
         plan_ms.push(round);
         drop(state);
     }
+    print_planner(args, bytes, plan_ms, "");
+    Ok(())
+}
+
+/// The planner bench's JSON line.
+fn print_planner(args: &BenchPlannerArgs, bytes: Vec<f64>, plan_ms: Vec<f64>, note: &str) {
     println!(
         "{}",
         json!({
@@ -576,10 +573,9 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
             "runs": bytes.len(),
             "rss_bytes_per_channel_median": median(bytes).round(),
             "plan_round_ms_median": round3(median(plan_ms)),
-            "note": "the coordinator's view only (CoordState), no store, nodes or runtime",
+            "note": format!("the coordinator's view only (CoordState), no store, nodes or runtime{note}"),
         })
     );
-    Ok(())
 }
 
 #[cfg(test)]
