@@ -546,13 +546,15 @@ impl Term<'_> {
         reconcile.tick().await; // the first tick is immediate; the list-watch lists anyway
         let mut recovered = false;
         let mut restarts_seen = 0;
-        // A plan walks every channel, so bursts of events (a failover's acks arrive one batch
-        // each) are planned together: at most one plan per `PLAN_EVERY`.
+        // A plan walks every channel that needs attention (all of them during a burst), so
+        // bursts of events (a failover's acks arrive one batch each) are planned together:
+        // at most one plan per `PLAN_EVERY`.
         let mut dirty = false;
         let mut ticked = false;
         let mut last_plan = self.clock.now() - PLAN_EVERY;
-        // Plans cost O(channels); spacing them by twice their own cost keeps planning to at
-        // most a third of the time, so nodes and acks are not starved on a big cluster.
+        // A plan costs O(channels needing attention), which is every channel during a mass
+        // registration; spacing plans by twice their own cost keeps planning to at most a
+        // third of the time, so nodes and acks are not starved on a big cluster.
         let mut plan_gap = PLAN_EVERY;
         loop {
             tokio::select! {
