@@ -40,6 +40,8 @@ pub struct CoordMetrics {
     pub txn_seconds: Histogram,
     /// 1 while this process is the leader.
     pub leader: IntGauge,
+    /// Nodes fenced by revoking their session lease (a release past the release timeout).
+    pub fences: IntCounter,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -118,6 +120,10 @@ impl CoordMetrics {
                 "chanwatch_leader",
                 "1 while this coordinator leads.",
             )),
+            fences: must(IntCounter::new(
+                "chanwatch_nodes_fenced_total",
+                "Nodes whose session lease the leader revoked because they did not release a channel in time.",
+            )),
         }
     }
 
@@ -138,6 +144,7 @@ impl CoordMetrics {
         registry.register(Box::new(self.relists.clone()))?;
         registry.register(Box::new(self.txns.clone()))?;
         registry.register(Box::new(self.txn_seconds.clone()))?;
+        registry.register(Box::new(self.fences.clone()))?;
         registry.register(Box::new(self.leader.clone()))?;
         Ok(())
     }

@@ -860,6 +860,7 @@ impl Term<'_> {
     /// Runs planned txns, up to `pipeline` at once, and returns how many were refused (the
     /// view was stale; it is refreshed). `Err` when leadership was lost.
     async fn execute(&mut self, txns: Vec<PlannedTxn>) -> Result<usize, String> {
+        self.fence_nodes().await;
         if txns.is_empty() {
             return Ok(0);
         }
@@ -922,6 +923,42 @@ impl Term<'_> {
 }
 
 impl Term<'_> {
+    /// Revokes the session lease of every node the planner wants fenced: a node that did
+    /// not release a channel within the release timeout, so that the channel can move
+    /// without running beside it (DESIGN §3). A revoke that fails is asked for again by the
+    /// planner; a session already gone needs none.
+    async fn fence_nodes(&mut self) {
+        for node in self.state.take_fence_requests() {
+            let key = self.config.keys.session(node);
+            let lease = match self.store.get(&key).await {
+                Ok(Some(kv)) => kv.lease,
+                Ok(None) => None,
+                Err(e) => {
+                    warn!(node = %node, error = %e, "coord: cannot read the session of a node to fence; retrying");
+                    continue;
+                }
+            };
+            let result = match lease {
+                Some(lease) => self.store.revoke(lease).await,
+                None => Ok(()),
+            };
+            match result {
+                Ok(()) | Err(StoreError::LeaseNotFound(_)) => {
+                    warn!(
+                        node = %node,
+                        wait_ms = self.config.planner.fence_wait_ms,
+                        "coord: node did not release a channel within the release timeout; revoked its session lease to fence it — its channels fail over once it has surely stopped them"
+                    );
+                    self.config.metrics.fences.inc();
+                    self.state.fenced(node, self.clock.unix_ms());
+                }
+                Err(e) => {
+                    warn!(node = %node, error = %e, "coord: revoking the session lease of a node to fence failed; retrying");
+                }
+            }
+        }
+    }
+
     fn record_txn(
         &self,
         r: &Result<chanwatch_store::TxnResponse, StoreError>,

@@ -31,8 +31,19 @@ use crate::types::{
 pub struct CoordConfig {
     /// A `ToWatch` with no progress for this long is reassigned.
     pub watch_timeout_ms: u64,
-    /// A `ToRelease` not `Released` within this long is force-moved.
+    /// A `ToRelease` not `Released` within this long is force-moved, once its owner is
+    /// fenced: the planner asks the runtime to revoke the owner's session lease
+    /// ([`CoordState::take_fence_requests`]) instead of moving the channel beside it.
     pub release_timeout_ms: u64,
+    /// How long the channels of a node whose lease this coordinator revoked are held before
+    /// they fail over: the node's session TTL, by which a node that could not hear of the
+    /// revoke has fenced itself (it fences when no keepalive succeeded for `ttl - margin`).
+    pub fence_wait_ms: u64,
+    /// Balance starts no move for this long after a membership change (a node joined or
+    /// left), a failed load or a timeout: the cluster settles before load is evened out.
+    pub balance_quiet_ms: u64,
+    /// A channel that moved (for any reason) is not picked by balance again for this long.
+    pub move_cooldown_ms: u64,
     /// How long a node that failed or timed out a channel is avoided for that channel.
     pub failed_node_backoff_ms: u64,
     /// Most operations (and compares) in one txn, including the runtime's leader guard.
@@ -48,6 +59,9 @@ impl Default for CoordConfig {
         CoordConfig {
             watch_timeout_ms: 30_000,
             release_timeout_ms: 30_000,
+            fence_wait_ms: 10_000,
+            balance_quiet_ms: 5_000,
+            move_cooldown_ms: 60_000,
             failed_node_backoff_ms: 30_000,
             max_txn_ops: 128,
             max_txn_bytes: 1024 * 1024,
@@ -68,8 +82,10 @@ pub enum Cause {
     Park,
     /// A node appeared; taken out of `remaining`.
     Unpark,
-    /// Not acknowledged in time, or the load failed.
+    /// Not acknowledged in time, or stuck releasing past the release timeout.
     Timeout,
+    /// The load failed or the running channel broke (`WatchFailed`).
+    Failed,
     /// Moved to even out load.
     Balance,
     /// Moved off a draining node.
@@ -91,6 +107,7 @@ impl Cause {
             Cause::Park => "park",
             Cause::Unpark => "unpark",
             Cause::Timeout => "timeout",
+            Cause::Failed => "failed",
             Cause::Balance => "balance",
             Cause::Drain => "drain",
             Cause::Manual => "manual",
@@ -359,6 +376,43 @@ pub struct CoordState {
     /// within seconds).
     avoid: BTreeMap<ChannelName, BTreeMap<NodeId, u64>>,
     draining: BTreeSet<NodeId>,
+    /// Nodes this coordinator fences by revoking their session lease, because a channel sat
+    /// in `ToRelease` past the release timeout (a stalled watch, a hung release). They get
+    /// nothing new, and once their session is gone their channels are held until the node
+    /// has surely fenced itself: a forced move never overlaps a live owner (DESIGN §3).
+    fences: BTreeMap<NodeId, Fence>,
+    /// Fences for the runtime to carry out, taken by [`CoordState::take_fence_requests`].
+    fence_requests: Vec<NodeId>,
+    /// Nodes that failed or timed out any channel, until a time: balance moves nothing to
+    /// them meanwhile (a node that hangs every load would otherwise be fed by balance as
+    /// fast as its channels time out; found from outside: 60 transitions in 30 s).
+    troubled: BTreeMap<NodeId, u64>,
+    /// When the last membership change, failure or timeout was seen: balance waits
+    /// `balance_quiet_ms` after it.
+    quiet_since_ms: u64,
+    /// A membership change was applied since the last round (events carry no time; the
+    /// next round dates it).
+    disturbed: bool,
+    /// When each recently moved channel moved: balance leaves it alone for
+    /// `move_cooldown_ms`. Pruned once a second.
+    moved_at: BTreeMap<ChannelName, u64>,
+    next_prune_ms: u64,
+}
+
+/// A fence of a live node that would not release a channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Fence {
+    /// When the planner last asked for the revoke.
+    requested_ms: u64,
+    /// When the runtime reported the lease revoked.
+    revoked_ms: Option<u64>,
+}
+
+impl Fence {
+    /// Until when a fenced node's channels stay where they are after its session is gone.
+    fn hold_until(&self, wait_ms: u64) -> u64 {
+        self.requested_ms.max(self.revoked_ms.unwrap_or(0)) + wait_ms
+    }
 }
 
 /// Counts of assignment keys, from [`CoordState::census`].
@@ -395,6 +449,13 @@ impl CoordState {
             moves: BTreeMap::new(),
             avoid: BTreeMap::new(),
             draining: BTreeSet::new(),
+            fences: BTreeMap::new(),
+            fence_requests: Vec::new(),
+            troubled: BTreeMap::new(),
+            quiet_since_ms: 0,
+            disturbed: false,
+            moved_at: BTreeMap::new(),
+            next_prune_ms: 0,
         }
     }
 
@@ -462,7 +523,7 @@ impl CoordState {
     pub fn apply_put(&mut self, key: &str, value: &[u8], mod_revision: i64) -> Option<String> {
         match self.decode(key, value) {
             Decoded::Session(id, s) => {
-                self.nodes.insert(id, s);
+                self.disturbed |= self.nodes.insert(id, s).is_none();
                 None
             }
             Decoded::Drain(id) => {
@@ -520,7 +581,7 @@ impl CoordState {
     pub fn apply_delete(&mut self, key: &str, revision: i64) {
         self.corrupt.remove(key);
         if let Ok(id) = self.keys.parse_session(key) {
-            self.nodes.remove(&id);
+            self.disturbed |= self.nodes.remove(&id).is_some();
         } else if let Ok(id) = self.keys.parse_drain(key) {
             self.draining.remove(&id);
         } else if let Ok(ck) = self.keys.parse_channel(key) {
@@ -558,6 +619,8 @@ impl CoordState {
     /// Replaces the whole view with a fresh list (after start, compaction or a broken watch).
     /// Memory of moves in flight is kept for channels that still exist.
     pub fn reset<'a>(&mut self, kvs: impl IntoIterator<Item = (&'a str, &'a [u8], i64)>) {
+        let before: BTreeSet<NodeId> = self.nodes.keys().copied().collect();
+        let disturbed = self.disturbed;
         self.nodes.clear();
         self.channels.clear();
         self.owned.clear();
@@ -570,6 +633,27 @@ impl CoordState {
         let channels = &self.channels;
         self.moves.retain(|c, _| channels.contains_key(c));
         self.avoid.retain(|c, _| channels.contains_key(c));
+        self.disturbed = disturbed || !self.nodes.keys().copied().eq(before);
+    }
+
+    /// Nodes to fence now, by revoking their session lease (see
+    /// [`CoordConfig::release_timeout_ms`]). The runtime reports each revoke that landed with
+    /// [`CoordState::fenced`]; one that failed is asked for again after a second.
+    pub fn take_fence_requests(&mut self) -> Vec<NodeId> {
+        std::mem::take(&mut self.fence_requests)
+    }
+
+    /// Records that the lease of `node` was revoked at `now_ms`: its channels fail over once
+    /// `fence_wait_ms` has passed since.
+    pub fn fenced(&mut self, node: NodeId, now_ms: u64) {
+        if let Some(f) = self.fences.get_mut(&node) {
+            f.revoked_ms = Some(now_ms);
+        }
+    }
+
+    /// Nodes being fenced, with when the revoke was asked for (for status and tests).
+    pub fn fencing(&self) -> impl Iterator<Item = (NodeId, u64)> + '_ {
+        self.fences.iter().map(|(n, f)| (*n, f.requested_ms))
     }
 
     /// The watch (or a full list) has delivered everything up to `revision`: no older event
@@ -691,7 +775,7 @@ impl CoordState {
         self.nodes
             .keys()
             .copied()
-            .filter(|n| !self.draining.contains(n))
+            .filter(|n| !self.draining.contains(n) && !self.fences.contains_key(n))
     }
 
     /// Least-loaded assignable node, ties by ID, skipping `avoid`.
@@ -868,7 +952,7 @@ impl CoordState {
             return Vec::new();
         }
         let mut movable = self.movable(false);
-        pick_moves(&mut loads, &mut movable, usize::MAX)
+        pick_moves(&mut loads, &mut movable, usize::MAX, |_, _| true)
     }
 
     /// `Watched` channels with one key, per live node, in name order; `idle_only` leaves
@@ -892,6 +976,10 @@ impl CoordState {
     /// Everything that should change now. See the module docs.
     pub fn plan(&mut self, now_ms: u64) -> Vec<PlannedTxn> {
         self.forget_failed_moves(now_ms);
+        if std::mem::take(&mut self.disturbed) {
+            self.quiet_since_ms = now_ms;
+        }
+        self.prune(now_ms);
         let mut changes = Vec::new();
         // Drain marks of nodes that are gone.
         for node in self.draining.iter().filter(|n| !self.nodes.contains_key(n)) {
@@ -922,7 +1010,41 @@ impl CoordState {
             }
             fresh
         });
+        for t in changes.iter().filter_map(|c| c.transition.as_ref()) {
+            if !matches!(
+                t.cause,
+                Cause::Assign | Cause::Remove | Cause::Dedupe | Cause::Park
+            ) {
+                self.moved_at.insert(t.channel.clone(), now_ms);
+            }
+        }
         self.pack(changes)
+    }
+
+    /// Forgets cool-downs, troubled nodes and fences that are over, at most once a second
+    /// (each is a scan of a map that a failover can fill with every channel).
+    fn prune(&mut self, now_ms: u64) {
+        if now_ms < self.next_prune_ms {
+            return;
+        }
+        self.next_prune_ms = now_ms + 1_000;
+        let cooldown = self.config.move_cooldown_ms;
+        self.moved_at.retain(|_, t| *t + cooldown > now_ms);
+        self.troubled.retain(|_, until| *until > now_ms);
+        let (nodes, wait) = (&self.nodes, self.config.fence_wait_ms);
+        self.fences
+            .retain(|n, f| nodes.contains_key(n) || f.hold_until(wait) > now_ms);
+    }
+
+    /// Whether balance may move `channel` to `to` now: not onto a node in a back-off for the
+    /// channel or one that failed any channel lately, and not a channel in its cool-down.
+    fn balance_allows(&self, channel: &ChannelName, to: NodeId, now_ms: u64) -> bool {
+        !self.avoided(channel, to, now_ms)
+            && !self.troubled.get(&to).is_some_and(|until| *until > now_ms)
+            && !self
+                .moved_at
+                .get(channel)
+                .is_some_and(|t| *t + self.config.move_cooldown_ms > now_ms)
     }
 
     /// A move whose release txn never landed (its compare failed) would block the channel
@@ -1046,7 +1168,18 @@ impl CoordState {
                 continue;
             };
             let cause = match e.owner {
-                ChannelOwner::Node(n) if !self.nodes.contains_key(&n) => Cause::Failover,
+                ChannelOwner::Node(n) if !self.nodes.contains_key(&n) => {
+                    // A node whose lease we revoked may not have heard of it yet: it runs
+                    // its channels until it fences itself, at most its TTL later.
+                    if self
+                        .fences
+                        .get(&n)
+                        .is_some_and(|f| f.hold_until(self.config.fence_wait_ms) > now_ms)
+                    {
+                        continue;
+                    }
+                    Cause::Failover
+                }
                 ChannelOwner::Remaining => Cause::Unpark,
                 ChannelOwner::Node(_) => continue,
             };
@@ -1075,6 +1208,7 @@ impl CoordState {
         let backoff = self.config.failed_node_backoff_ms;
         let mut planned = Vec::new();
         let mut newly_avoided = Vec::new();
+        let mut troubled = Vec::new();
         let mut new_moves = Vec::new();
         for (channel, entries) in self.unsettled() {
             if entries.len() != 1 {
@@ -1119,6 +1253,7 @@ impl CoordState {
                 *l += 1;
             }
             newly_avoided.push((channel.clone(), node));
+            troubled.push(node);
             if e.info.state == ChannelState::ToWatch {
                 // The node lives and may still be loading (its progress writes may be what
                 // failed): release first, break-before-make, and force the move only after
@@ -1137,10 +1272,16 @@ impl CoordState {
                 planned.push(reassign(
                     e,
                     ChannelOwner::Node(target),
-                    Cause::Timeout,
+                    Cause::Failed,
                     now_ms,
                 ));
             }
+        }
+        if !troubled.is_empty() {
+            self.quiet_since_ms = now_ms;
+        }
+        for node in troubled {
+            self.troubled.insert(node, now_ms + backoff);
         }
         for (channel, node) in newly_avoided {
             self.avoid
@@ -1157,6 +1298,7 @@ impl CoordState {
         let mut loads = self.loads();
         let mut done = Vec::new();
         let mut adopt = Vec::new();
+        let mut to_fence = BTreeSet::new();
         for (channel, entries) in self.unsettled() {
             if entries.len() != 1 {
                 continue;
@@ -1181,8 +1323,9 @@ impl CoordState {
                 Some(m) => *m,
                 None => {
                     // A move begun by an earlier leader: pick a target now.
-                    let avoid = Some(from);
-                    let to = self.least_loaded(&loads, avoid).unwrap_or(from);
+                    let to = self
+                        .least_loaded_for(&loads, channel, Some(from), now_ms)
+                        .unwrap_or(from);
                     let m = PendingMove {
                         to,
                         since_ms: now_ms,
@@ -1192,9 +1335,17 @@ impl CoordState {
                     m
                 }
             };
-            let forced = e.info.state == ChannelState::ToRelease
-                && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms;
-            if e.info.state == ChannelState::Released || forced {
+            if e.info.state == ChannelState::ToRelease
+                && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms
+            {
+                // The owner is alive but did not release in time: it may be blind (a
+                // stalled watch) and still running the channel. Moving the channel now
+                // would run it twice; fence the owner instead. Once its session is gone,
+                // `plan_orphans` moves its channels (DESIGN §3, found from outside).
+                to_fence.insert(from);
+                continue;
+            }
+            if e.info.state == ChannelState::Released {
                 // The target may have died or started draining meanwhile.
                 let to = if self.nodes.contains_key(&pending.to)
                     && !self.draining.contains(&pending.to)
@@ -1212,19 +1363,30 @@ impl CoordState {
                 if let Some(l) = loads.get_mut(&to) {
                     *l += 1;
                 }
-                let cause = if forced {
-                    Cause::Timeout
-                } else {
-                    pending.cause
-                };
                 done.push((
                     channel.clone(),
-                    reassign(e, ChannelOwner::Node(to), cause, now_ms),
+                    reassign(e, ChannelOwner::Node(to), pending.cause, now_ms),
                 ));
             }
         }
         for (c, m) in adopt {
             self.moves.insert(c, m);
+        }
+        for node in to_fence {
+            let retry = self.fences.get(&node).map_or(true, |f| {
+                f.revoked_ms.is_none() && now_ms >= f.requested_ms.saturating_add(1_000)
+            });
+            if retry {
+                self.fences.insert(
+                    node,
+                    Fence {
+                        requested_ms: now_ms,
+                        revoked_ms: None,
+                    },
+                );
+                self.fence_requests.push(node);
+                self.quiet_since_ms = now_ms;
+            }
         }
         for (channel, change) in done {
             self.moves.remove(&channel);
@@ -1258,8 +1420,8 @@ impl CoordState {
             if !self.draining.contains(&from) || !self.nodes.contains_key(&from) {
                 continue;
             }
-            let Some(to) = self.least_loaded(&loads, Some(from)) else {
-                return;
+            let Some(to) = self.least_loaded_for(&loads, channel, Some(from), now_ms) else {
+                continue;
             };
             *loads.entry(to).or_default() += 1;
             budget -= 1;
@@ -1290,10 +1452,17 @@ impl CoordState {
     /// Move `Watched` channels from the most to the least loaded node until max - min <= 1,
     /// with at most `max_concurrent_moves` in flight.
     fn plan_balance(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        if now_ms
+            < self
+                .quiet_since_ms
+                .saturating_add(self.config.balance_quiet_ms)
+        {
+            return; // something just changed: let the cluster settle first
+        }
         let mut loads: BTreeMap<NodeId, usize> = self
             .loads()
             .into_iter()
-            .filter(|(n, _)| !self.draining.contains(n))
+            .filter(|(n, _)| !self.draining.contains(n) && !self.fences.contains_key(n))
             .collect();
         if loads.len() < 2 {
             return;
@@ -1306,7 +1475,8 @@ impl CoordState {
             .config
             .max_concurrent_moves
             .saturating_sub(self.moves.len());
-        for m in pick_moves(&mut loads, &mut movable, budget) {
+        let allowed = |c: &ChannelName, to: NodeId| self.balance_allows(c, to, now_ms);
+        for m in pick_moves(&mut loads, &mut movable, budget, allowed) {
             if let Some(e) = self.entry(&m.channel) {
                 changes.push(release(e, Cause::Balance));
             }
@@ -1373,6 +1543,7 @@ fn pick_moves(
     loads: &mut BTreeMap<NodeId, usize>,
     movable: &mut BTreeMap<NodeId, Vec<ChannelName>>,
     budget: usize,
+    allowed: impl Fn(&ChannelName, NodeId) -> bool,
 ) -> Vec<PlannedMove> {
     let mut out = Vec::new();
     while out.len() < budget {
@@ -1388,8 +1559,13 @@ fn pick_moves(
         if max <= min + 1 {
             break;
         }
-        let Some(channel) = movable.get_mut(&max_node).and_then(Vec::pop) else {
-            // Everything on the busiest node is mid-transition; wait for it.
+        // The last movable channel of the busiest node that may go to the least loaded.
+        let Some(channel) = movable.get_mut(&max_node).and_then(|cs| {
+            let i = cs.iter().rposition(|c| allowed(c, min_node))?;
+            Some(cs.remove(i))
+        }) else {
+            // Everything on the busiest node is mid-transition, cooling down or kept off
+            // the least loaded node; wait for it.
             break;
         };
         *loads.entry(max_node).or_default() -= 1;
@@ -1755,7 +1931,7 @@ mod tests {
         w.node(2);
         w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
         let txns = w.settle(5);
-        assert_eq!(txns[0].transitions[0].cause, Cause::Timeout);
+        assert_eq!(txns[0].transitions[0].cause, Cause::Failed);
         assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
     }
 
@@ -1833,6 +2009,7 @@ mod tests {
     fn balance_is_break_before_make_and_bounded() {
         let cfg = CoordConfig {
             max_concurrent_moves: 2,
+            balance_quiet_ms: 0,
             ..CoordConfig::default()
         };
         let mut w = World::new(cfg);
@@ -1889,15 +2066,17 @@ mod tests {
     }
 
     #[test]
-    fn a_stuck_release_is_forced_after_the_release_timeout() {
+    fn a_stuck_release_fences_the_owner_and_moves_only_after_its_ttl() {
         let cfg = CoordConfig {
             release_timeout_ms: 1_000,
+            fence_wait_ms: 3_000,
             ..CoordConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        w.put(n(1), info("b", ChannelState::Watched, 1, 0));
         let txn = w
             .state
             .move_channel(&name("a"), NodeId(2), 0)
@@ -1906,8 +2085,173 @@ mod tests {
         w.state.applied(&txn, w.rev);
         assert_eq!(w.owner_of("a").1, ChannelState::ToRelease);
         assert!(w.settle(500).is_empty());
-        w.settle(1_500);
+        assert!(w.state.take_fence_requests().is_empty());
+        // Past the release timeout the owner is alive (a stalled watch keeps renewing its
+        // lease): nothing moves beside it; its lease is to be revoked instead.
+        assert!(
+            w.settle(1_500).is_empty(),
+            "never a move beside a live owner"
+        );
+        assert_eq!(w.state.take_fence_requests(), vec![NodeId(1)]);
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::ToRelease, Epoch(1)));
+        // A fenced node gets nothing new.
+        let add = w
+            .state
+            .add_channel(name("c"), VChannelInfo::default(), 1_500)
+            .expect("add");
+        assert!(matches!(add.ops[0], Op::Put { owner, .. } if owner == n(2)));
+        // No second request while the first is being carried out.
+        assert!(w.settle(1_600).is_empty());
+        assert!(w.state.take_fence_requests().is_empty());
+        // The revoke lands and the session goes; the node may not know yet, so its channels
+        // stay until it has surely fenced itself.
+        w.state.fenced(NodeId(1), 1_700);
+        w.kill(1);
+        assert!(w.settle(2_000).is_empty());
+        assert!(w.settle(4_600).is_empty());
+        w.settle(4_800);
         assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(2)));
+    }
+
+    #[test]
+    fn a_failed_revoke_is_asked_for_again() {
+        let cfg = CoordConfig {
+            release_timeout_ms: 1_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::ToRelease, 1, 0));
+        w.settle(0);
+        w.settle(1_001);
+        assert_eq!(w.state.take_fence_requests(), vec![NodeId(1)]);
+        w.settle(1_500);
+        assert!(w.state.take_fence_requests().is_empty());
+        w.settle(2_100);
+        assert_eq!(w.state.take_fence_requests(), vec![NodeId(1)]);
+    }
+
+    #[test]
+    fn a_failing_channel_does_not_ping_pong_back_through_balance() {
+        // Seen from outside: a channel failing on node A went to B, and 10-35 ms later
+        // balance put it (or a healthy channel) back on A; 601 transitions in 7 s.
+        let cfg = CoordConfig {
+            failed_node_backoff_ms: 30_000,
+            balance_quiet_ms: 5_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        for i in 0..4 {
+            w.put(n(1), info(&format!("a{i}"), ChannelState::Watched, 1, 0));
+            w.put(n(2), info(&format!("b{i}"), ChannelState::Watched, 1, 0));
+        }
+        w.put(n(1), info("bad", ChannelState::WatchFailed, 1, 0));
+        w.settle(10_000);
+        assert_eq!(w.owner_of("bad"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        let mut bad = w.state.entry(&name("bad")).expect("bad").info.clone();
+        bad.state = ChannelState::Watched;
+        w.put(n(2), bad);
+        // 4 on node 1, 5 on node 2: balanced. Node 1 failed a channel, so nothing more goes
+        // there for the back-off, whatever the loads.
+        let mut moves = 0;
+        for t in (10_010..45_000).step_by(500) {
+            moves += w
+                .settle(t)
+                .iter()
+                .map(|t| t.transitions.len())
+                .sum::<usize>();
+        }
+        assert_eq!(moves, 0);
+        // A node joining later is fed only after the quiet period, and never `bad`.
+        w.node(3);
+        assert!(w.settle(45_500).is_empty(), "balance waits after a join");
+        let txns = w.settle(51_000);
+        let moved: Vec<&Transition> = txns.iter().flat_map(|t| &t.transitions).collect();
+        assert_eq!(moved.len(), 3, "4/5/0 -> 3/3/3: {moved:?}");
+        assert!(moved
+            .iter()
+            .all(|t| t.cause == Cause::Balance && t.channel.as_str() != "bad"));
+    }
+
+    #[test]
+    fn balance_does_not_feed_a_node_that_fails_loads() {
+        let cfg = CoordConfig {
+            failed_node_backoff_ms: 30_000,
+            balance_quiet_ms: 1_000,
+            move_cooldown_ms: 0,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        for i in 0..6 {
+            w.put(n(1), info(&format!("c{i}"), ChannelState::Watched, 1, 0));
+        }
+        w.put(n(2), info("hung", ChannelState::WatchFailed, 1, 0));
+        w.settle(0);
+        assert_eq!(w.owner_of("hung").0, n(1));
+        let mut hung = w.state.entry(&name("hung")).expect("hung").info.clone();
+        hung.state = ChannelState::Watched;
+        w.put(n(1), hung);
+        // Node 2 is empty, but it just failed a load: balance leaves it alone.
+        for t in (1_000..30_000).step_by(1_000) {
+            assert!(w.settle(t).is_empty(), "at {t}");
+        }
+        // After the back-off it is a target again.
+        let txns = w.settle(31_000);
+        assert!(!txns.is_empty());
+        assert!(txns
+            .iter()
+            .flat_map(|t| &t.transitions)
+            .all(|t| t.cause == Cause::Balance));
+    }
+
+    #[test]
+    fn a_channel_that_just_moved_is_not_moved_again_by_balance() {
+        let cfg = CoordConfig {
+            balance_quiet_ms: 0,
+            move_cooldown_ms: 60_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        w.put(n(1), info("b", ChannelState::Watched, 1, 0));
+        w.put(n(1), info("c", ChannelState::Watched, 1, 0));
+        // An operator moves `c` to node 2 and then `a`, `b` are on node 1: balanced.
+        let txn = w
+            .state
+            .move_channel(&name("c"), NodeId(2), 0)
+            .expect("move");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
+        let mut c = w.state.entry(&name("c")).expect("c").info.clone();
+        c.state = ChannelState::Released;
+        w.put(n(1), c);
+        w.settle(10);
+        let mut c = w.state.entry(&name("c")).expect("c").info.clone();
+        c.state = ChannelState::Watched;
+        w.put(n(2), c);
+        // Node 2 dies and comes back as node 3: `c` fails over to node 1 (3 there, 0 on 3).
+        w.kill(2);
+        w.settle(20);
+        let mut c = w.state.entry(&name("c")).expect("c").info.clone();
+        c.state = ChannelState::Watched;
+        w.put(n(1), c);
+        w.node(3);
+        let txns = w.settle(30);
+        let moved: Vec<&ChannelName> = txns
+            .iter()
+            .flat_map(|t| &t.transitions)
+            .map(|t| &t.channel)
+            .collect();
+        assert_eq!(moved.len(), 1);
+        assert_ne!(moved[0].as_str(), "c", "c moved twice in a minute");
     }
 
     #[test]
@@ -2073,7 +2417,8 @@ mod convergence_tests {
         s.apply_put(&keys.session(NodeId(3)), &sess.encode(), rev);
         let mut total_moves = 0;
         for round in 0..50 {
-            let txns = s.plan(round);
+            // A second per round: balance waits `balance_quiet_ms` after node 3 joined.
+            let txns = s.plan(round * 1_000);
             for t in &txns {
                 rev += 1;
                 s.applied(t, rev);
@@ -2201,7 +2546,12 @@ mod convergence_tests {
             // in flight and no limit.
             let mut sim = state.clone();
             sim.config.max_concurrent_moves = usize::MAX;
+            sim.config.balance_quiet_ms = 0;
+            sim.quiet_since_ms = 0;
             sim.moves.clear();
+            sim.moved_at.clear();
+            sim.troubled.clear();
+            sim.avoid.clear();
             sim.plan_balance(0, &mut Vec::new());
             let expect: BTreeMap<ChannelName, NodeId> =
                 sim.moves.iter().map(|(c, m)| (c.clone(), m.to)).collect();

@@ -267,6 +267,9 @@ impl World {
             planner: CoordConfig {
                 watch_timeout_ms: timeout_ms,
                 release_timeout_ms: timeout_ms,
+                fence_wait_ms: u64::try_from(SESSION_TTL.as_millis()).unwrap_or(u64::MAX),
+                balance_quiet_ms: 1_000,
+                move_cooldown_ms: 10_000,
                 failed_node_backoff_ms: timeout_ms,
                 ..CoordConfig::default()
             },

@@ -228,6 +228,18 @@ pub struct CoordArgs {
     /// Most balance/drain moves in flight at once.
     #[arg(long, env = "CHANWATCH_MAX_CONCURRENT_MOVES", default_value_t = 16)]
     pub max_concurrent_moves: usize,
+    /// A channel asked to release (ToRelease) that is not Released within this long gets its
+    /// node fenced: the leader revokes the node's session lease, and the node's channels move
+    /// one session TTL later, when it has surely stopped them. Must exceed the nodes' TTL.
+    #[arg(long, env = "CHANWATCH_RELEASE_TIMEOUT", value_parser = humantime_secs, default_value = "30s")]
+    pub release_timeout: Duration,
+    /// Balance starts no move for this long after a node joined or left, a load failed or a
+    /// channel timed out, so that a disturbance is not answered with churn.
+    #[arg(long, env = "CHANWATCH_BALANCE_QUIET", value_parser = humantime_secs, default_value = "5s")]
+    pub balance_quiet: Duration,
+    /// Balance does not move a channel that moved (for any reason) within this long.
+    #[arg(long, env = "CHANWATCH_MOVE_COOLDOWN", value_parser = humantime_secs, default_value = "60s")]
+    pub move_cooldown: Duration,
 }
 
 #[derive(Debug, Args)]

@@ -94,7 +94,11 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
         keys,
         planner: CoordConfig {
             watch_timeout_ms: args.watch_timeout.as_millis() as u64,
-            release_timeout_ms: args.watch_timeout.as_millis() as u64,
+            release_timeout_ms: args.release_timeout.as_millis() as u64,
+            // Nodes are expected to run with the coordinators' --session-ttl.
+            fence_wait_ms: args.session_ttl.as_millis() as u64,
+            balance_quiet_ms: args.balance_quiet.as_millis() as u64,
+            move_cooldown_ms: args.move_cooldown.as_millis() as u64,
             failed_node_backoff_ms: args.watch_timeout.as_millis() as u64,
             max_txn_ops: args.max_txn_ops as usize,
             max_concurrent_moves: args.max_concurrent_moves,

@@ -93,6 +93,10 @@ impl InProc {
             planner: CoordConfig {
                 watch_timeout_ms: timings.watch_timeout.as_millis() as u64,
                 release_timeout_ms: timings.watch_timeout.as_millis() as u64,
+                fence_wait_ms: timings.session_ttl.as_millis() as u64,
+                // Scaled to the (short) TTLs of demo and standalone.
+                balance_quiet_ms: timings.session_ttl.as_millis() as u64 / 2,
+                move_cooldown_ms: timings.session_ttl.as_millis() as u64 * 3,
                 failed_node_backoff_ms: timings.watch_timeout.as_millis() as u64,
                 ..CoordConfig::default()
             },

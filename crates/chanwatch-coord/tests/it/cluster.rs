@@ -117,6 +117,9 @@ impl Cluster {
             planner: CoordConfig {
                 watch_timeout_ms: WATCH_TIMEOUT.as_millis() as u64,
                 release_timeout_ms: WATCH_TIMEOUT.as_millis() as u64,
+                fence_wait_ms: TTL.as_millis() as u64,
+                balance_quiet_ms: 0,
+                move_cooldown_ms: 0,
                 failed_node_backoff_ms: 5_000,
                 ..CoordConfig::default()
             },
