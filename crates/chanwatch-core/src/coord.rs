@@ -52,6 +52,18 @@ pub struct CoordConfig {
     pub max_txn_bytes: usize,
     /// Most balance/drain moves in flight at once.
     pub max_concurrent_moves: usize,
+    /// A safety rule switched off, for tests only: proves the simulation catches it.
+    pub planted_bug: Option<PlannerBug>,
+}
+
+/// Safety rules of the planner a test can switch off ([`CoordConfig::planted_bug`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlannerBug {
+    /// A release past the release timeout is moved at once, beside a live owner, as before
+    /// DESIGN v2 (no fencing by lease revoke).
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
 }
 
 impl Default for CoordConfig {
@@ -66,6 +78,7 @@ impl Default for CoordConfig {
             max_txn_ops: 128,
             max_txn_bytes: 1024 * 1024,
             max_concurrent_moves: 16,
+            planted_bug: None,
         }
     }
 }
@@ -1039,6 +1052,9 @@ impl CoordState {
     /// Whether balance may move `channel` to `to` now: not onto a node in a back-off for the
     /// channel or one that failed any channel lately, and not a channel in its cool-down.
     fn balance_allows(&self, channel: &ChannelName, to: NodeId, now_ms: u64) -> bool {
+        if self.config.planted_bug == Some(PlannerBug::BalanceIgnoresBackoff) {
+            return true;
+        }
         !self.avoided(channel, to, now_ms)
             && !self.troubled.get(&to).is_some_and(|until| *until > now_ms)
             && !self
@@ -1335,9 +1351,10 @@ impl CoordState {
                     m
                 }
             };
-            if e.info.state == ChannelState::ToRelease
-                && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms
-            {
+            let stuck = e.info.state == ChannelState::ToRelease
+                && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms;
+            let planted = self.config.planted_bug == Some(PlannerBug::ForceWithoutFence);
+            if stuck && !planted {
                 // The owner is alive but did not release in time: it may be blind (a
                 // stalled watch) and still running the channel. Moving the channel now
                 // would run it twice; fence the owner instead. Once its session is gone,
@@ -1345,7 +1362,7 @@ impl CoordState {
                 to_fence.insert(from);
                 continue;
             }
-            if e.info.state == ChannelState::Released {
+            if e.info.state == ChannelState::Released || stuck {
                 // The target may have died or started draining meanwhile.
                 let to = if self.nodes.contains_key(&pending.to)
                     && !self.draining.contains(&pending.to)

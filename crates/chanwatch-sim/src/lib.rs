@@ -24,6 +24,7 @@ mod world;
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::Hasher;
 
+pub use chanwatch_core::coord::PlannerBug;
 pub use chanwatch_node::PlantedBug;
 
 /// What to simulate.
@@ -39,6 +40,8 @@ pub struct SimOptions {
     pub channels: usize,
     /// A safety mechanism switched off in every node (to prove the checker notices).
     pub planted_bug: Option<PlantedBug>,
+    /// A safety rule switched off in every coordinator's planner.
+    pub planner_bug: Option<PlannerBug>,
     /// Keep the whole trace (otherwise only its tail).
     pub keep_trace: bool,
     /// Print each trace line to stderr as it happens (to follow a run that hangs).
@@ -53,6 +56,7 @@ impl Default for SimOptions {
             max_nodes: 6,
             channels: 24,
             planted_bug: None,
+            planner_bug: None,
             keep_trace: false,
             echo_trace: false,
         }

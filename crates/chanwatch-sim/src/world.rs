@@ -271,6 +271,7 @@ impl World {
                 balance_quiet_ms: 1_000,
                 move_cooldown_ms: 10_000,
                 failed_node_backoff_ms: timeout_ms,
+                planted_bug: self.options.planner_bug,
                 ..CoordConfig::default()
             },
             session_ttl: SESSION_TTL,
@@ -476,7 +477,7 @@ impl World {
 
     /// One step: maybe one fault or request, chosen by the RNG.
     async fn step(&mut self) {
-        let roll = self.rng.random_range(0..110u32);
+        let roll = self.rng.random_range(0..116u32);
         match roll {
             0..=39 => {}
             40..=44 => {
@@ -668,6 +669,31 @@ impl World {
                     Box::new(move || faults.hold(false)),
                 );
             }
+            110..=115 => {
+                // A watch that silently stops delivering while keepalives and txns work (a
+                // proxy holding back one stream), then a drain of that node: its channels
+                // sit in ToRelease unseen. A forced move must fence it first (found from
+                // outside: a blind owner ran 7 channels beside their new owner for ~6 s).
+                let Some(i) = self.pick(self.nodes.len()) else {
+                    return;
+                };
+                let d = self.ms(6_000, 14_000);
+                let node = &self.nodes[i];
+                let (slot, id, faults) = (node.slot, node.id(), node.faults.clone());
+                faults.stall_watches(true);
+                self.fault(
+                    "watch-stall",
+                    &format!("proc{slot} (node {id:?}) for {d:?}"),
+                );
+                self.schedule(
+                    d,
+                    format!("watch stall of proc{slot}"),
+                    Box::new(move || faults.stall_watches(false)),
+                );
+                if let Some(id) = id {
+                    self.drain_node(Some(id)).await;
+                }
+            }
             _ => {
                 // Cut off from the store: every call fails and its watches end.
                 let Some(i) = self.pick(self.nodes.len()) else {
@@ -706,7 +732,12 @@ impl World {
     }
 
     async fn drain(&mut self) {
-        // Leave at least two nodes taking channels (until nodes die later).
+        self.drain_node(None).await;
+    }
+
+    /// Drains `which` (if it is not draining yet) or a random node, leaving at least two
+    /// nodes that take channels (until nodes die later).
+    async fn drain_node(&mut self, which: Option<NodeId>) {
         let draining = self.checker.draining();
         let ids: Vec<NodeId> = self
             .nodes
@@ -717,7 +748,10 @@ impl World {
         if ids.len() < 3 {
             return;
         }
-        let Some(i) = self.pick(ids.len()) else {
+        let Some(i) = (match which {
+            Some(id) => ids.iter().position(|n| *n == id),
+            None => self.pick(ids.len()),
+        }) else {
             return;
         };
         let Some(h) = self.leader() else { return };

@@ -2,7 +2,7 @@
 //! handful of seeds (CI runs hundreds through `chanwatch sim`), and the checker catches
 //! each planted bug.
 
-use chanwatch_sim::{run_seed, PlantedBug, SimOptions};
+use chanwatch_sim::{run_seed, PlannerBug, PlantedBug, SimOptions};
 
 fn options(steps: u32) -> SimOptions {
     SimOptions {
@@ -50,6 +50,7 @@ fn seeds_pass_and_inject_every_kind_of_fault() {
         "node-pause",
         "node-stall",
         "node-partition",
+        "watch-stall",
         "coord-crash",
         "coord-pause",
         "keepalive-loss",
@@ -69,10 +70,16 @@ fn seeds_pass_and_inject_every_kind_of_fault() {
 
 /// How many of the first `n` seeds catch `bug`.
 fn caught(bug: PlantedBug, n: u64) -> (u64, Vec<String>) {
-    let opts = SimOptions {
-        planted_bug: Some(bug),
-        ..options(300)
-    };
+    caught_with(
+        SimOptions {
+            planted_bug: Some(bug),
+            ..options(300)
+        },
+        n,
+    )
+}
+
+fn caught_with(opts: SimOptions, n: u64) -> (u64, Vec<String>) {
     let mut count = 0;
     let mut examples = Vec::new();
     for seed in 0..n {
@@ -104,5 +111,19 @@ fn the_checker_catches_unguarded_acks() {
             || v.contains("assignment keys")
             || v.contains("created")),
         "expected a stale ack: {examples:?}"
+    );
+}
+
+#[test]
+fn the_checker_catches_forced_moves_beside_a_live_owner() {
+    let opts = SimOptions {
+        planner_bug: Some(PlannerBug::ForceWithoutFence),
+        ..options(300)
+    };
+    let (count, examples) = caught_with(opts, 6);
+    assert!(count >= 3, "only {count} of 6 seeds caught it");
+    assert!(
+        examples.iter().any(|v| v.contains("at once")),
+        "expected overlapping runs: {examples:?}"
     );
 }

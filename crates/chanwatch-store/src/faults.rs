@@ -29,6 +29,7 @@ pub struct Faults {
     keepalive_delay_ms: Arc<AtomicU64>,
     hold: Arc<watch::Sender<bool>>,
     partition: Arc<watch::Sender<bool>>,
+    stall_watches: Arc<watch::Sender<bool>>,
     /// Most latency per call in µs (0: none), and the seed and counter that pick each one.
     latency_us: Arc<AtomicU64>,
     latency_seed: Arc<AtomicU64>,
@@ -44,6 +45,7 @@ impl Default for Faults {
             keepalive_delay_ms: Arc::default(),
             hold: Arc::new(watch::channel(false).0),
             partition: Arc::new(watch::channel(false).0),
+            stall_watches: Arc::new(watch::channel(false).0),
             latency_us: Arc::default(),
             latency_seed: Arc::default(),
             calls: Arc::default(),
@@ -88,6 +90,12 @@ impl Faults {
     /// stream ends: a network partition between this client and the store.
     pub fn partition(&self, on: bool) {
         self.partition.send_replace(on);
+    }
+    /// While on, every watch stream of this client delivers nothing (no events, no error)
+    /// while every other call works: a stalled watch stream behind a proxy, or a watch
+    /// starved on an overloaded connection. What was held is delivered when it ends.
+    pub fn stall_watches(&self, on: bool) {
+        self.stall_watches.send_replace(on);
     }
     /// Delays every call by up to `max` before it is sent (zero: no delay). Each delay is
     /// picked from `seed` and a call counter, so a simulation replays the same delays.
@@ -203,6 +211,15 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
     async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
         self.faults.gate().await?;
         let stream = self.inner.watch(prefix, from_revision).await?;
+        let stall = self.faults.stall_watches.clone();
+        // Each item waits for the stall to end before it is handed on.
+        let stream = futures_util::StreamExt::then(stream, move |item| {
+            let mut rx = stall.subscribe();
+            async move {
+                let _ = rx.wait_for(|stalled| !*stalled).await;
+                item
+            }
+        });
         let mut cut = self.faults.partition.subscribe();
         let partitioned = async move {
             let _ = cut.wait_for(|p| *p).await;

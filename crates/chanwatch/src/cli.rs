@@ -169,6 +169,10 @@ pub enum PlantArg {
     NoFencing,
     /// Acks do not compare the mod revision or the session.
     UnguardedAck,
+    /// The coordinator moves a channel stuck in ToRelease beside its live owner.
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
 }
 
 /// The root prefix of every key.

@@ -11,19 +11,26 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use chanwatch_sim::{run_seed, PlantedBug, Report, SimOptions};
+use chanwatch_sim::{run_seed, PlannerBug, PlantedBug, Report, SimOptions};
 
 use crate::cli::{PlantArg, SimArgs};
 
 /// Runs the seeds; fails when any seed violated an invariant.
 pub fn run(args: &SimArgs) -> Result<()> {
-    let planted_bug = args.plant.map(|p| match p {
-        PlantArg::NoFencing => PlantedBug::NoFencing,
-        PlantArg::UnguardedAck => PlantedBug::UnguardedAck,
+    let planted_bug = args.plant.and_then(|p| match p {
+        PlantArg::NoFencing => Some(PlantedBug::NoFencing),
+        PlantArg::UnguardedAck => Some(PlantedBug::UnguardedAck),
+        _ => None,
+    });
+    let planner_bug = args.plant.and_then(|p| match p {
+        PlantArg::ForceWithoutFence => Some(PlannerBug::ForceWithoutFence),
+        PlantArg::BalanceIgnoresBackoff => Some(PlannerBug::BalanceIgnoresBackoff),
+        _ => None,
     });
     let options = SimOptions {
         steps: args.steps,
         planted_bug,
+        planner_bug,
         keep_trace: args.trace,
         echo_trace: args.trace,
         ..SimOptions::default()
@@ -165,6 +172,8 @@ fn summarize(reports: &[Report], args: &SimArgs, wall_secs: f64) -> Result<()> {
             .map(|p| match p {
                 PlantArg::NoFencing => " --plant no-fencing",
                 PlantArg::UnguardedAck => " --plant unguarded-ack",
+                PlantArg::ForceWithoutFence => " --plant force-without-fence",
+                PlantArg::BalanceIgnoresBackoff => " --plant balance-ignores-backoff",
             })
             .unwrap_or_default();
         println!(
