@@ -804,6 +804,11 @@ impl Term<'_> {
                     ops.push(TxnOp::put(keys.drain(*node), since.to_string()));
                 }
                 Op::Undrain { node } => ops.push(TxnOp::delete(keys.drain(*node))),
+                Op::Fence { node } => {
+                    let since = serde_json::json!({ "since_ms": self.clock.unix_ms() });
+                    ops.push(TxnOp::put(keys.fence(*node), since.to_string()));
+                }
+                Op::Unfence { node } => ops.push(TxnOp::delete(keys.fence(*node))),
                 Op::Delete { .. } => {}
             }
         }
@@ -918,6 +923,8 @@ impl Term<'_> {
                 "coord: txns refused (stale view); refreshed the keys they guard"
             );
         }
+        // Fence marks that just landed.
+        self.fence_nodes().await;
         Ok(refused)
     }
 }
@@ -928,7 +935,9 @@ impl Term<'_> {
     /// without running beside it (DESIGN §3). A revoke that fails is asked for again by the
     /// planner; a session already gone needs none.
     async fn fence_nodes(&mut self) {
-        for node in self.state.take_fence_requests() {
+        let mut nodes = self.state.take_fence_requests();
+        nodes.dedup();
+        for node in nodes {
             let key = self.config.keys.session(node);
             let lease = match self.store.get(&key).await {
                 Ok(Some(kv)) => kv.lease,
@@ -938,20 +947,19 @@ impl Term<'_> {
                     continue;
                 }
             };
-            let result = match lease {
-                Some(lease) => self.store.revoke(lease).await,
-                None => Ok(()),
+            let Some(lease) = lease else {
+                continue; // the session is gone already
             };
-            match result {
-                Ok(()) | Err(StoreError::LeaseNotFound(_)) => {
+            match self.store.revoke(lease).await {
+                Ok(()) => {
                     warn!(
                         node = %node,
                         wait_ms = self.config.planner.fence_wait_ms,
                         "coord: node did not release a channel within the release timeout; revoked its session lease to fence it — its channels fail over once it has surely stopped them"
                     );
                     self.config.metrics.fences.inc();
-                    self.state.fenced(node, self.clock.unix_ms());
                 }
+                Err(StoreError::LeaseNotFound(_)) => {}
                 Err(e) => {
                     warn!(node = %node, error = %e, "coord: revoking the session lease of a node to fence failed; retrying");
                 }

@@ -230,6 +230,17 @@ pub enum Op {
         /// The node.
         node: NodeId,
     },
+    /// Put the fence mark `coord/fence/{node}`; once it has landed, the runtime revokes the
+    /// node's session lease (see [`CoordState::take_fence_requests`]).
+    Fence {
+        /// The node to fence.
+        node: NodeId,
+    },
+    /// Delete the fence mark of a node that is gone and whose channels have moved.
+    Unfence {
+        /// The node.
+        node: NodeId,
+    },
 }
 
 /// What a planned txn does to one channel, for logs and metrics.
@@ -389,10 +400,13 @@ pub struct CoordState {
     /// within seconds).
     avoid: BTreeMap<ChannelName, BTreeMap<NodeId, u64>>,
     draining: BTreeSet<NodeId>,
-    /// Nodes this coordinator fences by revoking their session lease, because a channel sat
-    /// in `ToRelease` past the release timeout (a stalled watch, a hung release). They get
-    /// nothing new, and once their session is gone their channels are held until the node
-    /// has surely fenced itself: a forced move never overlaps a live owner (DESIGN §3).
+    /// Nodes being fenced (a `coord/fence/{id}` mark in the store): a channel sat in
+    /// `ToRelease` past the release timeout (a stalled watch, a hung release), so the leader
+    /// revokes the node's session lease. They get nothing new, and once their session is
+    /// gone their channels are held until the node has surely fenced itself: a forced move
+    /// never overlaps a live owner (DESIGN §3). The mark is in the store because a leader
+    /// that takes over must hold them too (found by the simulation: a re-elected leader
+    /// moved a just-revoked node's channels at once, 333 ms of double ownership).
     fences: BTreeMap<NodeId, Fence>,
     /// Fences for the runtime to carry out, taken by [`CoordState::take_fence_requests`].
     fence_requests: Vec<NodeId>,
@@ -412,19 +426,21 @@ pub struct CoordState {
     next_prune_ms: u64,
 }
 
-/// A fence of a live node that would not release a channel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What this leader knows of a fence mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct Fence {
-    /// When the planner last asked for the revoke.
-    requested_ms: u64,
-    /// When the runtime reported the lease revoked.
-    revoked_ms: Option<u64>,
+    /// When this leader last asked the runtime to revoke the lease (`None`: not yet).
+    requested_ms: Option<u64>,
+    /// When this leader first planned with the node's session gone (`None`: alive, or not
+    /// planned since). A revoke happens before the session vanishes, so holding the
+    /// channels `fence_wait_ms` from here is never too short, whoever revoked.
+    gone_ms: Option<u64>,
 }
 
 impl Fence {
-    /// Until when a fenced node's channels stay where they are after its session is gone.
+    /// Until when a fenced node's channels stay where they are.
     fn hold_until(&self, wait_ms: u64) -> u64 {
-        self.requested_ms.max(self.revoked_ms.unwrap_or(0)) + wait_ms
+        self.gone_ms.map_or(u64::MAX, |g| g.saturating_add(wait_ms))
     }
 }
 
@@ -443,6 +459,7 @@ pub struct Census {
 enum Decoded {
     Session(NodeId, NodeSession),
     Drain(NodeId),
+    Fence(NodeId),
     Channel(ChannelOwner, ChannelInfo),
     Ignored,
 }
@@ -480,6 +497,9 @@ impl CoordState {
     fn decode(&mut self, key: &str, value: &[u8]) -> Decoded {
         if let Ok(id) = self.keys.parse_drain(key) {
             return Decoded::Drain(id);
+        }
+        if let Ok(id) = self.keys.parse_fence(key) {
+            return Decoded::Fence(id);
         }
         if key.starts_with(&self.keys.sessions_prefix()) {
             let parsed = self
@@ -543,6 +563,10 @@ impl CoordState {
                 self.draining.insert(id);
                 None
             }
+            Decoded::Fence(id) => {
+                self.fences.entry(id).or_default();
+                None
+            }
             Decoded::Channel(owner, info) => {
                 if self.tombstones.get(key).is_some_and(|d| mod_revision < *d) {
                     return None; // an echo older than a delete we already know of
@@ -597,6 +621,8 @@ impl CoordState {
             self.disturbed |= self.nodes.remove(&id).is_some();
         } else if let Ok(id) = self.keys.parse_drain(key) {
             self.draining.remove(&id);
+        } else if let Ok(id) = self.keys.parse_fence(key) {
+            self.fences.remove(&id);
         } else if let Ok(ck) = self.keys.parse_channel(key) {
             let newer = self
                 .channels
@@ -634,6 +660,7 @@ impl CoordState {
     pub fn reset<'a>(&mut self, kvs: impl IntoIterator<Item = (&'a str, &'a [u8], i64)>) {
         let before: BTreeSet<NodeId> = self.nodes.keys().copied().collect();
         let disturbed = self.disturbed;
+        let fences = std::mem::take(&mut self.fences);
         self.nodes.clear();
         self.channels.clear();
         self.owned.clear();
@@ -647,26 +674,23 @@ impl CoordState {
         self.moves.retain(|c, _| channels.contains_key(c));
         self.avoid.retain(|c, _| channels.contains_key(c));
         self.disturbed = disturbed || !self.nodes.keys().copied().eq(before);
+        for (node, f) in &mut self.fences {
+            if let Some(known) = fences.get(node) {
+                *f = *known;
+            }
+        }
     }
 
-    /// Nodes to fence now, by revoking their session lease (see
-    /// [`CoordConfig::release_timeout_ms`]). The runtime reports each revoke that landed with
-    /// [`CoordState::fenced`]; one that failed is asked for again after a second.
+    /// Nodes whose session lease the runtime must revoke now: their fence mark has landed
+    /// (see [`CoordConfig::release_timeout_ms`]). A node still alive a second after a request
+    /// is asked for again (a revoke that failed).
     pub fn take_fence_requests(&mut self) -> Vec<NodeId> {
         std::mem::take(&mut self.fence_requests)
     }
 
-    /// Records that the lease of `node` was revoked at `now_ms`: its channels fail over once
-    /// `fence_wait_ms` has passed since.
-    pub fn fenced(&mut self, node: NodeId, now_ms: u64) {
-        if let Some(f) = self.fences.get_mut(&node) {
-            f.revoked_ms = Some(now_ms);
-        }
-    }
-
-    /// Nodes being fenced, with when the revoke was asked for (for status and tests).
-    pub fn fencing(&self) -> impl Iterator<Item = (NodeId, u64)> + '_ {
-        self.fences.iter().map(|(n, f)| (*n, f.requested_ms))
+    /// Nodes with a fence mark (for status and tests).
+    pub fn fencing(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.fences.keys().copied()
     }
 
     /// The watch (or a full list) has delivered everything up to `revision`: no older event
@@ -689,6 +713,14 @@ impl CoordState {
                 }
                 Op::Undrain { node } => {
                     self.draining.remove(node);
+                }
+                Op::Fence { node } => {
+                    // The mark landed: now the lease may be revoked.
+                    self.fences.entry(*node).or_default();
+                    self.fence_requests.push(*node);
+                }
+                Op::Unfence { node } => {
+                    self.fences.remove(node);
                 }
                 Op::Put { owner, info } => {
                     self.insert_entry(
@@ -1002,6 +1034,7 @@ impl CoordState {
                 transition: None,
             });
         }
+        self.plan_fences(now_ms, &mut changes);
         self.plan_dedupe(&mut changes);
         self.plan_orphans(now_ms, &mut changes);
         self.plan_timeouts(now_ms, &mut changes);
@@ -1044,9 +1077,34 @@ impl CoordState {
         let cooldown = self.config.move_cooldown_ms;
         self.moved_at.retain(|_, t| *t + cooldown > now_ms);
         self.troubled.retain(|_, until| *until > now_ms);
-        let (nodes, wait) = (&self.nodes, self.config.fence_wait_ms);
-        self.fences
-            .retain(|n, f| nodes.contains_key(n) || f.hold_until(wait) > now_ms);
+    }
+
+    /// Dates the fenced nodes seen gone, asks again for revokes that did not take, and
+    /// removes the marks of nodes that are gone, held long enough and own nothing.
+    fn plan_fences(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let wait = self.config.fence_wait_ms;
+        for (node, f) in &mut self.fences {
+            if self.nodes.contains_key(node) {
+                f.gone_ms = None;
+                let retry = f
+                    .requested_ms
+                    .map_or(true, |r| now_ms >= r.saturating_add(1_000));
+                if retry {
+                    f.requested_ms = Some(now_ms);
+                    self.fence_requests.push(*node);
+                }
+                continue;
+            }
+            let gone = *f.gone_ms.get_or_insert(now_ms);
+            let owns = self.owned.get(node).copied().unwrap_or(0) > 0;
+            if gone.saturating_add(wait) <= now_ms && !owns {
+                changes.push(Change {
+                    guards: Vec::new(),
+                    ops: vec![Op::Unfence { node: *node }],
+                    transition: None,
+                });
+            }
+        }
     }
 
     /// Whether balance may move `channel` to `to` now: not onto a node in a back-off for the
@@ -1257,9 +1315,18 @@ impl CoordState {
                 // Every other node is in its back-off for this channel (or there is none):
                 // retry here once this node's own back-off has passed, else wait.
                 None => match self.avoid.get(channel).and_then(|a| a.get(&node)) {
-                    Some(until) if *until <= now_ms => node,
-                    Some(_) => continue,
-                    None => {
+                    // Only a back-off set for this very assignment (at or after it began)
+                    // covers this failure; an older one is from an earlier failure here,
+                    // and retrying at once would bounce the channel within milliseconds
+                    // (found by the simulation's ping-pong check).
+                    Some(until)
+                        if *until <= now_ms
+                            && until.saturating_sub(backoff) >= e.info.start_time_ms =>
+                    {
+                        node
+                    }
+                    Some(until) if *until > now_ms => continue,
+                    Some(_) | None => {
                         newly_avoided.push((channel.clone(), node));
                         continue;
                     }
@@ -1390,18 +1457,14 @@ impl CoordState {
             self.moves.insert(c, m);
         }
         for node in to_fence {
-            let retry = self.fences.get(&node).map_or(true, |f| {
-                f.revoked_ms.is_none() && now_ms >= f.requested_ms.saturating_add(1_000)
-            });
-            if retry {
-                self.fences.insert(
-                    node,
-                    Fence {
-                        requested_ms: now_ms,
-                        revoked_ms: None,
-                    },
-                );
-                self.fence_requests.push(node);
+            if !self.fences.contains_key(&node) {
+                // The mark first (leader-guarded, so a deposed leader revokes nothing); the
+                // revoke follows once it has landed (`applied`).
+                changes.push(Change {
+                    guards: Vec::new(),
+                    ops: vec![Op::Fence { node }],
+                    transition: None,
+                });
                 self.quiet_since_ms = now_ms;
             }
         }
@@ -1622,7 +1685,11 @@ fn merge(txns: Vec<PlannedTxn>) -> PlannedTxn {
 fn op_bytes(op: &Op) -> usize {
     match op {
         Op::Put { info, .. } => info.encode().len() + 300,
-        Op::Delete { .. } | Op::Drain { .. } | Op::Undrain { .. } => 300,
+        Op::Delete { .. }
+        | Op::Drain { .. }
+        | Op::Undrain { .. }
+        | Op::Fence { .. }
+        | Op::Unfence { .. } => 300,
     }
 }
 
@@ -2104,9 +2171,12 @@ mod tests {
         assert!(w.settle(500).is_empty());
         assert!(w.state.take_fence_requests().is_empty());
         // Past the release timeout the owner is alive (a stalled watch keeps renewing its
-        // lease): nothing moves beside it; its lease is to be revoked instead.
+        // lease): nothing moves beside it; a fence mark is written, then the lease revoked.
+        let txns = w.settle(1_500);
+        assert_eq!(txns.len(), 1);
+        assert_eq!(txns[0].ops, vec![Op::Fence { node: NodeId(1) }]);
         assert!(
-            w.settle(1_500).is_empty(),
+            txns[0].transitions.is_empty(),
             "never a move beside a live owner"
         );
         assert_eq!(w.state.take_fence_requests(), vec![NodeId(1)]);
@@ -2117,18 +2187,40 @@ mod tests {
             .add_channel(name("c"), VChannelInfo::default(), 1_500)
             .expect("add");
         assert!(matches!(add.ops[0], Op::Put { owner, .. } if owner == n(2)));
-        // No second request while the first is being carried out.
-        assert!(w.settle(1_600).is_empty());
-        assert!(w.state.take_fence_requests().is_empty());
-        // The revoke lands and the session goes; the node may not know yet, so its channels
-        // stay until it has surely fenced itself.
-        w.state.fenced(NodeId(1), 1_700);
+        // The session goes; the node may not know yet, so its channels stay until it has
+        // surely fenced itself: fence_wait_ms after the session was seen gone.
         w.kill(1);
         assert!(w.settle(2_000).is_empty());
-        assert!(w.settle(4_600).is_empty());
-        w.settle(4_800);
+        assert!(w.settle(4_900).is_empty());
+        w.settle(5_000);
         assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
         assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        // The mark goes once the node owns nothing.
+        let txns = w.settle(5_100);
+        assert_eq!(txns[0].ops, vec![Op::Unfence { node: NodeId(1) }]);
+        w.settle(5_200);
+        assert_eq!(w.state.fencing().count(), 0);
+    }
+
+    #[test]
+    fn a_new_leader_holds_the_channels_of_a_node_being_fenced() {
+        // Found by the simulation: the leader revoked a blind node's lease, lost its own
+        // lease, was elected again with a fresh view and moved the node's channels at once,
+        // 333 ms before the node noticed and stopped them.
+        let cfg = CoordConfig {
+            fence_wait_ms: 3_000,
+            ..CoordConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::ToRelease, 1, 0));
+        w.rev += 1;
+        let mark = w.keys.fence(NodeId(1));
+        assert_eq!(w.state.apply_put(&mark, b"{}", w.rev), None);
+        assert!(w.settle(10_000).is_empty(), "node 1 may still run `a`");
+        assert!(w.settle(12_900).is_empty());
+        w.settle(13_000);
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
     }
 
     #[test]
@@ -2145,8 +2237,10 @@ mod tests {
         w.settle(1_001);
         assert_eq!(w.state.take_fence_requests(), vec![NodeId(1)]);
         w.settle(1_500);
+        w.state.take_fence_requests();
+        w.settle(2_000);
         assert!(w.state.take_fence_requests().is_empty());
-        w.settle(2_100);
+        w.settle(2_600);
         assert_eq!(w.state.take_fence_requests(), vec![NodeId(1)]);
     }
 

@@ -137,6 +137,28 @@ impl Keys {
             .map_err(|_| malformed(key, "node id is not a decimal number"))
     }
 
+    /// `{root}/coord/fence/`: one key per node the leader is fencing by revoking its session
+    /// lease (it did not release a channel in time). In the store, like drain marks, so that
+    /// a new leader also holds the node's channels until it has surely stopped them.
+    pub fn fences_prefix(&self) -> String {
+        format!("{}/coord/fence/", self.root)
+    }
+
+    /// `{root}/coord/fence/{id}`.
+    pub fn fence(&self, id: NodeId) -> String {
+        format!("{}/coord/fence/{id}", self.root)
+    }
+
+    /// Parses `{root}/coord/fence/{id}`.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the key is elsewhere or the ID is not canonical decimal.
+    pub fn parse_fence(&self, key: &str) -> Result<NodeId, KeyError> {
+        let rest = strip(key, &self.fences_prefix())?;
+        rest.parse()
+            .map_err(|_| malformed(key, "node id is not a decimal number"))
+    }
+
     /// `{root}/channel/` — every assignment.
     pub fn channels_prefix(&self) -> String {
         format!("{}/channel/", self.root)

@@ -84,6 +84,15 @@ pub struct Checker {
     pub violations: Vec<String>,
     /// The last revision seen.
     pub revision: Revision,
+    /// The planner's failing-node back-off: a channel must not be put back on a node that
+    /// failed it within this long while another node could take it (invariant 7).
+    pub failed_node_backoff: std::time::Duration,
+    /// When each node last wrote `WatchFailed` for each channel.
+    failed: BTreeMap<(ChannelName, NodeId), tokio::time::Instant>,
+    /// When the current leader took the leader key: back-offs live in the leader's memory,
+    /// so a new leader knows only failures it sees in the store (one retry per leader
+    /// change is within invariant 7: at most one move per fault).
+    term_since: Option<tokio::time::Instant>,
 }
 
 impl Checker {
@@ -100,6 +109,9 @@ impl Checker {
             requested_removes: BTreeSet::new(),
             violations: Vec::new(),
             revision: 0,
+            failed_node_backoff: std::time::Duration::ZERO,
+            failed: BTreeMap::new(),
+            term_since: None,
         }
     }
 
@@ -122,7 +134,104 @@ impl Checker {
             for e in events.iter() {
                 trace(at, format!("r{rev} {writer} {}", self.describe(e)));
             }
+            self.check_churn(rev, at, &writer, &events);
             self.check_revision(rev, &writer, &events);
+        }
+    }
+
+    /// Whether this revision moves `channel` off a node whose session is gone.
+    fn failover(&self, channel: &ChannelName, events: &[WatchEvent]) -> bool {
+        events.iter().any(|e| {
+            e.kind == EventKind::Delete
+                && self.keys.parse_channel(&e.kv.key).is_ok_and(|ck| {
+                    &ck.channel == channel
+                        && matches!(ck.owner, ChannelOwner::Node(n) if !self.session_alive(n))
+                })
+        })
+    }
+
+    /// No ping-pong (invariant 7): a coordinator does not put a channel back on a node that
+    /// failed it within the back-off while another live, non-draining node that has not
+    /// failed it could take it. (With every other node in its back-off, retrying on the
+    /// same node is allowed.)
+    fn check_churn(
+        &mut self,
+        rev: Revision,
+        at: tokio::time::Instant,
+        writer: &Writer,
+        events: &[WatchEvent],
+    ) {
+        // The planner dates a back-off when it plans, a little before its txn commits.
+        let backoff = self
+            .failed_node_backoff
+            .saturating_sub(std::time::Duration::from_millis(100));
+        let leader = self.keys.leader();
+        if events
+            .iter()
+            .any(|e| e.kind == EventKind::Put && e.kv.key == leader)
+        {
+            self.term_since = Some(at);
+        }
+        let term_since = self.term_since;
+        // The back-off runs from when a failed channel left the node (it may sit there,
+        // failed, until another node can take it).
+        for e in events.iter().filter(|e| e.kind == EventKind::Delete) {
+            let Ok(ck) = self.keys.parse_channel(&e.kv.key) else {
+                continue;
+            };
+            let failed_here = self
+                .kv
+                .get(&e.kv.key)
+                .and_then(|kv| ChannelInfo::decode(&kv.value).ok())
+                .is_some_and(|i| i.state == ChannelState::WatchFailed);
+            if let (ChannelOwner::Node(node), true) = (ck.owner, failed_here) {
+                self.failed.insert((ck.channel.clone(), node), at);
+            }
+        }
+        for e in events.iter().filter(|e| e.kind == EventKind::Put) {
+            let Ok(ck) = self.keys.parse_channel(&e.kv.key) else {
+                continue;
+            };
+            let (ChannelOwner::Node(node), Ok(info)) = (ck.owner, ChannelInfo::decode(&e.kv.value))
+            else {
+                continue;
+            };
+            let recent = |failed: &BTreeMap<(ChannelName, NodeId), tokio::time::Instant>,
+                          n: NodeId| {
+                failed
+                    .get(&(ck.channel.clone(), n))
+                    .is_some_and(|t| at < *t + backoff && term_since.map_or(true, |s| *t >= s))
+            };
+            match (writer, info.state) {
+                (Writer::Node(_), ChannelState::WatchFailed) => {
+                    self.failed.insert((ck.channel.clone(), node), at);
+                }
+                // A failover (the channel's old node is dead) may fall back to a node in
+                // its back-off rather than leave the channel nowhere; it is not churn.
+                (Writer::Coord(_), ChannelState::ToWatch)
+                    if recent(&self.failed, node) && !self.failover(&ck.channel, events) =>
+                {
+                    let draining = self.draining();
+                    let other = self
+                        .kv
+                        .keys()
+                        .filter_map(|k| self.keys.parse_session(k).ok())
+                        .find(|n| *n != node && !draining.contains(n) && !recent(&self.failed, *n));
+                    if let Some(other) = other {
+                        let ago =
+                            at.saturating_duration_since(self.failed[&(ck.channel.clone(), node)]);
+                        self.violation(
+                            rev,
+                            format!(
+                                "ping-pong: {} put back on node {node} {} ms after it failed there, while node {other} could take it",
+                                ck.channel,
+                                ago.as_millis()
+                            ),
+                        );
+                    }
+                }
+                _ => {}
+            }
         }
     }
 
