@@ -51,6 +51,7 @@ fn seeds_pass_and_inject_every_kind_of_fault() {
         "node-stall",
         "node-partition",
         "watch-stall",
+        "sick-node",
         "coord-crash",
         "coord-pause",
         "keepalive-loss",
@@ -125,5 +126,19 @@ fn the_checker_catches_forced_moves_beside_a_live_owner() {
     assert!(
         examples.iter().any(|v| v.contains("at once")),
         "expected overlapping runs: {examples:?}"
+    );
+}
+
+#[test]
+fn the_checker_catches_balance_ignoring_failure_back_offs() {
+    let opts = SimOptions {
+        planner_bug: Some(PlannerBug::BalanceIgnoresBackoff),
+        ..options(300)
+    };
+    let (count, examples) = caught_with(opts, 6);
+    assert!(count >= 3, "only {count} of 6 seeds caught it");
+    assert!(
+        examples.iter().any(|v| v.contains("ping-pong")),
+        "expected a channel put back on the node that failed it: {examples:?}"
     );
 }
