@@ -330,6 +330,7 @@ impl<'a> Term<'a> {
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
     ) -> TermEnd {
         let mut lw = ListWatch::spawn(self.store.clone(), self.config.keys.all_prefix());
+        let blind = lw.blind_since();
         let mut tick = tokio::time::interval(self.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reconcile = tokio::time::interval(self.config.reconcile_interval);
@@ -362,6 +363,22 @@ impl<'a> Term<'a> {
                 _ = tick.tick() => {
                     dirty |= recovered;
                     ticked = true;
+                    // A leader that cannot list or watch (e.g. its auth token expired while
+                    // its lease renewals, which need none, still pass) plans from a stale
+                    // view and holds the key from a standby that might do better: it steps
+                    // down after a TTL of blindness, as it would after a TTL of failed
+                    // renewals.
+                    let since = *blind.borrow();
+                    if let Some(since) = since {
+                        let for_ = self.clock.now().saturating_duration_since(since);
+                        if for_ >= self.config.session_ttl {
+                            return TermEnd::Lost(format!(
+                                "could not list or watch the store for {} ms (session TTL {} ms); resigning so a standby can lead",
+                                for_.as_millis(),
+                                self.config.session_ttl.as_millis()
+                            ));
+                        }
+                    }
                 }
                 () = tokio::time::sleep_until(last_plan + plan_gap), if dirty => {}
                 _ = reconcile.tick() => lw.relist(),

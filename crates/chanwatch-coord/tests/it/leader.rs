@@ -143,28 +143,54 @@ pub async fn a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election(
     Ok(())
 }
 
-/// A store whose first `fail` grants fail with `error()`; everything else passes through.
+/// A store whose first `fail` grants fail with `error()`, and which, once `expired` is set,
+/// fails every call but keepalives as etcd does after its auth token died (renewals need
+/// none). Everything else passes through.
 struct FailingGrants {
     inner: Arc<dyn MetaStore>,
     fail: AtomicU32,
     error: fn() -> StoreError,
+    expired: AtomicBool,
+}
+
+impl FailingGrants {
+    fn new(inner: Arc<dyn MetaStore>, fail: u32, error: fn() -> StoreError) -> Self {
+        FailingGrants {
+            inner,
+            fail: AtomicU32::new(fail),
+            error,
+            expired: AtomicBool::new(false),
+        }
+    }
+
+    fn token(&self) -> StoreResult<()> {
+        if self.expired.load(Ordering::SeqCst) {
+            return Err(StoreError::Unauthenticated("invalid auth token".into()));
+        }
+        Ok(())
+    }
 }
 
 #[async_trait::async_trait]
 impl MetaStore for FailingGrants {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        self.token()?;
         self.inner.get(key).await
     }
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+        self.token()?;
         self.inner.range(prefix).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+        self.token()?;
         self.inner.txn(txn).await
     }
     async fn watch(&self, prefix: &str, from: Revision) -> StoreResult<WatchStream> {
+        self.token()?;
         self.inner.watch(prefix, from).await
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
+        self.token()?;
         let left = self.fail.load(Ordering::SeqCst);
         if left > 0 {
             self.fail.store(left - 1, Ordering::SeqCst);
@@ -176,6 +202,7 @@ impl MetaStore for FailingGrants {
         self.inner.keepalive(lease).await
     }
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
+        self.token()?;
         self.inner.revoke(lease).await
     }
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
@@ -220,11 +247,7 @@ pub async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() ->
         || StoreError::Unauthenticated("invalid auth token".into()),
     ];
     for error in errors {
-        let store = Arc::new(FailingGrants {
-            inner: c.store.clone(),
-            fail: AtomicU32::new(5),
-            error,
-        });
+        let store = Arc::new(FailingGrants::new(c.store.clone(), 5, error));
         let (mut status, task, stop) = spawn_raw(&c, store);
         tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.ready))
             .await
@@ -239,16 +262,45 @@ pub async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() ->
 
 pub async fn a_configuration_error_at_start_up_stops_the_coordinator() -> Result<()> {
     let c = Cluster::embedded().await?;
-    let store = Arc::new(FailingGrants {
-        inner: c.store.clone(),
-        fail: AtomicU32::new(1),
-        error: || StoreError::Config("unreadable TLS file".into()),
-    });
+    let store = Arc::new(FailingGrants::new(c.store.clone(), 1, || {
+        StoreError::Config("unreadable TLS file".into())
+    }));
     let (_status, task, _stop) = spawn_raw(&c, store);
     match tokio::time::timeout(Duration::from_secs(10), task).await?? {
         Err(chanwatch_coord::CoordError::Store(StoreError::Config(_))) => Ok(()),
         other => bail!("expected a configuration error, got {other:?}"),
     }
+}
+
+pub async fn a_leader_that_cannot_list_resigns_so_a_standby_leads() -> Result<()> {
+    let inner = EmbeddedStore::new();
+    let c = Cluster::with_stores(Backend::Embedded(inner.clone()), Arc::new(inner.clone()));
+    let sick = Arc::new(FailingGrants::new(c.store.clone(), 0, || {
+        StoreError::Backend("unused".into())
+    }));
+    let a = c.spawn_coord_on("a", sick.clone(), |_| {});
+    c.wait_leader_ready(&a).await?;
+    let b = c.spawn_coord("b");
+    let n = c.spawn_node();
+    c.wait_node_id(&n).await?;
+    // etcd restarts with auth on: every token dies and every watch breaks. The leader's
+    // renewals still pass; nothing else does.
+    sick.expired.store(true, Ordering::SeqCst);
+    inner.break_watches();
+    // It resigns after a TTL of blindness; its key goes with its lease one TTL later at most.
+    let mut status = b.proc.status.clone();
+    tokio::time::timeout(
+        TTL * 2 + Duration::from_secs(2),
+        status.wait_for(|s| s.ready),
+    )
+    .await
+    .context("the blind leader kept its key: no standby could lead")??;
+    ensure!(
+        !a.proc.status.borrow().ready,
+        "the blind leader still says ready"
+    );
+    ensure!(key_holder(&c).await?.as_deref() == Some("b"));
+    Ok(())
 }
 
 /// Every store event from `from` up to the store's revision now, in order.

@@ -91,6 +91,11 @@ mod embedded_only {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_leader_that_cannot_list_resigns_so_a_standby_leads() -> anyhow::Result<()> {
+        crate::leader::a_leader_that_cannot_list_resigns_so_a_standby_leads().await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_configuration_error_at_start_up_stops_the_coordinator() -> anyhow::Result<()> {
         crate::leader::a_configuration_error_at_start_up_stops_the_coordinator().await
     }
