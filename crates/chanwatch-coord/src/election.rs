@@ -142,6 +142,7 @@ pub async fn run(
             lost.clone(),
         )));
         let mut failures = 0u32;
+        let mut clear_failures = 0u32;
         loop {
             let me = CoordSession {
                 id: config.id.clone(),
@@ -223,8 +224,21 @@ pub async fn run(
                     }
                     LeaderKey::Unleased => {
                         if clear_unleased(&*store, &leader_key, kv).await {
-                            continue; // campaign again at once
+                            clear_failures = 0;
+                        } else {
+                            // The key will not change by itself: wait, then try again.
+                            clear_failures += 1;
+                            let wait = clock.sleep(backoff(&config.id, clear_failures));
+                            if serve_standby_until(&mut requests, &status, wait, &mut shutdown)
+                                .await
+                            {
+                                return Ok(());
+                            }
+                            if lost.is_cancelled() {
+                                break;
+                            }
                         }
+                        continue; // campaign again
                     }
                 }
             }
@@ -274,7 +288,7 @@ async fn clear_unleased(store: &dyn MetaStore, key: &str, kv: &KeyValue) -> bool
             true
         }
         Err(e) => {
-            warn!(key, error = %e, "coord: could not delete the unleased leader key; retrying after the standby wait");
+            warn!(key, error = %e, "coord: could not delete the unleased leader key; retrying");
             false
         }
     }
