@@ -103,11 +103,22 @@ mod embedded_only {
     #[tokio::test(start_paused = true)]
     async fn a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(
     ) -> anyhow::Result<()> {
-        crate::leader::a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node().await
+        let cluster = crate::leader::embedded_with_latency();
+        crate::leader::a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(cluster).await
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_failover_found_by_a_relist_is_logged_and_measured() -> anyhow::Result<()> {
         crate::leader::a_failover_found_by_a_relist_is_logged_and_measured().await
+    }
+}
+
+/// Real etcd, real time.
+mod etcd_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(
+    ) -> anyhow::Result<()> {
+        let cluster = crate::cluster::Cluster::etcd().await?;
+        crate::leader::a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(cluster).await
     }
 }
