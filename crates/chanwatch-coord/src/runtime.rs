@@ -897,3 +897,49 @@ impl Term<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chanwatch_store::{EmbeddedStore, KeyValue};
+
+    fn leader_kv(keys: &Keys, create_revision: i64, lease: Option<LeaseId>) -> KeyValue {
+        KeyValue {
+            key: keys.leader(),
+            value: b"{}".to_vec(),
+            create_revision,
+            mod_revision: create_revision,
+            version: 1,
+            lease,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_list_deposes_the_leader_unless_the_key_is_its_own() {
+        let config = CoordinatorConfig::default();
+        let (status, _rx) = watch::channel(CoordStatus::default());
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
+        let reset = |kvs: Vec<KeyValue>| Update::Reset { kvs, revision: 9 };
+        let keys = &config.keys;
+        assert_eq!(
+            term.apply(reset(vec![leader_kv(keys, 5, Some(0x77))])),
+            Ok(())
+        );
+        for (case, kvs) in [
+            ("gone", vec![]),
+            ("re-created", vec![leader_kv(keys, 8, Some(0x78))]),
+            ("rewritten without a lease", vec![leader_kv(keys, 5, None)]),
+            (
+                "rewritten on another lease",
+                vec![leader_kv(keys, 5, Some(0x78))],
+            ),
+        ] {
+            let why = term.apply(reset(kvs)).expect_err(case);
+            assert!(
+                why.contains("deposed") || why.contains("gone"),
+                "{case}: {why}"
+            );
+        }
+    }
+}
