@@ -1,8 +1,15 @@
 //! Prometheus metrics of the coordinator.
 //!
-//! Owns: the metric definitions and how they are derived from the planner's view.
+//! Owns: the metric definitions and how they are derived from the planner's view, and
+//! which of them a process may export: the cluster gauges (channels, nodes, balance) only
+//! while it leads (DESIGN §8: metrics are honest on every process).
 //! Must not: be read by the control logic: metrics only observe.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
@@ -19,15 +26,72 @@ const TXN_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 ];
 
-/// Every coordinator metric. Cheap to share behind an `Arc`.
+/// The gauges that describe the cluster as the leader sees it. Exported only while this
+/// process leads and has observed its view: a standby's or a deposed leader's copy would be
+/// stale and would double every sum on a dashboard.
 #[derive(Debug, Clone)]
-pub struct CoordMetrics {
+struct ClusterGauges {
     channels: IntGaugeVec,
     nodes_alive: IntGauge,
     remaining: IntGauge,
     unbalanced: IntGauge,
     moves_in_flight: IntGauge,
     corrupt: IntGauge,
+    /// Set by the first observation of a term, cleared when the term ends.
+    shown: Arc<AtomicBool>,
+}
+
+impl ClusterGauges {
+    fn collectors(&self) -> [&dyn Collector; 6] {
+        [
+            &self.channels,
+            &self.nodes_alive,
+            &self.remaining,
+            &self.unbalanced,
+            &self.moves_in_flight,
+            &self.corrupt,
+        ]
+    }
+
+    /// Hides the gauges and forgets their values.
+    fn clear(&self) {
+        self.shown.store(false, Ordering::SeqCst);
+        self.channels.reset();
+        for g in [
+            &self.nodes_alive,
+            &self.remaining,
+            &self.unbalanced,
+            &self.moves_in_flight,
+            &self.corrupt,
+        ] {
+            g.set(0);
+        }
+    }
+}
+
+impl Collector for ClusterGauges {
+    fn desc(&self) -> Vec<&Desc> {
+        self.collectors()
+            .into_iter()
+            .flat_map(|c| c.desc())
+            .collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        if !self.shown.load(Ordering::SeqCst) {
+            return Vec::new();
+        }
+        self.collectors()
+            .into_iter()
+            .flat_map(|c| c.collect())
+            .collect()
+    }
+}
+
+/// Every coordinator metric. Cheap to share behind an `Arc`.
+#[derive(Debug, Clone)]
+pub struct CoordMetrics {
+    cluster: ClusterGauges,
     reassignments: IntCounterVec,
     /// Seconds from a session's loss to every channel it held `Watched` elsewhere.
     pub failover_seconds: Histogram,
@@ -38,7 +102,8 @@ pub struct CoordMetrics {
     txns: IntCounterVec,
     /// Latency of coordinator txns.
     pub txn_seconds: Histogram,
-    /// 1 while this process is the leader.
+    /// 1 while this process is the leader. Set it with [`CoordMetrics::set_leader`], which
+    /// also hides the cluster gauges of a process that does not lead.
     pub leader: IntGauge,
     /// Nodes fenced by revoking their session lease (a release past the release timeout).
     pub fences: IntCounter,
@@ -58,7 +123,7 @@ impl Default for CoordMetrics {
 impl CoordMetrics {
     /// Fresh metrics, not registered anywhere yet.
     pub fn new() -> Self {
-        CoordMetrics {
+        let cluster = ClusterGauges {
             channels: must(IntGaugeVec::new(
                 Opts::new("chanwatch_channels", "Channels by assignment state."),
                 &["state"],
@@ -83,6 +148,10 @@ impl CoordMetrics {
                 "chanwatch_corrupt_values",
                 "Keys whose value does not decode (left alone).",
             )),
+            shown: Arc::default(),
+        };
+        CoordMetrics {
+            cluster,
             reassignments: must(IntCounterVec::new(
                 Opts::new(
                     "chanwatch_reassignments_total",
@@ -132,12 +201,7 @@ impl CoordMetrics {
     /// # Errors
     /// A metric of the same name is already registered there.
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
-        registry.register(Box::new(self.channels.clone()))?;
-        registry.register(Box::new(self.nodes_alive.clone()))?;
-        registry.register(Box::new(self.remaining.clone()))?;
-        registry.register(Box::new(self.unbalanced.clone()))?;
-        registry.register(Box::new(self.moves_in_flight.clone()))?;
-        registry.register(Box::new(self.corrupt.clone()))?;
+        registry.register(Box::new(self.cluster.clone()))?;
         registry.register(Box::new(self.reassignments.clone()))?;
         registry.register(Box::new(self.failover_seconds.clone()))?;
         registry.register(Box::new(self.watch_restarts.clone()))?;
@@ -161,12 +225,25 @@ impl CoordMetrics {
 
     /// Channels in `state` at the last planner round.
     pub fn channels_in(&self, state: ChannelState) -> i64 {
-        self.channels.with_label_values(&[state.as_str()]).get()
+        self.cluster
+            .channels
+            .with_label_values(&[state.as_str()])
+            .get()
     }
 
     /// Moves in flight at the last planner round.
     pub fn moves_in_flight(&self) -> i64 {
-        self.moves_in_flight.get()
+        self.cluster.moves_in_flight.get()
+    }
+
+    /// Says whether this process leads (`chanwatch_leader`). Not leading also hides the
+    /// cluster gauges and clears them, so a deposed leader shows nothing stale; the next
+    /// term shows them again from its first observation.
+    pub fn set_leader(&self, leads: bool) {
+        self.leader.set(i64::from(leads));
+        if !leads {
+            self.cluster.clear();
+        }
     }
 
     /// Counts one reassignment.
@@ -182,23 +259,27 @@ impl CoordMetrics {
     /// Refreshes the gauges derived from the view. `with_balance` also computes the balance
     /// plan (a copy of the view), so callers do it at most once per tick.
     pub fn observe(&self, state: &CoordState, with_balance: bool) {
+        let c = &self.cluster;
         let census = state.census();
         for (i, s) in ChannelState::ALL.iter().enumerate() {
-            self.channels
+            c.channels
                 .with_label_values(&[s.as_str()])
                 .set(i64::try_from(census.by_state[i]).unwrap_or(i64::MAX));
         }
-        self.remaining
+        c.remaining
             .set(i64::try_from(census.remaining).unwrap_or(i64::MAX));
-        self.nodes_alive
+        c.nodes_alive
             .set(i64::try_from(state.nodes().len()).unwrap_or(i64::MAX));
-        self.moves_in_flight
+        c.moves_in_flight
             .set(i64::try_from(state.moves_in_flight()).unwrap_or(i64::MAX));
-        self.corrupt
+        c.corrupt
             .set(i64::try_from(state.corrupt().len()).unwrap_or(i64::MAX));
         if with_balance {
-            self.unbalanced
+            c.unbalanced
                 .set(i64::try_from(state.balance_plan().len()).unwrap_or(i64::MAX));
+        }
+        if self.leader.get() == 1 {
+            c.shown.store(true, Ordering::SeqCst);
         }
     }
 }
@@ -233,5 +314,51 @@ mod tests {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
         assert!(m.register(&r).is_err(), "registering twice must fail");
+    }
+
+    #[test]
+    fn cluster_gauges_are_exported_only_while_leading_and_cleared_on_step_down() {
+        let m = CoordMetrics::new();
+        let r = Registry::new();
+        m.register(&r).expect("registration");
+        let state = CoordState::new(
+            chanwatch_core::Keys::default(),
+            chanwatch_core::coord::CoordConfig::default(),
+        );
+        m.observe(&state, true);
+        let standby = render(&r);
+        assert!(
+            !standby.contains("chanwatch_nodes_alive"),
+            "a standby exports cluster gauges:\n{standby}"
+        );
+        m.set_leader(true);
+        m.observe(&state, true);
+        let leader = render(&r);
+        for name in [
+            "chanwatch_leader 1",
+            "chanwatch_nodes_alive 0",
+            "chanwatch_channels_unbalanced 0",
+        ] {
+            assert!(
+                leader.lines().any(|l| l == name),
+                "missing {name} in\n{leader}"
+            );
+        }
+        m.set_leader(false);
+        let deposed = render(&r);
+        assert!(
+            deposed.lines().any(|l| l == "chanwatch_leader 0"),
+            "{deposed}"
+        );
+        for name in [
+            "chanwatch_channels",
+            "chanwatch_nodes_alive",
+            "chanwatch_moves_in_flight",
+        ] {
+            assert!(
+                !deposed.contains(&format!("{name} ")) && !deposed.contains(&format!("{name}{{")),
+                "a deposed leader still exports {name}:\n{deposed}"
+            );
+        }
     }
 }

@@ -1,8 +1,12 @@
-//! Election, the leader loop and txn execution.
+//! The leader loop and txn execution (election is in [`crate::election`]).
 //!
-//! Owns: the leader lease and its keepalive, the planner state while leader, and the request
-//! channel of [`CoordHandle`].
+//! Owns: the planner state while leader, the request channel of [`CoordHandle`], and the
+//! leader's watch of its own key (it steps down the moment the key is no longer its own).
 //! Must not: decide anything itself — every decision comes from the core planner.
+//!
+//! Longer than 600 lines because the loop, `apply`, `execute` and the txn building share one
+//! `Term`'s private state; the request handle (about 250 lines) is the next thing to move
+//! out, once the parallel edits of issue 11 have landed.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -12,19 +16,24 @@ use chanwatch_core::coord::{
     AdminError, ChannelRow, CoordConfig, CoordState, Guard, NodeRow, Op, PlannedMove, PlannedTxn,
     Transition,
 };
-use chanwatch_core::{ChannelName, CoordSession, Keys, NodeId, VChannelInfo};
+use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
 use chanwatch_store::{
-    Clock, Compare, EventKind, ListWatch, MetaStore, OpResponse, StoreError, Txn, TxnOp, Update,
+    Clock, Compare, EventKind, LeaseId, ListWatch, MetaStore, OpResponse, StoreError, Txn, TxnOp,
+    Update,
 };
 use futures_util::StreamExt;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 /// Least time between two plans driven by store events (ticks and admin requests aside).
 const PLAN_EVERY: Duration = Duration::from_millis(10);
+
+/// Most admin requests served in one turn of the leader loop. Every turn ends by draining
+/// the watch and planning when a plan is due, so a burst of requests delays a watch batch
+/// (a dead node, an ack) by at most this many requests and one plan round.
+const REQUESTS_PER_TURN: usize = 16;
 
 /// Settings of a coordinator.
 #[derive(Debug, Clone)]
@@ -253,227 +262,14 @@ impl CoordHandle {
     }
 }
 
-/// Why a coordinator stopped for good.
-#[derive(Debug, thiserror::Error)]
-pub enum CoordError {
-    /// The store refused us for a reason retrying cannot fix.
-    #[error("store refused the coordinator: {0}")]
-    Store(#[source] StoreError),
-}
-
-struct AbortOnDrop(JoinHandle<()>);
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-enum TermEnd {
+/// How a term as leader ended.
+pub(crate) enum TermEnd {
     Shutdown,
     Lost(String),
 }
 
-/// Runs a coordinator until `shutdown`: campaign, lead or stand by, and serve `requests`.
-/// On shutdown a leader revokes its lease so a standby takes over at once.
-///
-/// # Errors
-/// [`CoordError`] for fatal store errors only; outages are retried.
-pub async fn run(
-    store: Arc<dyn MetaStore>,
-    config: CoordinatorConfig,
-    clock: Clock,
-    mut requests: mpsc::Receiver<Request>,
-    status: watch::Sender<CoordStatus>,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), CoordError> {
-    tokio::pin!(shutdown);
-    let leader_key = config.keys.leader();
-    let mut attempt = 0u32;
-    loop {
-        // A fresh lease per campaign: a leader that lost its lease must not reuse it.
-        let lease = tokio::select! {
-            biased;
-            () = &mut shutdown => return Ok(()),
-            l = store.grant(config.session_ttl) => l,
-        };
-        let lease = match lease {
-            Ok(l) => l,
-            Err(e) if e.is_retryable() => {
-                attempt += 1;
-                warn!(error = %e, "coord: cannot reach the store; retrying");
-                let wait = Duration::from_millis(200 * u64::from(attempt.min(25)));
-                if serve_standby_until(&mut requests, &status, clock.sleep(wait), &mut shutdown)
-                    .await
-                {
-                    return Ok(());
-                }
-                continue;
-            }
-            Err(e) => return Err(CoordError::Store(e)),
-        };
-        attempt = 0;
-        let lost = CancellationToken::new();
-        let _keepalive = AbortOnDrop(tokio::spawn(keepalive(
-            store.clone(),
-            lease.id,
-            config.session_ttl,
-            clock,
-            lost.clone(),
-        )));
-        loop {
-            let me = CoordSession {
-                id: config.id.clone(),
-                admin_addr: config.admin_addr.clone(),
-                started_at_ms: clock.unix_ms(),
-                extra: Default::default(),
-            };
-            let campaign = store
-                .txn(
-                    Txn::new()
-                        .when([Compare::absent(&leader_key)])
-                        .and_then([TxnOp::put_with_lease(&leader_key, me.encode(), lease.id)])
-                        .or_else([TxnOp::get(&leader_key)]),
-                )
-                .await;
-            let resp = match campaign {
-                Ok(r) => r,
-                Err(e) => {
-                    warn!(error = %e, "coord: campaign failed; retrying");
-                    if serve_standby_until(
-                        &mut requests,
-                        &status,
-                        clock.sleep(Duration::from_millis(500)),
-                        &mut shutdown,
-                    )
-                    .await
-                    {
-                        return Ok(());
-                    }
-                    if lost.is_cancelled() {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            if resp.succeeded {
-                let leader_rev = resp.revision;
-                info!(id = %config.id, leader_revision = leader_rev, "coord: elected leader");
-                config.metrics.leader.set(1);
-                status.send_modify(|s| {
-                    s.leader = true;
-                    s.ready = false;
-                    s.leader_addr = Some(config.admin_addr.clone());
-                    s.terms += 1;
-                });
-                let mut term = Term {
-                    store: store.clone(),
-                    config: &config,
-                    clock,
-                    leader_rev,
-                    state: CoordState::new(config.keys.clone(), config.planner.clone()),
-                    status: &status,
-                    failovers: Vec::new(),
-                };
-                let end = term.lead(&mut requests, &lost, &mut shutdown).await;
-                config.metrics.leader.set(0);
-                status.send_modify(|s| {
-                    s.leader = false;
-                    s.ready = false;
-                    s.leader_addr = None;
-                });
-                match end {
-                    TermEnd::Shutdown => {
-                        info!("coord: shutting down; resigning leadership");
-                        let _ = store.revoke(lease.id).await;
-                        return Ok(());
-                    }
-                    TermEnd::Lost(why) => {
-                        warn!(reason = %why, "coord: lost leadership; campaigning again");
-                        let _ = store.revoke(lease.id).await;
-                        break;
-                    }
-                }
-            }
-            // Standby: remember who leads, wait for the key to go.
-            let leader = resp.responses.iter().find_map(|r| match r {
-                chanwatch_store::OpResponse::Get { kv: Some(kv) } => Some(kv.clone()),
-                _ => None,
-            });
-            // Watch from the txn's revision, not from the key's mod revision: the key is known
-            // to exist then, and an old mod revision may be compacted away, which would fail
-            // the watch at once and spin the campaign (found by the simulation).
-            let addr = leader
-                .as_ref()
-                .and_then(|kv| CoordSession::decode(&kv.value).ok())
-                .map(|s| s.admin_addr);
-            let from = resp.revision;
-            debug!(leader = ?addr, "coord: standing by");
-            status.send_modify(|s| {
-                s.leader = false;
-                s.ready = false;
-                s.leader_addr = addr;
-            });
-            let gone = leader_gone(&*store, &leader_key, from + 1);
-            if serve_standby_until(&mut requests, &status, gone, &mut shutdown).await {
-                return Ok(());
-            }
-            if lost.is_cancelled() {
-                break;
-            }
-        }
-    }
-}
-
-/// Waits until the leader key is deleted (or the watch breaks: campaigning again is safe,
-/// after a pause so that a watch that keeps failing cannot spin the campaign loop).
-async fn leader_gone(store: &dyn MetaStore, key: &str, from: i64) {
-    const RETRY: Duration = Duration::from_millis(500);
-    let mut stream = match store.watch(key, from).await {
-        Ok(s) => s,
-        Err(_) => {
-            tokio::time::sleep(RETRY).await;
-            return;
-        }
-    };
-    while let Some(item) = stream.next().await {
-        match item {
-            Ok(batch) => {
-                if batch
-                    .events
-                    .iter()
-                    .any(|e| e.kind == EventKind::Delete && e.kv.key == key)
-                {
-                    return;
-                }
-            }
-            Err(_) => break,
-        }
-    }
-    tokio::time::sleep(RETRY).await;
-}
-
-/// Answers requests with `NotLeader` until `until` completes. Returns true on shutdown.
-async fn serve_standby_until(
-    requests: &mut mpsc::Receiver<Request>,
-    status: &watch::Sender<CoordStatus>,
-    until: impl Future<Output = ()>,
-    shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-) -> bool {
-    tokio::pin!(until);
-    loop {
-        tokio::select! {
-            biased;
-            () = shutdown.as_mut() => return true,
-            () = &mut until => return false,
-            Some(req) = requests.recv() => {
-                let leader_addr = status.borrow().leader_addr.clone();
-                refuse(req, ApiError::NotLeader { leader_addr });
-            }
-        }
-    }
-}
-
-fn refuse(req: Request, err: ApiError) {
+/// Answers a request with `err` without doing it.
+pub(crate) fn refuse(req: Request, err: ApiError) {
     match req {
         Request::Channels(r) => drop(r.send(Err(err))),
         Request::Nodes(r) => drop(r.send(Err(err))),
@@ -487,58 +283,58 @@ fn refuse(req: Request, err: ApiError) {
     }
 }
 
-/// Renews the leader lease; cancels `lost` when it is gone or has not been renewed for
-/// `ttl - margin` (a leader that cannot renew must stop writing before a standby may start).
-async fn keepalive(
-    store: Arc<dyn MetaStore>,
-    lease: i64,
-    ttl: Duration,
-    clock: Clock,
-    lost: CancellationToken,
-) {
-    let period = ttl / 3;
-    let margin = (ttl / 5).max(Duration::from_secs(1));
-    let mut last_ok = clock.now();
-    loop {
-        clock.sleep(period).await;
-        // The lease runs from when the store got the renewal, which is no earlier than this.
-        let sent = clock.now();
-        match tokio::time::timeout(period, store.keepalive(lease)).await {
-            Ok(Ok(())) => last_ok = sent,
-            Ok(Err(StoreError::LeaseNotFound(_))) => {
-                lost.cancel();
-                return;
-            }
-            Ok(Err(e)) => warn!(error = %e, "coord: leader keepalive failed"),
-            Err(_) => warn!("coord: leader keepalive timed out"),
-        }
-        if clock.now().saturating_duration_since(last_ok) + margin >= ttl {
-            lost.cancel();
-            return;
-        }
-    }
-}
-
 /// One term as leader.
-struct Term<'a> {
+pub(crate) struct Term<'a> {
     store: Arc<dyn MetaStore>,
     config: &'a CoordinatorConfig,
     clock: Clock,
     leader_rev: i64,
+    /// The lease our leader key is attached to: the key is ours while it has this lease and
+    /// create revision `leader_rev`.
+    lease: LeaseId,
     state: CoordState,
     status: &'a watch::Sender<CoordStatus>,
     /// Sessions seen gone, with the channels they held, until those are all Watched again.
     failovers: Vec<(tokio::time::Instant, NodeId, Vec<ChannelName>)>,
 }
 
-impl Term<'_> {
-    async fn lead(
+impl<'a> Term<'a> {
+    /// A term that begins with our leader key created at `leader_rev` on `lease`.
+    pub(crate) fn new(
+        store: Arc<dyn MetaStore>,
+        config: &'a CoordinatorConfig,
+        clock: Clock,
+        leader_rev: i64,
+        lease: LeaseId,
+        status: &'a watch::Sender<CoordStatus>,
+    ) -> Self {
+        Term {
+            store,
+            config,
+            clock,
+            leader_rev,
+            lease,
+            state: CoordState::new(config.keys.clone(), config.planner.clone()),
+            status,
+            failovers: Vec::new(),
+        }
+    }
+
+    /// Leads until shutdown or until leadership is lost (lease lost, or the leader key
+    /// deleted or replaced: seen on the watch at once).
+    ///
+    /// Each turn serves one ready source in order — the watch, the tick, a due plan, the
+    /// reconcile, then up to [`REQUESTS_PER_TURN`] requests — then drains every watch batch
+    /// already waiting and plans if a plan is due. So requests never blind the leader, and
+    /// the watch cannot starve requests for longer than it takes to apply what is waiting.
+    pub(crate) async fn lead(
         &mut self,
         requests: &mut mpsc::Receiver<Request>,
         lost: &CancellationToken,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
     ) -> TermEnd {
         let mut lw = ListWatch::spawn(self.store.clone(), self.config.keys.all_prefix());
+        let blind = lw.blind_since();
         let mut tick = tokio::time::interval(self.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reconcile = tokio::time::interval(self.config.reconcile_interval);
@@ -561,31 +357,65 @@ impl Term<'_> {
                 biased;
                 () = shutdown.as_mut() => return TermEnd::Shutdown,
                 () = lost.cancelled() => return TermEnd::Lost("leader lease lost or not renewed in time".into()),
-                Some(req) = requests.recv() => {
-                    if !recovered {
-                        refuse(req, ApiError::Store("the leader is still recovering; retry shortly".into()));
-                    } else if let Err(why) = self.handle(req).await {
-                        return TermEnd::Lost(why);
-                    }
-                }
                 update = lw.next() => {
                     let Some(update) = update else { return TermEnd::Lost("list-watch ended".into()) };
-                    self.apply(update);
-                    while let Some(more) = lw.try_next() {
-                        self.apply(more);
-                    }
-                    if !recovered {
-                        recovered = true;
-                        info!(channels = self.state.channel_count(), nodes = self.state.nodes().len(), "coord: startup recovery listed the store");
+                    if let Err(why) = self.apply(update) {
+                        return TermEnd::Lost(why);
                     }
                     dirty = true;
                 }
                 _ = tick.tick() => {
                     dirty |= recovered;
                     ticked = true;
+                    // A leader that cannot list or watch (e.g. its auth token expired while
+                    // its lease renewals, which need none, still pass) plans from a stale
+                    // view and holds the key from a standby that might do better: it steps
+                    // down after a TTL of blindness, as it would after a TTL of failed
+                    // renewals.
+                    let since = *blind.borrow();
+                    if let Some(since) = since {
+                        let for_ = self.clock.now().saturating_duration_since(since);
+                        if for_ >= self.config.session_ttl {
+                            return TermEnd::Lost(format!(
+                                "could not list or watch the store for {} ms (session TTL {} ms); resigning so a standby can lead",
+                                for_.as_millis(),
+                                self.config.session_ttl.as_millis()
+                            ));
+                        }
+                    }
                 }
                 () = tokio::time::sleep_until(last_plan + plan_gap), if dirty => {}
                 _ = reconcile.tick() => lw.relist(),
+                Some(req) = requests.recv() => {
+                    let mut next = Some(req);
+                    let mut served = 0;
+                    while let Some(req) = next.take() {
+                        if !recovered {
+                            refuse(req, ApiError::Store("the leader is still recovering; retry shortly".into()));
+                        } else if let Err(why) = self.handle(req).await {
+                            return TermEnd::Lost(why);
+                        }
+                        served += 1;
+                        if served < REQUESTS_PER_TURN {
+                            next = requests.try_recv().ok();
+                        }
+                    }
+                }
+            }
+            // Whatever this turn served, what the watch delivered meanwhile is applied now.
+            while let Some(more) = lw.try_next() {
+                if let Err(why) = self.apply(more) {
+                    return TermEnd::Lost(why);
+                }
+                dirty = true;
+            }
+            if dirty && !recovered {
+                recovered = true;
+                info!(
+                    channels = self.state.channel_count(),
+                    nodes = self.state.nodes().len(),
+                    "coord: startup recovery listed the store"
+                );
             }
             let restarts = lw.restarts();
             self.config
@@ -615,11 +445,39 @@ impl Term<'_> {
         }
     }
 
-    fn apply(&mut self, update: Update) {
+    /// Applies what the list-watch delivered. `Err` when it shows that the leader key is no
+    /// longer ours (deleted, re-created by another campaign, or rewritten without our lease):
+    /// the leader steps down at once instead of when its next txn is refused.
+    fn apply(&mut self, update: Update) -> Result<(), String> {
+        let leader_key = self.config.keys.leader();
         match update {
             Update::Reset { kvs, revision } => {
                 debug!(keys = kvs.len(), revision, "coord: full list");
                 self.config.metrics.relists.inc();
+                match kvs.iter().find(|kv| kv.key == leader_key) {
+                    Some(kv) => self.still_ours(kv)?,
+                    None => {
+                        return Err(format!(
+                            "the leader key {leader_key} is gone (seen by a full list): deposed"
+                        ))
+                    }
+                }
+                // A session missing from the new list died while the watch was not looking:
+                // it is a failover like one seen by a delete event (logged and measured).
+                let listed: std::collections::BTreeSet<NodeId> = kvs
+                    .iter()
+                    .filter_map(|kv| self.config.keys.parse_session(&kv.key).ok())
+                    .collect();
+                let vanished: Vec<NodeId> = self
+                    .state
+                    .nodes()
+                    .keys()
+                    .filter(|id| !listed.contains(id))
+                    .copied()
+                    .collect();
+                for id in vanished {
+                    self.session_gone(id, "a full list");
+                }
                 self.state.reset(
                     kvs.iter()
                         .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
@@ -631,6 +489,17 @@ impl Term<'_> {
             }
             Update::Events(events) => {
                 for ev in events {
+                    if ev.kv.key == leader_key {
+                        match ev.kind {
+                            EventKind::Put => self.still_ours(&ev.kv)?,
+                            EventKind::Delete => {
+                                return Err(format!(
+                                "the leader key {leader_key} was deleted at revision {}: deposed",
+                                ev.kv.mod_revision
+                            ))
+                            }
+                        }
+                    }
                     match ev.kind {
                         EventKind::Put => {
                             if let Some(why) =
@@ -642,16 +511,9 @@ impl Term<'_> {
                         }
                         EventKind::Delete => {
                             if let Ok(id) = self.config.keys.parse_session(&ev.kv.key) {
-                                let held: Vec<ChannelName> = self
-                                    .state
-                                    .entries()
-                                    .filter(|e| e.owner == chanwatch_core::ChannelOwner::Node(id))
-                                    .map(|e| e.info.channel.clone())
-                                    .collect();
-                                info!(node = %id, channels = held.len(), "coord: node session gone; its channels fail over");
-                                // Bounded: a storm of dead nodes must not grow this without limit.
-                                if !held.is_empty() && self.failovers.len() < 1024 {
-                                    self.failovers.push((self.clock.now(), id, held));
+                                // Unknown when a refused txn already showed it gone.
+                                if self.state.nodes().contains_key(&id) {
+                                    self.session_gone(id, "a delete event");
                                 }
                             }
                             self.state.apply_delete(&ev.kv.key, ev.kv.mod_revision);
@@ -660,6 +522,43 @@ impl Term<'_> {
                     self.state.caught_up(ev.kv.mod_revision);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// `Err` unless `kv` (the leader key as the store holds it now) is still our key.
+    fn still_ours(&self, kv: &chanwatch_store::KeyValue) -> Result<(), String> {
+        if kv.create_revision != self.leader_rev {
+            return Err(format!(
+                "the leader key {} was re-created at revision {} (ours was created at {}): deposed",
+                kv.key, kv.create_revision, self.leader_rev
+            ));
+        }
+        if kv.lease != Some(self.lease) {
+            return Err(format!(
+                "the leader key {} was rewritten at revision {} without our lease {:x} (lease now {:x}): deposed",
+                kv.key,
+                kv.mod_revision,
+                self.lease,
+                kv.lease.unwrap_or(0)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Notes that node `id`'s session is gone (seen by `how`), so that the failover of the
+    /// channels it held is logged and measured. Call before the view forgets the node.
+    fn session_gone(&mut self, id: NodeId, how: &str) {
+        let held: Vec<ChannelName> = self
+            .state
+            .entries()
+            .filter(|e| e.owner == chanwatch_core::ChannelOwner::Node(id))
+            .map(|e| e.info.channel.clone())
+            .collect();
+        info!(node = %id, channels = held.len(), seen_by = how, "coord: node session gone; its channels fail over");
+        // Bounded: a storm of dead nodes must not grow this without limit.
+        if !held.is_empty() && self.failovers.len() < 1024 {
+            self.failovers.push((self.clock.now(), id, held));
         }
     }
 
@@ -784,6 +683,8 @@ impl Term<'_> {
                 Compare::mod_revision(key, g.mod_revision)
             }
         }));
+        let sessions = self.session_guards(t);
+        compares.extend(sessions.iter().map(|n| Compare::exists(keys.session(*n))));
         // Deletes first, so one revision's events read "old key gone, new key there".
         let mut ops: Vec<TxnOp> = Vec::with_capacity(t.ops.len());
         for op in &t.ops {
@@ -823,6 +724,7 @@ impl Term<'_> {
                 .iter()
                 .map(|g| TxnOp::get(keys.channel(g.owner, &g.channel))),
         );
+        reads.extend(sessions.iter().map(|n| TxnOp::get(keys.session(*n))));
         Txn::new().when(compares).and_then(ops).or_else(reads)
     }
 
@@ -842,7 +744,7 @@ impl Term<'_> {
             _ => return Ok(()),
         }
         let keys = &self.config.keys;
-        for (g, r) in t.guards.iter().zip(reads) {
+        for (g, r) in t.guards.iter().zip(reads.by_ref()) {
             let key = keys.channel(g.owner, &g.channel);
             let now = match r {
                 OpResponse::Get { kv: Some(kv) } => kv.mod_revision,
@@ -859,7 +761,42 @@ impl Term<'_> {
                 _ => {}
             }
         }
+        for (n, r) in self.session_guards(t).into_iter().zip(reads) {
+            if matches!(r, OpResponse::Get { kv: None }) && self.state.nodes().contains_key(&n) {
+                self.session_gone(n, "a refused txn");
+                self.state
+                    .apply_delete(&self.config.keys.session(n), resp.revision);
+            }
+        }
         Ok(())
+    }
+
+    /// Nodes a txn puts channel keys under: the txn also requires their sessions to exist,
+    /// so nothing is assigned to a node that died before the watch told us (a put on a dead
+    /// node is refused and the refusal's reads show the session gone). Empty when the
+    /// compare and read lists have no room left (big planned txns; the next plan fixes
+    /// those).
+    fn session_guards(&self, t: &PlannedTxn) -> Vec<NodeId> {
+        let nodes: std::collections::BTreeSet<NodeId> = t
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Put {
+                    owner: chanwatch_core::ChannelOwner::Node(n),
+                    ..
+                } => Some(*n),
+                _ => None,
+            })
+            .collect();
+        let room = self
+            .config
+            .planner
+            .max_txn_ops
+            .min(self.store.limits().max_txn_ops);
+        if t.guards.len() + 1 + nodes.len() > room {
+            return Vec::new();
+        }
+        nodes.into_iter().collect()
     }
 
     /// Runs planned txns, up to `pipeline` at once, and returns how many were refused (the
@@ -1001,6 +938,52 @@ impl Term<'_> {
                 state = tr.state.map_or("deleted", |s| s.as_str()),
                 epoch = %tr.epoch,
                 "coord: channel transition"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chanwatch_store::{EmbeddedStore, KeyValue};
+
+    fn leader_kv(keys: &Keys, create_revision: i64, lease: Option<LeaseId>) -> KeyValue {
+        KeyValue {
+            key: keys.leader(),
+            value: b"{}".to_vec(),
+            create_revision,
+            mod_revision: create_revision,
+            version: 1,
+            lease,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_list_deposes_the_leader_unless_the_key_is_its_own() {
+        let config = CoordinatorConfig::default();
+        let (status, _rx) = watch::channel(CoordStatus::default());
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
+        let reset = |kvs: Vec<KeyValue>| Update::Reset { kvs, revision: 9 };
+        let keys = &config.keys;
+        assert_eq!(
+            term.apply(reset(vec![leader_kv(keys, 5, Some(0x77))])),
+            Ok(())
+        );
+        for (case, kvs) in [
+            ("gone", vec![]),
+            ("re-created", vec![leader_kv(keys, 8, Some(0x78))]),
+            ("rewritten without a lease", vec![leader_kv(keys, 5, None)]),
+            (
+                "rewritten on another lease",
+                vec![leader_kv(keys, 5, Some(0x78))],
+            ),
+        ] {
+            let why = term.apply(reset(kvs)).expect_err(case);
+            assert!(
+                why.contains("deposed") || why.contains("gone"),
+                "{case}: {why}"
             );
         }
     }

@@ -131,13 +131,24 @@ impl Cluster {
     }
 
     pub fn spawn_coord(&self, id: &str) -> Coord {
+        self.spawn_coord_on(id, self.store.clone(), |_| {})
+    }
+
+    /// A coordinator on its own `store` (e.g. a fault-injecting wrapper) with `tweak`ed
+    /// settings.
+    pub fn spawn_coord_on(
+        &self,
+        id: &str,
+        store: Arc<dyn MetaStore>,
+        tweak: impl FnOnce(&mut CoordinatorConfig),
+    ) -> Coord {
         let mut config = self.coord_config();
         config.id = id.to_owned();
         config.admin_addr = format!("{id}.invalid:1");
+        tweak(&mut config);
         let metrics = config.metrics.clone();
         let (handle, requests, status_tx) = CoordHandle::new();
         let (stop, stopped) = oneshot::channel::<()>();
-        let store = self.store.clone();
         let clock = self.clock;
         let status = handle.watch_status();
         let task = tokio::spawn(async move {

@@ -7,6 +7,7 @@
 mod api;
 mod browser;
 mod cluster;
+mod leader;
 mod scenarios;
 
 macro_rules! scenarios {
@@ -47,6 +48,33 @@ all_backends!(
     a_drain_moves_everything_off_and_survives_a_leader_failover,
 );
 
+/// Leader honesty (issue 11 finding 6), on both backends.
+mod leader_key {
+    macro_rules! on_both {
+        ($($case:ident),* $(,)?) => {
+            scenarios!(embedded, crate::cluster::Cluster::embedded, #[tokio::test(start_paused = true)], [$($case),*]);
+            scenarios!(etcd, crate::cluster::Cluster::etcd, #[tokio::test(flavor = "multi_thread", worker_threads = 2)], [$($case),*]);
+        };
+    }
+    macro_rules! scenarios {
+        ($backend:ident, $make:path, #[$runtime:meta], [$($case:ident),* $(,)?]) => {
+            mod $backend {
+                $(
+                    #[$runtime]
+                    async fn $case() -> anyhow::Result<()> {
+                        let cluster = $make().await?;
+                        crate::leader::$case(cluster).await
+                    }
+                )*
+            }
+        };
+    }
+    on_both!(
+        a_leader_whose_key_is_deleted_steps_down_at_once_and_one_leader_remains,
+        a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election,
+    );
+}
+
 /// Scenarios that need exact simulated time run on the embedded store only.
 mod embedded_only {
     #[tokio::test(start_paused = true)]
@@ -54,5 +82,43 @@ mod embedded_only {
     ) -> anyhow::Result<()> {
         crate::scenarios::a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_expires()
             .await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() -> anyhow::Result<()>
+    {
+        crate::leader::a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads().await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_that_cannot_list_resigns_so_a_standby_leads() -> anyhow::Result<()> {
+        crate::leader::a_leader_that_cannot_list_resigns_so_a_standby_leads().await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_configuration_error_at_start_up_stops_the_coordinator() -> anyhow::Result<()> {
+        crate::leader::a_configuration_error_at_start_up_stops_the_coordinator().await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(
+    ) -> anyhow::Result<()> {
+        let cluster = crate::leader::embedded_with_latency();
+        crate::leader::a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(cluster).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failover_found_by_a_relist_is_logged_and_measured() -> anyhow::Result<()> {
+        crate::leader::a_failover_found_by_a_relist_is_logged_and_measured().await
+    }
+}
+
+/// Real etcd, real time.
+mod etcd_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(
+    ) -> anyhow::Result<()> {
+        let cluster = crate::cluster::Cluster::etcd().await?;
+        crate::leader::a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(cluster).await
     }
 }

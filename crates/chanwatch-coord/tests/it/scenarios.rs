@@ -413,10 +413,13 @@ pub async fn a_deposed_leader_cannot_write(c: Cluster) -> Result<()> {
         )
         .await?;
     ensure!(resp.succeeded);
+    // With a lease, as a standby's campaign writes it: a key with no lease would be cleared.
+    let usurper = c.store.grant(Duration::from_secs(60)).await?;
     c.store
-        .txn(Txn::new().and_then([TxnOp::put(
+        .txn(Txn::new().and_then([TxnOp::put_with_lease(
             &key,
             br#"{"id":"usurper","admin_addr":"u:1","started_at_ms":0}"#.to_vec(),
+            usurper.id,
         )]))
         .await?;
     let r = coord
