@@ -172,6 +172,11 @@ impl Cluster {
     }
 
     pub fn spawn_node(&self) -> Node {
+        self.spawn_node_on(self.store.clone())
+    }
+
+    /// A node talking to the store through `store` (a `FaultyStore` of its own, say).
+    pub fn spawn_node_on(&self, store: Arc<dyn MetaStore>) -> Node {
         let config = NodeConfig {
             keys: self.keys.clone(),
             session_ttl: TTL,
@@ -180,7 +185,6 @@ impl Cluster {
         };
         let (status_tx, status) = watch::channel(NodeStatus::default());
         let (stop, stopped) = oneshot::channel::<()>();
-        let store = self.store.clone();
         let clock = self.clock;
         let handler = Arc::new(self.handler.clone());
         let task = tokio::spawn(async move {

@@ -78,6 +78,13 @@ mod leader_key {
 /// Scenarios that need exact simulated time run on the embedded store only.
 mod embedded_only {
     #[tokio::test(start_paused = true)]
+    async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_move(
+    ) -> anyhow::Result<()> {
+        crate::scenarios::a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_move()
+            .await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_expires(
     ) -> anyhow::Result<()> {
         crate::scenarios::a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_expires()

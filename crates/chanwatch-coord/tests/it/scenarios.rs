@@ -644,3 +644,78 @@ pub async fn a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_ex
     }
     Ok(())
 }
+
+/// Embedded only (paused clock): a node whose watch silently stops delivering (keepalives and
+/// txns still work) is drained. It never sees the release requests; the leader must not move
+/// the channels beside it: it fences the node by revoking its lease, and the channels move
+/// only once the node has surely stopped them (issue 11 finding 1: before, the blind owner
+/// ran them beside the new owner for ~6 s).
+pub async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_move() -> Result<()>
+{
+    use chanwatch_store::{EmbeddedStore, FaultyStore, MetaStore};
+    use std::sync::Arc;
+    let inner = EmbeddedStore::new();
+    let c = Cluster::with_stores(
+        Backend::Embedded(inner.clone()),
+        Arc::new(inner.clone()) as Arc<dyn MetaStore>,
+    );
+    let coord = c.spawn_coord("c1");
+    let (faulty, faults) = FaultyStore::new(inner);
+    let blind = c.spawn_node_on(Arc::new(faulty));
+    let blind_id = c.wait_node_id(&blind).await?;
+    let healthy = c.spawn_node();
+    c.wait_node_id(&healthy).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.add_channels(&coord, "ch", 6).await?;
+    c.wait_until(SETTLE, "6 Watched on both nodes", |v| {
+        v.all_watched_on_live_nodes(6) && !v.on(blind_id).is_empty()
+    })
+    .await?;
+    let held = c.view().await?.on(blind_id);
+    faults.stall_watches(true);
+    retry_not_ready(|| coord.handle.drain(blind_id)).await?;
+    // Past the release timeout the leader revokes the blind node's session.
+    let session = c.keys.session(blind_id);
+    let deadline = tokio::time::Instant::now() + WATCH_TIMEOUT + TTL;
+    while c.store.get(&session).await?.is_some() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the blind node was not fenced"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Its channels move once it has surely stopped them; it comes back under a new ID
+    // (still blind until the stall ends: then it takes channels again).
+    c.wait_until(TTL * 3, "the blind node's channels moved", |v| {
+        v.on(blind_id).is_empty()
+            && held.iter().all(|ch| {
+                v.channels
+                    .iter()
+                    .any(|r| &r.channel == ch && r.node.is_some())
+            })
+    })
+    .await?;
+    faults.stall_watches(false);
+    c.wait_until(SETTLE, "6 Watched on live nodes", |v| {
+        v.all_watched_on_live_nodes(6) && v.on(blind_id).is_empty()
+    })
+    .await?;
+    ensure!(
+        c.store.get(&c.keys.fence(blind_id)).await?.is_none(),
+        "the fence mark is removed once the node owns nothing"
+    );
+    for ch in &held {
+        let runs: Vec<_> = c
+            .handler
+            .intervals()
+            .into_iter()
+            .filter(|i| &i.channel == ch && i.node == blind_id)
+            .collect();
+        ensure!(
+            runs.iter().all(|i| i.end_ms.is_some()),
+            "{ch} still runs on the blind node"
+        );
+    }
+    no_double_ownership(&c)
+}
