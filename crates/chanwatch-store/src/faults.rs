@@ -15,7 +15,9 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use crate::error::{StoreError, StoreResult};
-use crate::types::{KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse};
+use crate::types::{
+    Alarm, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse,
+};
 use crate::{MetaStore, WatchStream};
 
 /// Called with the revision of every txn that wrote something through the wrapper.
@@ -235,6 +237,10 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
         self.faults.gate().await?;
         self.inner.compact(revision).await
+    }
+    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
+        self.faults.gate().await?;
+        self.inner.alarms().await
     }
     fn limits(&self) -> &Limits {
         self.inner.limits()

@@ -35,6 +35,7 @@ pub mod clock;
 pub mod embedded;
 pub mod error;
 pub mod etcd;
+mod etcd_error;
 pub mod faults;
 pub mod listwatch;
 pub mod types;
@@ -52,8 +53,8 @@ pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
 pub use faults::{CommitHook, Faults, FaultyStore};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
-    Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Limits, OpResponse,
-    RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
+    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId,
+    Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
 };
 
 /// An ordered stream of watch batches. See the crate docs for the guarantees.
@@ -118,6 +119,16 @@ pub trait MetaStore: Send + Sync + 'static {
     /// `FutureRevision` above the current revision; `Compacted` at or below the current
     /// compaction revision.
     async fn compact(&self, revision: Revision) -> StoreResult<()>;
+
+    /// The alarms the store has raised now (etcd's `alarm list`; needs no admin role).
+    /// Processes export them as `chanwatch_etcd_alarm{type}` and log when one appears or
+    /// clears. The default (a store that has no alarms) returns none.
+    ///
+    /// # Errors
+    /// `Unavailable` (retryable).
+    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
+        Ok(Vec::new())
+    }
 
     /// The request limits this store enforces.
     fn limits(&self) -> &Limits;
