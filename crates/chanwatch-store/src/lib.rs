@@ -31,6 +31,7 @@
 //! Watch streams end (yield `None`) or yield an error when the watch breaks; a consumer then
 //! watches again from the last revision it saw + 1, or relists on `Compacted`.
 
+pub mod alarms;
 pub mod clock;
 pub mod embedded;
 pub mod error;
@@ -46,6 +47,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::Stream;
 
+pub use alarms::follow_alarms;
 pub use clock::Clock;
 pub use embedded::{EmbeddedOptions, EmbeddedStore, Observed};
 pub use error::{StoreError, StoreResult};
