@@ -84,8 +84,9 @@ pub enum StoreError {
     /// The user is authenticated but its roles do not allow this access. Fatal until an
     /// operator grants the permission (README, "etcd users and roles").
     #[error(
-        "etcd user {user:?} may not access {key:?} (permission denied); grant its role \
-         readwrite on that prefix, e.g. `etcdctl role grant-permission ROLE --prefix=true readwrite {key}`"
+        "etcd user {user:?} may not access {key:?} (permission denied); grant its role that \
+         key's prefix with `etcdctl role grant-permission ROLE --prefix=true read|readwrite PREFIX` \
+         (README, \"etcd users and roles\")"
     )]
     PermissionDenied {
         /// The etcd user (empty when none was given).
