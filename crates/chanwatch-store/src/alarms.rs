@@ -19,7 +19,7 @@ use crate::MetaStore;
 fn remedy(kind: AlarmKind) -> &'static str {
     match kind {
         AlarmKind::NoSpace => {
-            "etcd refuses writes and lease grants: compact, defrag, `etcdctl alarm disarm` \
+            "etcd refuses puts and lease grants: compact, defrag, `etcdctl alarm disarm` \
              (and raise --quota-backend-bytes if it fills again)"
         }
         AlarmKind::Corrupt => {

@@ -168,10 +168,10 @@ impl EmbeddedStore {
     }
 
     /// Fault injection: raises (`true`) or disarms (`false`) the NOSPACE alarm. While it is
-    /// raised the store refuses what etcd refuses then: every txn that writes (puts and
-    /// deletes alike, as etcd's capped applier does) and every lease grant, with
-    /// [`StoreError::NoSpace`]; reads, read-only txns, watches, keepalives, revokes and
-    /// compaction pass, and [`MetaStore::alarms`] reports it.
+    /// raised the store refuses what etcd 3.4 refuses then: every txn with a put in either
+    /// branch and every lease grant, with [`StoreError::NoSpace`]; txns that only delete or
+    /// read, watches, keepalives, revokes and compaction pass, and [`MetaStore::alarms`]
+    /// reports it.
     pub fn set_nospace(&self, on: bool) {
         self.lock().nospace = on;
     }
@@ -516,12 +516,14 @@ impl MetaStore for EmbeddedStore {
         state.expire_due(Instant::now(), &self.shared);
         state.validate(&txn.then)?;
         state.validate(&txn.otherwise)?;
+        // etcd's quota check: a txn costs the puts of its larger branch; one with any put is
+        // refused, one that only deletes or reads passes.
         if state.nospace
-            && !txn
+            && txn
                 .then
                 .iter()
                 .chain(&txn.otherwise)
-                .all(|op| matches!(op, TxnOp::Get { .. }))
+                .any(|op| matches!(op, TxnOp::Put { .. }))
         {
             return Err(StoreError::NoSpace);
         }

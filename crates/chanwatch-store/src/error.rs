@@ -63,7 +63,7 @@ pub enum StoreError {
     #[error("invalid request: {0}")]
     InvalidArgument(String),
     /// etcd raised its NOSPACE alarm: its database reached `--quota-backend-bytes`, and it
-    /// refuses every write but deletes (no put, no txn that writes, no lease grant) until an
+    /// refuses every write but deletes (no txn with a put, no lease grant) until an
     /// operator frees space and disarms the alarm. Reads, keepalives and revokes still work.
     /// Retryable: wait with back-off; it passes once the alarm is disarmed.
     #[error(

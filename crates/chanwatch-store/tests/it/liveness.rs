@@ -66,6 +66,10 @@ async fn nospace_is_named_truly_retryable_and_listed_as_an_alarm() -> Result<()>
         "a lease grant during the alarm: {grant:?}"
     );
     ensure!(store.get("cw/fill").await?.is_some(), "reads still work");
+    store
+        .txn(Txn::new().and_then([TxnOp::delete("cw/absent")]))
+        .await
+        .context("a txn that only deletes passes during the alarm")?;
 
     fixture.free_space_and_disarm()?;
     ensure!(store.alarms().await?.is_empty(), "disarmed");
@@ -89,13 +93,21 @@ async fn the_embedded_store_can_simulate_nospace_as_etcd_behaves() -> Result<()>
         .txn(Txn::new().and_then([TxnOp::put("cw/b", "1")]))
         .await;
     ensure!(matches!(put, Err(StoreError::NoSpace)), "put: {put:?}");
-    let delete = store
-        .txn(Txn::new().and_then([TxnOp::delete("cw/a")]))
+    let mixed = store
+        .txn(
+            Txn::new()
+                .and_then([TxnOp::delete("cw/a")])
+                .or_else([TxnOp::put("cw/c", "1")]),
+        )
         .await;
     ensure!(
-        matches!(delete, Err(StoreError::NoSpace)),
-        "a txn that deletes is refused too, as etcd's capped applier does: {delete:?}"
+        matches!(mixed, Err(StoreError::NoSpace)),
+        "a txn with a put in either branch is refused: {mixed:?}"
     );
+    store
+        .txn(Txn::new().and_then([TxnOp::delete("cw/a")]))
+        .await
+        .context("a txn that only deletes passes, as on etcd")?;
     let grant = store.grant(Duration::from_secs(5)).await;
     ensure!(
         matches!(grant, Err(StoreError::NoSpace)),
