@@ -439,8 +439,23 @@ impl EtcdFixture {
     /// # Errors
     /// [`FixtureError`] when it does not come back within 20 s.
     pub async fn restart(&mut self) -> Result<(), FixtureError> {
+        self.kill();
+        self.start_again().await
+    }
+
+    /// Kills etcd (`SIGKILL`); [`Self::start_again`] brings it back on the same ports and
+    /// data. Meanwhile its endpoint refuses connections, as a crashed etcd's does.
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts etcd again after [`Self::kill`] (on the same ports and data) and waits until it
+    /// serves.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when it does not come back within 20 s.
+    pub async fn start_again(&mut self) -> Result<(), FixtureError> {
         self.child = spawn(&self.command, self.data_dir.path())?;
         self.wait_healthy(Duration::from_secs(20)).await
     }
