@@ -248,3 +248,32 @@ async fn an_auth_etcd_restart_and_an_expired_token_only_delay_calls() -> Result<
     ensure!(store.get("cw/s").await?.is_some(), "the lease kept its key");
     Ok(())
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_expired_token_can_be_injected_and_spares_keepalives() -> Result<()> {
+    let (store, faults) = chanwatch_store::FaultyStore::new(EmbeddedStore::new());
+    let lease = store.grant(Duration::from_secs(5)).await?;
+    faults.expire_auth(true);
+    let get = store.get("cw/a").await;
+    ensure!(
+        matches!(&get, Err(e @ StoreError::AuthTokenExpired(_)) if e.is_retryable()),
+        "get: {get:?}"
+    );
+    let txn = store
+        .txn(Txn::new().and_then([TxnOp::put("cw/a", "1")]))
+        .await;
+    ensure!(
+        matches!(txn, Err(StoreError::AuthTokenExpired(_))),
+        "txn: {txn:?}"
+    );
+    ensure!(store.watch("cw/", 0).await.is_err());
+    store
+        .keepalive(lease.id)
+        .await
+        .context("leases renew without a token")?;
+    faults.expire_auth(false);
+    store
+        .txn(Txn::new().and_then([TxnOp::put("cw/a", "1")]))
+        .await?;
+    Ok(())
+}
