@@ -2,7 +2,12 @@
 //!
 //! Owns: metric definitions. Must not: be read by the control logic.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use std::collections::BTreeSet;
+
+use chanwatch_store::AlarmKind;
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 const ACK_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
@@ -24,6 +29,8 @@ pub struct NodeMetrics {
     pub watch_restarts: IntCounter,
     /// Full lists of a node's prefix.
     pub relists: IntCounter,
+    /// 1 while the store has raised an alarm of that type (`NOSPACE`, `CORRUPT`).
+    pub etcd_alarm: IntGaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -75,6 +82,28 @@ impl NodeMetrics {
                 "chanwatch_node_relists_total",
                 "Full lists of a node's own prefix.",
             )),
+            etcd_alarm: {
+                let g = must(IntGaugeVec::new(
+                    Opts::new(
+                        "chanwatch_etcd_alarm",
+                        "1 while etcd has raised an alarm of this type (NOSPACE: writes refused).",
+                    ),
+                    &["type"],
+                ));
+                for kind in AlarmKind::ALL {
+                    g.with_label_values(&[kind.name()]).set(0);
+                }
+                g
+            },
+        }
+    }
+
+    /// Sets `chanwatch_etcd_alarm` to the alarms raised now.
+    pub fn set_alarms(&self, raised: &BTreeSet<AlarmKind>) {
+        for kind in AlarmKind::ALL {
+            self.etcd_alarm
+                .with_label_values(&[kind.name()])
+                .set(i64::from(raised.contains(&kind)));
         }
     }
 
@@ -90,6 +119,7 @@ impl NodeMetrics {
         registry.register(Box::new(self.fences.clone()))?;
         registry.register(Box::new(self.watch_restarts.clone()))?;
         registry.register(Box::new(self.relists.clone()))?;
+        registry.register(Box::new(self.etcd_alarm.clone()))?;
         Ok(())
     }
 

@@ -87,7 +87,8 @@ pub enum NodeError {
     /// The configuration cannot work (fatal).
     #[error("bad node configuration: {0}")]
     Config(String),
-    /// The store refused us for a reason retrying cannot fix (fatal).
+    /// At start-up, the store refused the node's credentials or role (a configuration
+    /// error; see [`StoreError::is_config`]). Every other store error is retried.
     #[error("store refused the node: {0}")]
     Store(#[source] StoreError),
 }
@@ -107,7 +108,10 @@ pub struct NodeStatus {
 /// On shutdown it stops every channel and revokes its lease, so its channels move at once.
 ///
 /// # Errors
-/// [`NodeError`] for fatal problems only; store outages are retried.
+/// [`NodeError`] for a bad configuration only: a TTL below the minimum, or credentials or a
+/// role etcd refuses before the first session. Every other store error (an outage, NOSPACE,
+/// an expired auth token, a garbled ID counter) is logged once and retried with jittered
+/// back-off, so a node started during a NOSPACE alarm registers once it is disarmed.
 pub async fn run(
     store: Arc<dyn MetaStore>,
     handler: Arc<dyn ChannelHandler>,
@@ -123,7 +127,18 @@ pub async fn run(
         )));
     }
     tokio::pin!(shutdown);
+    // Alarms (NOSPACE above all) for `chanwatch_etcd_alarm` and one log line each way.
+    let _alarms = {
+        let metrics = config.metrics.clone();
+        AbortOnDrop(tokio::spawn(chanwatch_store::follow_alarms(
+            store.clone(),
+            ALARM_POLL,
+            move |raised| metrics.set_alarms(raised),
+        )))
+    };
     let mut attempt = 0u32;
+    let mut registered_once = false;
+    let mut last_error: Option<String> = None;
     loop {
         let session = tokio::select! {
             biased;
@@ -133,19 +148,35 @@ pub async fn run(
         let session = match session {
             Ok(s) => {
                 attempt = 0;
+                last_error = None;
+                registered_once = true;
                 s
             }
-            Err(e) if e.is_retryable() => {
+            // Only a configuration error at start-up ends the node (wrong credentials, a
+            // role without the node's keys): once it has run, an operator may be fixing
+            // etcd's side, and the node waits for it like for any other store error.
+            Err(e) if e.is_config() && !registered_once => return Err(NodeError::Store(e)),
+            Err(e) => {
                 attempt += 1;
-                let wait = Duration::from_millis(100 * u64::from(attempt.min(50)));
-                warn!(error = %e, ?wait, "node: cannot register yet; retrying");
+                let wait = register_backoff(attempt, clock.unix_ms());
+                // Say it once per kind of trouble, then quietly keep trying.
+                let text = e.to_string();
+                if last_error.as_deref() != Some(text.as_str()) {
+                    if e.is_config() {
+                        error!(error = %e, "node: etcd refuses the node's credentials or role; retrying until an operator fixes it");
+                    } else {
+                        warn!(error = %e, ?wait, "node: cannot register yet; retrying with back-off");
+                    }
+                    last_error = Some(text);
+                } else {
+                    debug!(error = %e, ?wait, attempt, "node: cannot register yet; retrying");
+                }
                 tokio::select! {
                     biased;
                     () = &mut shutdown => return Ok(()),
                     () = clock.sleep(wait) => continue,
                 }
             }
-            Err(e) => return Err(NodeError::Store(e)),
         };
         config.metrics.sessions.inc();
         status.send_modify(|s| {
@@ -166,6 +197,23 @@ pub async fn run(
             }
         }
     }
+}
+
+/// How often a node reads the store's alarms.
+const ALARM_POLL: Duration = Duration::from_secs(5);
+
+/// The wait before registration attempt `attempt` (from 1): 100 ms doubling to 5 s, less a
+/// jitter of up to half, picked from `seed` (the clock) so that nodes that failed together
+/// (an etcd restart, a NOSPACE alarm disarmed) do not retry together, and a simulation with a
+/// paused clock still replays the same waits.
+fn register_backoff(attempt: u32, seed: u64) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let full = Duration::from_millis(100)
+        .saturating_mul(1u32 << attempt.saturating_sub(1).min(6))
+        .min(Duration::from_secs(5));
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (seed, attempt).hash(&mut h);
+    full.saturating_sub(full.mul_f64((h.finish() % 500) as f64 / 1000.0))
 }
 
 /// A registered session.

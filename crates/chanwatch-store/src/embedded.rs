@@ -21,8 +21,8 @@ use tokio::time::Instant;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{
-    Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Limits, OpResponse,
-    RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
+    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId,
+    Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -118,6 +118,8 @@ struct State {
     /// Lease deadlines in order, for the reaper and for lazy expiry.
     deadlines: BTreeSet<(Instant, LeaseId)>,
     next_lease: LeaseId,
+    /// The NOSPACE alarm is raised (see [`EmbeddedStore::set_nospace`]).
+    nospace: bool,
 }
 
 impl EmbeddedStore {
@@ -163,6 +165,15 @@ impl EmbeddedStore {
         let (tx, rx) = mpsc::unbounded_channel();
         self.lock().observers.push(tx);
         rx
+    }
+
+    /// Fault injection: raises (`true`) or disarms (`false`) the NOSPACE alarm. While it is
+    /// raised the store refuses what etcd 3.4 refuses then: every txn with a put in either
+    /// branch and every lease grant, with [`StoreError::NoSpace`]; txns that only delete or
+    /// read, watches, keepalives, revokes and compaction pass, and [`MetaStore::alarms`]
+    /// reports it.
+    pub fn set_nospace(&self, on: bool) {
+        self.lock().nospace = on;
     }
 
     /// Number of live keys (for metrics and benchmarks).
@@ -505,6 +516,17 @@ impl MetaStore for EmbeddedStore {
         state.expire_due(Instant::now(), &self.shared);
         state.validate(&txn.then)?;
         state.validate(&txn.otherwise)?;
+        // etcd's quota check: a txn costs the puts of its larger branch; one with any put is
+        // refused, one that only deletes or reads passes.
+        if state.nospace
+            && txn
+                .then
+                .iter()
+                .chain(&txn.otherwise)
+                .any(|op| matches!(op, TxnOp::Put { .. }))
+        {
+            return Err(StoreError::NoSpace);
+        }
         let succeeded = txn.compares.iter().all(|c| state.compare_holds(c));
         let ops = if succeeded { txn.then } else { txn.otherwise };
         let (responses, revision) = state.apply(ops, &self.shared);
@@ -570,6 +592,9 @@ impl MetaStore for EmbeddedStore {
         let now = Instant::now();
         let id = {
             let mut state = self.lock();
+            if state.nospace {
+                return Err(StoreError::NoSpace);
+            }
             state.expire_due(now, &self.shared);
             state.next_lease += 1;
             let id = state.next_lease;
@@ -629,6 +654,17 @@ impl MetaStore for EmbeddedStore {
         }
         state.compact_to(revision);
         Ok(())
+    }
+
+    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
+        Ok(if self.lock().nospace {
+            vec![Alarm {
+                member: 0,
+                kind: AlarmKind::NoSpace,
+            }]
+        } else {
+            Vec::new()
+        })
     }
 
     fn limits(&self) -> &Limits {

@@ -62,11 +62,38 @@ pub enum StoreError {
     /// A request the store refused as malformed. Fatal: a bug in the caller.
     #[error("invalid request: {0}")]
     InvalidArgument(String),
-    /// The store refused the credentials. Fatal until the configuration is fixed.
+    /// etcd raised its NOSPACE alarm: its database reached `--quota-backend-bytes`, and it
+    /// refuses every write but deletes (no txn with a put, no lease grant) until an
+    /// operator frees space and disarms the alarm. Reads, keepalives and revokes still work.
+    /// Retryable: wait with back-off; it passes once the alarm is disarmed.
+    #[error(
+        "etcd is out of space (alarm NOSPACE): compact, defrag, `etcdctl alarm disarm` \
+         (then raise --quota-backend-bytes if it fills again); waiting"
+    )]
+    NoSpace,
+    /// etcd refused the auth token: it expired, or etcd restarted (simple tokens live in
+    /// etcd's memory). Retryable: the client authenticates again with its password.
+    #[error("etcd refused the auth token ({0}): it expired or etcd restarted; re-authenticating and retrying")]
+    AuthTokenExpired(String),
+    /// The store refused the credentials (wrong user or password, or none given while etcd
+    /// has auth on). Fatal until the configuration is fixed.
     #[error(
         "store refused the credentials: {0}; check --etcd-user / --etcd-password and TLS files"
     )]
     Unauthenticated(String),
+    /// The user is authenticated but its roles do not allow this access. Fatal until an
+    /// operator grants the permission (README, "etcd users and roles").
+    #[error(
+        "etcd user {user:?} may not access {key:?} (permission denied); grant its role that \
+         key's prefix with `etcdctl role grant-permission ROLE --prefix=true read|readwrite PREFIX` \
+         (README, \"etcd users and roles\")"
+    )]
+    PermissionDenied {
+        /// The etcd user (empty when none was given).
+        user: String,
+        /// The key or prefix the refused request named (the first key of a txn).
+        key: String,
+    },
     /// Configuration is unusable (bad endpoint URL, unreadable TLS file). Fatal.
     #[error("bad store configuration: {0}")]
     Config(String),
@@ -84,7 +111,23 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            StoreError::Unavailable { .. } | StoreError::WatchClosed(_) | StoreError::Backend(_)
+            StoreError::Unavailable { .. }
+                | StoreError::WatchClosed(_)
+                | StoreError::Backend(_)
+                | StoreError::NoSpace
+                | StoreError::AuthTokenExpired(_)
+        )
+    }
+
+    /// Whether the error says the configuration is wrong (endpoint, TLS files, credentials,
+    /// roles): at start-up a process should exit with it; once running, it should log it and
+    /// keep retrying, since an operator may fix etcd's side meanwhile.
+    pub fn is_config(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Config(_)
+                | StoreError::Unauthenticated(_)
+                | StoreError::PermissionDenied { .. }
         )
     }
 }

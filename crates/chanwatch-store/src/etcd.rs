@@ -4,8 +4,14 @@
 //! store vocabulary and etcd's protobuf types, and the mapping of etcd's errors onto
 //! [`StoreError`] so callers can tell retryable from fatal.
 //!
-//! Must not: retry on its own (callers decide, with their own back-off) or hold a lock across
-//! anything but the one keepalive stream per lease.
+//! Must not: retry on its own (callers decide, with their own back-off; the one exception is
+//! an auth token etcd no longer knows, which is renewed and the call sent once more) or hold a
+//! lock across anything but the one keepalive stream per lease; read any key but those the
+//! caller names (the connection probe reads [`EtcdConfig::probe_key`], so a user whose role
+//! only allows `{root}/` can connect).
+//!
+//! Over 600 lines because every `MetaStore` call, with its translation, is here; the error
+//! mapping is in `etcd_error.rs`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,16 +20,18 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Certificate, Client, CompactionOptions, ConnectOptions, DeleteOptions, GetOptions, Identity,
-    LeaseKeepAliveStream, LeaseKeeper, PutOptions, TlsOptions, TxnOpResponse, WatchOptions,
+    AlarmAction, AlarmType, Certificate, Client, CompactionOptions, ConnectOptions, DeleteOptions,
+    GetOptions, Identity, LeaseKeepAliveStream, LeaseKeeper, PutOptions, TlsOptions, TxnOpResponse,
+    WatchOptions,
 };
 use futures_util::StreamExt;
 use tokio::sync::Mutex;
 
 use crate::error::{StoreError, StoreResult};
+use crate::etcd_error::{cancel_error, map_err};
 use crate::types::{
-    Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Limits, OpResponse,
-    RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
+    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId,
+    Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -57,6 +65,11 @@ pub struct EtcdConfig {
     pub tls: Option<TlsFiles>,
     /// Limits to enforce client-side; keep them equal to the server's flags.
     pub limits: Limits,
+    /// The key the connection check reads; it proves the credentials and the role's read
+    /// permission. Give a key under the root every part may read (the CLI uses
+    /// `{root}/id/node`). `None` checks with etcd's status call instead, which reads no key
+    /// (and, with auth on, does not prove that credentials were given).
+    pub probe_key: Option<String>,
 }
 
 impl Default for EtcdConfig {
@@ -68,6 +81,7 @@ impl Default for EtcdConfig {
             user: None,
             tls: None,
             limits: Limits::default(),
+            probe_key: None,
         }
     }
 }
@@ -78,6 +92,9 @@ type Keeper = (LeaseKeeper, LeaseKeepAliveStream);
 pub struct EtcdStore {
     client: Client,
     endpoints: String,
+    /// The etcd user, for errors that name it (empty: none).
+    user: String,
+    request_timeout: Duration,
     limits: Limits,
     /// One open keepalive stream per lease, so a renewal is one round trip. The map's lock is
     /// held only to find an entry; each entry has its own lock for the round trip, so leases
@@ -98,7 +115,8 @@ impl EtcdStore {
     ///
     /// # Errors
     /// `Config` for unreadable TLS files or no endpoints; `Unavailable` when etcd does not
-    /// answer within the connect timeout; `Unauthenticated` for refused credentials.
+    /// answer within the connect timeout; `Unauthenticated` for refused credentials;
+    /// `PermissionDenied` when the user may not read the probe key.
     pub async fn connect(config: EtcdConfig) -> StoreResult<Self> {
         if config.endpoints.is_empty() {
             return Err(StoreError::Config(
@@ -111,19 +129,37 @@ impl EtcdStore {
             .with_timeout(config.request_timeout)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
         if let Some((user, password)) = &config.user {
-            options = options.with_user(user.clone(), password.clone());
+            // etcd's simple tokens die with a restart and expire after `--auth-token-ttl`
+            // idle: the client authenticates again on "invalid auth token" and resends.
+            options = options
+                .with_user(user.clone(), password.clone())
+                .with_auto_token_refresh(true);
         }
         if let Some(tls) = &config.tls {
             options = options.with_tls(tls_options(tls)?);
         }
+        let user = config
+            .user
+            .as_ref()
+            .map(|(u, _)| u.clone())
+            .unwrap_or_default();
+        let probe_key = config.probe_key.clone();
         let probe = async {
             let mut client = Client::connect(&config.endpoints, Some(options)).await?;
-            client.get("\0chanwatch-connect-probe", None).await?;
+            match &probe_key {
+                Some(key) => {
+                    client.get(key.as_str(), None).await?;
+                }
+                None => {
+                    client.status().await?;
+                }
+            }
             Ok::<_, etcd_client::Error>(client)
         };
+        let probed = probe_key.as_deref().unwrap_or("");
         let client = match tokio::time::timeout(config.connect_timeout, probe).await {
             Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(map_err(&endpoints, e)),
+            Ok(Err(e)) => return Err(map_err(&endpoints, &user, probed, e)),
             Err(_) => {
                 return Err(StoreError::Unavailable {
                     endpoints,
@@ -134,6 +170,8 @@ impl EtcdStore {
         Ok(EtcdStore {
             client,
             endpoints,
+            user,
+            request_timeout: config.request_timeout,
             limits: config.limits,
             keepers: std::sync::Mutex::new(HashMap::new()),
         })
@@ -145,8 +183,33 @@ impl EtcdStore {
             .max_decoding_message_size(MAX_DECODING_BYTES)
     }
 
-    fn err(&self, e: etcd_client::Error) -> StoreError {
-        map_err(&self.endpoints, e)
+    /// Maps an error of a call about `key`; when etcd no longer knows our auth token (the
+    /// client's own refresh-and-resend failed too, or it came on a stream), authenticates
+    /// again so that the caller's retry goes out with a fresh token.
+    async fn err(&self, e: etcd_client::Error, key: &str) -> StoreError {
+        let err = map_err(&self.endpoints, &self.user, key, e);
+        if matches!(err, StoreError::AuthTokenExpired(_)) {
+            self.reauthenticate().await;
+        }
+        err
+    }
+
+    async fn reauthenticate(&self) {
+        if self.user.is_empty() {
+            return;
+        }
+        match tokio::time::timeout(self.request_timeout, self.client.refresh_token()).await {
+            Ok(Ok(())) => {
+                tracing::info!(user = %self.user, "etcd: authenticated again (token expired or etcd restarted)");
+            }
+            Ok(Err(e)) => {
+                let e = map_err(&self.endpoints, &self.user, "", e);
+                tracing::warn!(user = %self.user, error = %e, "etcd: authenticating again failed");
+            }
+            Err(_) => {
+                tracing::warn!(user = %self.user, "etcd: authenticating again timed out");
+            }
+        }
     }
 }
 
@@ -174,84 +237,6 @@ fn tls_options(files: &TlsFiles) -> StoreResult<TlsOptions> {
         }
     }
     Ok(tls)
-}
-
-/// Maps etcd's errors by gRPC code and the server's fixed error strings (etcd's `rpctypes`).
-fn map_err(endpoints: &str, e: etcd_client::Error) -> StoreError {
-    use etcd_client::Error as E;
-    use tonic::Code;
-    match e {
-        E::GRpcStatus(status) => {
-            let msg = status.message().to_owned();
-            if msg.contains("too many operations in txn request") {
-                return StoreError::TooManyOps { ops: 0, max: 0 };
-            }
-            if msg.contains("request is too large") {
-                return StoreError::RequestTooLarge { bytes: 0, max: 0 };
-            }
-            if msg.contains("requested lease not found") {
-                return StoreError::LeaseNotFound(0);
-            }
-            if msg.contains("required revision has been compacted") {
-                return StoreError::Compacted {
-                    compact_revision: 0,
-                };
-            }
-            if msg.contains("authentication failed")
-                || msg.contains("user name is empty")
-                || msg.contains("permission denied")
-                || msg.contains("invalid auth token")
-            {
-                return StoreError::Unauthenticated(msg);
-            }
-            if msg.contains("required revision is a future revision") {
-                return StoreError::FutureRevision {
-                    requested: 0,
-                    current: 0,
-                };
-            }
-            match status.code() {
-                Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted => {
-                    StoreError::Unavailable {
-                        endpoints: endpoints.to_owned(),
-                        message: msg,
-                    }
-                }
-                Code::Unauthenticated | Code::PermissionDenied => StoreError::Unauthenticated(msg),
-                Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
-                    StoreError::InvalidArgument(msg)
-                }
-                Code::ResourceExhausted => StoreError::RequestTooLarge { bytes: 0, max: 0 },
-                _ => StoreError::Backend(format!("{:?}: {msg}", status.code())),
-            }
-        }
-        E::TransportError(t) => StoreError::Unavailable {
-            endpoints: endpoints.to_owned(),
-            message: format!("{t}: {}", source_chain(&t)),
-        },
-        E::IoError(io) => StoreError::Unavailable {
-            endpoints: endpoints.to_owned(),
-            message: io.to_string(),
-        },
-        E::InvalidUri(u) => StoreError::Config(format!("bad etcd endpoint URL: {u}")),
-        E::InvalidArgs(a) => StoreError::InvalidArgument(a),
-        E::WatchError(w) => StoreError::WatchClosed(w),
-        E::LeaseKeepAliveError(m) if m.contains("not found") => StoreError::LeaseNotFound(0),
-        other => StoreError::Backend(other.to_string()),
-    }
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut out = String::new();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }
 
 fn from_pb(kv: &etcd_client::KeyValue) -> KeyValue {
@@ -296,16 +281,22 @@ fn op_to_pb(op: TxnOp) -> etcd_client::TxnOp {
 #[async_trait]
 impl MetaStore for EtcdStore {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
-        let resp = self.kv().get(key, None).await.map_err(|e| self.err(e))?;
+        let resp = match self.kv().get(key, None).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.err(e, key).await),
+        };
         Ok(resp.kvs().first().map(from_pb))
     }
 
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
-        let resp = self
+        let resp = match self
             .kv()
             .get(prefix, Some(GetOptions::new().with_prefix()))
             .await
-            .map_err(|e| self.err(e))?;
+        {
+            Ok(r) => r,
+            Err(e) => return Err(self.err(e, prefix).await),
+        };
         Ok(RangeResponse {
             kvs: resp.kvs().iter().map(from_pb).collect(),
             revision: resp.header().map_or(0, |h| h.revision()),
@@ -315,6 +306,7 @@ impl MetaStore for EtcdStore {
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         // Check client-side first so the error carries the numbers, as the embedded store's does.
         txn.check(&self.limits)?;
+        let first_key = txn_first_key(&txn);
         let pb = etcd_client::Txn::new()
             .when(
                 txn.compares
@@ -324,7 +316,10 @@ impl MetaStore for EtcdStore {
             )
             .and_then(txn.then.into_iter().map(op_to_pb).collect::<Vec<_>>())
             .or_else(txn.otherwise.into_iter().map(op_to_pb).collect::<Vec<_>>());
-        let resp = self.kv().txn(pb).await.map_err(|e| self.err(e))?;
+        let resp = match self.kv().txn(pb).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.err(e, &first_key).await),
+        };
         let responses = resp
             .op_responses()
             .into_iter()
@@ -351,21 +346,73 @@ impl MetaStore for EtcdStore {
         if from_revision > 0 {
             options = options.with_start_revision(from_revision);
         }
-        let stream = self
-            .client
-            .watch_client()
-            .watch(prefix, Some(options))
-            .await
-            .map_err(|e| self.err(e))?;
+        // etcd checks a watch's token and permission when it creates the watch, and says no
+        // by cancelling it with "permission denied" (not with a gRPC error the client could
+        // refresh its token on). After an etcd restart that is what a stale token gets: so
+        // read the creation answer, and on a refusal authenticate again and watch once more.
+        let mut refreshed = false;
+        let (stream, first) = loop {
+            let mut stream = match self
+                .client
+                .watch_client()
+                .watch(prefix, Some(options.clone()))
+                .await
+            {
+                Ok(s) => s,
+                Err(e) => return Err(self.err(e, prefix).await),
+            };
+            let first = match tokio::time::timeout(self.request_timeout, stream.message()).await {
+                Err(_) => {
+                    return Err(StoreError::Unavailable {
+                        endpoints: self.endpoints.clone(),
+                        message: format!(
+                            "watch of {prefix:?} not created within {:?}",
+                            self.request_timeout
+                        ),
+                    })
+                }
+                Ok(Err(e)) => return Err(self.err(e, prefix).await),
+                Ok(Ok(None)) => {
+                    return Err(StoreError::WatchClosed(
+                        "etcd ended the watch stream before creating the watch".into(),
+                    ))
+                }
+                Ok(Ok(Some(first))) => first,
+            };
+            if !first.canceled() || first.compact_revision() > 0 {
+                break (stream, first);
+            }
+            let refused = cancel_error(&self.endpoints, &self.user, prefix, first.cancel_reason());
+            let auth = matches!(
+                refused,
+                StoreError::AuthTokenExpired(_) | StoreError::PermissionDenied { .. }
+            );
+            if !auth || refreshed || self.user.is_empty() {
+                return Err(refused);
+            }
+            refreshed = true;
+            self.reauthenticate().await;
+        };
         let endpoints = self.endpoints.clone();
-        // State: the etcd stream (its request half must stay alive, or etcd ends the watch),
-        // and whether we already yielded a terminal error.
-        let out = futures_util::stream::unfold(Some(stream), move |state| {
+        let user = self.user.clone();
+        let key = prefix.to_owned();
+        let client = self.client.clone();
+        let request_timeout = self.request_timeout;
+        // State: the etcd stream (its request half must stay alive, or etcd ends the watch)
+        // and the creation answer not yet looked at; `None` once a terminal error was yielded.
+        let out = futures_util::stream::unfold(Some((stream, Some(first))), move |state| {
             let endpoints = endpoints.clone();
+            let user = user.clone();
+            let key = key.clone();
+            let client = client.clone();
             async move {
-                let mut stream = state?;
+                let (mut stream, mut pending) = state?;
                 loop {
-                    match stream.next().await {
+                    let next = match pending.take() {
+                        Some(first) => Some(Ok(first)),
+                        None => stream.next().await,
+                    };
+                    match next {
                         None => {
                             return Some((
                                 Err(StoreError::WatchClosed(
@@ -374,7 +421,9 @@ impl MetaStore for EtcdStore {
                                 None,
                             ))
                         }
-                        Some(Err(e)) => return Some((Err(map_err(&endpoints, e)), None)),
+                        Some(Err(e)) => {
+                            return Some((Err(map_err(&endpoints, &user, &key, e)), None))
+                        }
                         Some(Ok(resp)) => {
                             if resp.compact_revision() > 0 {
                                 return Some((
@@ -385,8 +434,17 @@ impl MetaStore for EtcdStore {
                                 ));
                             }
                             if resp.canceled() {
-                                let why = resp.cancel_reason().to_owned();
-                                return Some((Err(StoreError::WatchClosed(why)), None));
+                                let err =
+                                    cancel_error(&endpoints, &user, &key, resp.cancel_reason());
+                                if matches!(err, StoreError::AuthTokenExpired(_)) {
+                                    // So that the caller's next watch goes with a fresh token.
+                                    let _ = tokio::time::timeout(
+                                        request_timeout,
+                                        client.refresh_token(),
+                                    )
+                                    .await;
+                                }
+                                return Some((Err(err), None));
                             }
                             let events: Vec<WatchEvent> = resp
                                 .events()
@@ -406,7 +464,7 @@ impl MetaStore for EtcdStore {
                                 .collect();
                             // The "created" ack and progress notifications carry no events.
                             if !events.is_empty() {
-                                return Some((Ok(WatchBatch { events }), Some(stream)));
+                                return Some((Ok(WatchBatch { events }), Some((stream, None))));
                             }
                         }
                     }
@@ -418,12 +476,15 @@ impl MetaStore for EtcdStore {
 
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
-        let resp = self
+        let resp = match self
             .client
             .lease_client()
             .grant(i64::try_from(secs.max(1)).unwrap_or(i64::MAX), None)
             .await
-            .map_err(|e| self.err(e))?;
+        {
+            Ok(r) => r,
+            Err(e) => return Err(self.err(e, "").await),
+        };
         Ok(Lease {
             id: resp.id(),
             ttl: Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0)),
@@ -447,13 +508,22 @@ impl MetaStore for EtcdStore {
             .await;
             return match renewed {
                 Ok(Some(resp)) if resp.ttl() > 0 => Ok(()),
-                Ok(_) => {
+                Ok(Some(_)) => {
                     *slot = None;
                     Err(StoreError::LeaseNotFound(lease))
                 }
+                // The stream ended (etcd restarted, the connection broke): that says nothing
+                // about the lease. The next renewal opens a new stream, which checks it.
+                Ok(None) => {
+                    *slot = None;
+                    Err(StoreError::Unavailable {
+                        endpoints: self.endpoints.clone(),
+                        message: "the keepalive stream ended".into(),
+                    })
+                }
                 Err(e) => {
                     *slot = None;
-                    Err(fix_lease(self.err(e), lease))
+                    Err(fix_lease(self.err(e, "").await, lease))
                 }
             };
         }
@@ -463,7 +533,7 @@ impl MetaStore for EtcdStore {
                 *slot = Some(pair);
                 Ok(())
             }
-            Err(e) => Err(fix_lease(self.err(e), lease)),
+            Err(e) => Err(fix_lease(self.err(e, "").await, lease)),
         }
     }
 
@@ -472,12 +542,10 @@ impl MetaStore for EtcdStore {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&lease);
-        self.client
-            .lease_client()
-            .revoke(lease)
-            .await
-            .map_err(|e| fix_lease(self.err(e), lease))?;
-        Ok(())
+        match self.client.lease_client().revoke(lease).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(fix_lease(self.err(e, "").await, lease)),
+        }
     }
 
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
@@ -488,10 +556,19 @@ impl MetaStore for EtcdStore {
         {
             Ok(_) => Ok(()),
             Err(e) => {
-                let err = self.err(e);
+                let err = self.err(e, "").await;
                 match err {
                     StoreError::FutureRevision { .. } => {
-                        let current = self.range("\0").await.map_or(0, |r| r.revision);
+                        // The status call reads no key, so this works for a role limited
+                        // to the root prefix.
+                        let current = self
+                            .client
+                            .maintenance_client()
+                            .status()
+                            .await
+                            .ok()
+                            .and_then(|s| s.header().map(|h| h.revision()))
+                            .unwrap_or(0);
                         Err(StoreError::FutureRevision {
                             requested: revision,
                             current,
@@ -503,6 +580,33 @@ impl MetaStore for EtcdStore {
         }
     }
 
+    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
+        let resp = match self
+            .client
+            .maintenance_client()
+            .alarm(AlarmAction::Get, AlarmType::None, None)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => return Err(self.err(e, "").await),
+        };
+        Ok(resp
+            .alarms()
+            .iter()
+            .filter_map(|a| {
+                let kind = match a.alarm() {
+                    AlarmType::Nospace => AlarmKind::NoSpace,
+                    AlarmType::Corrupt => AlarmKind::Corrupt,
+                    AlarmType::None => return None,
+                };
+                Some(Alarm {
+                    member: a.member_id(),
+                    kind,
+                })
+            })
+            .collect())
+    }
+
     fn limits(&self) -> &Limits {
         &self.limits
     }
@@ -510,6 +614,26 @@ impl MetaStore for EtcdStore {
     fn describe(&self) -> String {
         format!("etcd {}", self.endpoints)
     }
+}
+
+/// The first key a txn names, for errors that must say which key was refused.
+fn txn_first_key(txn: &Txn) -> String {
+    txn.compares
+        .first()
+        .map(|c| c.key.clone())
+        .or_else(|| {
+            txn.then
+                .iter()
+                .chain(&txn.otherwise)
+                .next()
+                .map(|op| match op {
+                    TxnOp::Put { key, .. } | TxnOp::Delete { key } | TxnOp::Get { key } => {
+                        key.clone()
+                    }
+                    TxnOp::DeletePrefix { prefix } => prefix.clone(),
+                })
+        })
+        .unwrap_or_default()
 }
 
 /// Fills in the lease ID that etcd's error text does not carry.

@@ -4,7 +4,8 @@
 //! unreachable etcd makes them fail (`Unavailable`, retryable), to cut one client off
 //! (partition: every call fails and its watch streams end), to delay keepalives, to hold
 //! every call of one client (a frozen process or a stalled connection), to add network
-//! latency (deterministic, from a seed), and a hook that attributes commits.
+//! latency (deterministic, from a seed), to expire the client's auth token, and a hook that
+//! attributes commits.
 //! Must not: change the semantics of calls that are let through.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,7 +16,9 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use crate::error::{StoreError, StoreResult};
-use crate::types::{KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse};
+use crate::types::{
+    Alarm, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse,
+};
 use crate::{MetaStore, WatchStream};
 
 /// Called with the revision of every txn that wrote something through the wrapper.
@@ -30,6 +33,7 @@ pub struct Faults {
     hold: Arc<watch::Sender<bool>>,
     partition: Arc<watch::Sender<bool>>,
     stall_watches: Arc<watch::Sender<bool>>,
+    auth_expired: Arc<AtomicBool>,
     /// Most latency per call in µs (0: none), and the seed and counter that pick each one.
     latency_us: Arc<AtomicU64>,
     latency_seed: Arc<AtomicU64>,
@@ -46,6 +50,7 @@ impl Default for Faults {
             hold: Arc::new(watch::channel(false).0),
             partition: Arc::new(watch::channel(false).0),
             stall_watches: Arc::new(watch::channel(false).0),
+            auth_expired: Arc::default(),
             latency_us: Arc::default(),
             latency_seed: Arc::default(),
             calls: Arc::default(),
@@ -97,6 +102,12 @@ impl Faults {
     pub fn stall_watches(&self, on: bool) {
         self.stall_watches.send_replace(on);
     }
+    /// While on, every call but a keepalive fails with [`StoreError::AuthTokenExpired`], as
+    /// calls with a token etcd no longer knows do until the client authenticates again (etcd
+    /// renews leases without a token).
+    pub fn expire_auth(&self, on: bool) {
+        self.auth_expired.store(on, Ordering::SeqCst);
+    }
     /// Delays every call by up to `max` before it is sent (zero: no delay). Each delay is
     /// picked from `seed` and a call counter, so a simulation replays the same delays.
     pub fn latency(&self, max: Duration, seed: u64) {
@@ -135,6 +146,15 @@ impl Faults {
         }
         Ok(())
     }
+
+    fn auth(&self) -> StoreResult<()> {
+        if self.auth_expired.load(Ordering::SeqCst) {
+            return Err(StoreError::AuthTokenExpired(
+                "etcdserver: invalid auth token (fault injection)".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A store that forwards to `inner` unless a fault switch is on.
@@ -169,16 +189,19 @@ fn injected(what: &str) -> StoreError {
 impl<S: MetaStore> MetaStore for FaultyStore<S> {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
         self.faults.gate().await?;
+        self.faults.auth()?;
         self.inner.get(key).await
     }
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
         self.faults.gate().await?;
+        self.faults.auth()?;
         self.inner.range(prefix).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         if *self.faults.partition.borrow() || self.faults.txn.load(Ordering::SeqCst) {
             return Err(injected("txn"));
         }
+        self.faults.auth()?;
         // Once sent, a txn is on the wire: latency and a stalled connection delay it, but a
         // caller that stops waiting does not take it back; it may still land later, as with
         // a real network. So it travels in a task of its own.
@@ -210,6 +233,7 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
     }
     async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
         self.faults.gate().await?;
+        self.faults.auth()?;
         let stream = self.inner.watch(prefix, from_revision).await?;
         let stall = self.faults.stall_watches.clone();
         // Each item waits for the stall to end before it is handed on.
@@ -232,6 +256,7 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
         self.faults.gate().await?;
+        self.faults.auth()?;
         self.inner.grant(ttl).await
     }
     async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
@@ -247,11 +272,18 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
     }
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
         self.faults.gate().await?;
+        self.faults.auth()?;
         self.inner.revoke(lease).await
     }
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
         self.faults.gate().await?;
+        self.faults.auth()?;
         self.inner.compact(revision).await
+    }
+    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
+        self.faults.gate().await?;
+        self.faults.auth()?;
+        self.inner.alarms().await
     }
     fn limits(&self) -> &Limits {
         self.inner.limits()

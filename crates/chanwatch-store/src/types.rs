@@ -370,3 +370,41 @@ pub struct Lease {
     /// The TTL the store granted (may be larger than asked: etcd has a minimum).
     pub ttl: Duration,
 }
+
+/// An alarm the store has raised (etcd's `alarm list`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Alarm {
+    /// The member that raised it (0 for the embedded store).
+    pub member: u64,
+    /// What it says.
+    pub kind: AlarmKind,
+}
+
+/// Kinds of store alarms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AlarmKind {
+    /// The database reached its quota: writes are refused until an operator compacts,
+    /// defragments and disarms the alarm.
+    NoSpace,
+    /// A member found its data corrupt.
+    Corrupt,
+}
+
+impl AlarmKind {
+    /// The name etcd uses (`NOSPACE`, `CORRUPT`), for metric labels and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            AlarmKind::NoSpace => "NOSPACE",
+            AlarmKind::Corrupt => "CORRUPT",
+        }
+    }
+
+    /// Every kind, for metrics that export a series per kind.
+    pub const ALL: [AlarmKind; 2] = [AlarmKind::NoSpace, AlarmKind::Corrupt];
+}
+
+impl std::fmt::Display for AlarmKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

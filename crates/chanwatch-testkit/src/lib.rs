@@ -28,6 +28,14 @@ pub enum FixtureError {
     /// Starting the process or making its data dir failed.
     #[error("could not start etcd: {0}")]
     Io(#[from] std::io::Error),
+    /// An `etcdctl` command failed.
+    #[error("etcdctl {args:?} failed: {stderr}")]
+    Etcdctl {
+        /// Its arguments.
+        args: Vec<String>,
+        /// What it printed on stderr.
+        stderr: String,
+    },
     /// A client call to the fixture failed while setting it up.
     #[error("etcd set-up call failed: {0}")]
     Client(#[from] etcd_client::Error),
@@ -51,6 +59,9 @@ pub struct EtcdOptions {
     pub tls: bool,
     /// Enable etcd auth with user `root` and this password.
     pub root_password: Option<String>,
+    /// `--quota-backend-bytes`: a small quota (e.g. 300 KB) fills quickly, so a test can see
+    /// the NOSPACE alarm.
+    pub quota_backend_bytes: Option<u64>,
 }
 
 /// PEM files made for a TLS fixture: a CA, the server's certificate, a client certificate.
@@ -249,6 +260,9 @@ impl EtcdFixture {
             command.push(format!("--trusted-ca-file={}", t.ca.display()));
             command.push("--client-cert-auth".to_owned());
         }
+        if let Some(q) = options.quota_backend_bytes {
+            command.push(format!("--quota-backend-bytes={q}"));
+        }
         command.extend(options.extra_args);
         let child = spawn(&command, data_dir.path())?;
         let fixture = EtcdFixture {
@@ -298,6 +312,102 @@ impl EtcdFixture {
         step.await
     }
 
+    /// Runs `etcdctl` against this fixture (as `root` when auth is on, with the fixture's TLS
+    /// files) and returns its stdout. `etcdctl` is looked up beside the etcd binary, then on
+    /// `PATH`.
+    ///
+    /// # Errors
+    /// [`FixtureError::Etcdctl`] with etcdctl's stderr when it fails.
+    pub fn etcdctl(&self, args: &[&str]) -> Result<String, FixtureError> {
+        let user = self.root_password.as_ref().map(|pw| format!("root:{pw}"));
+        self.etcdctl_as(user.as_deref(), args)
+    }
+
+    /// Runs `etcdctl` as `user` (`NAME:PASSWORD`; `None`: no user); see [`Self::etcdctl`].
+    ///
+    /// # Errors
+    /// [`FixtureError::Etcdctl`] with etcdctl's stderr when it fails.
+    pub fn etcdctl_as(&self, user: Option<&str>, args: &[&str]) -> Result<String, FixtureError> {
+        let beside = etcd_binary()?.with_file_name("etcdctl");
+        let bin = if beside.is_file() {
+            beside
+        } else {
+            PathBuf::from("etcdctl")
+        };
+        let mut full = vec![format!("--endpoints={}", self.client_url)];
+        if let Some(u) = user {
+            full.push(format!("--user={u}"));
+        }
+        if let Some(t) = &self.tls {
+            full.push(format!("--cacert={}", t.ca.display()));
+            full.push(format!("--cert={}", t.client_cert.display()));
+            full.push(format!("--key={}", t.client_key.display()));
+        }
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        let out = Command::new(bin)
+            .args(&full)
+            .env("ETCDCTL_API", "3")
+            .stdin(Stdio::null())
+            .output()?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(FixtureError::Etcdctl {
+                args: full,
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            })
+        }
+    }
+
+    /// Creates user `name` with `password` and a role of the same name holding `grants`:
+    /// each is (`read` | `write` | `readwrite`, key or prefix ending in `/`; a trailing `/`
+    /// grants the prefix), as the README's "etcd users and roles" does.
+    ///
+    /// # Errors
+    /// [`FixtureError::Etcdctl`] when a command fails (e.g. auth is off).
+    pub fn add_user_with_role(
+        &self,
+        name: &str,
+        password: &str,
+        grants: &[(&str, &str)],
+    ) -> Result<(), FixtureError> {
+        self.etcdctl(&["role", "add", name])?;
+        for (perm, key) in grants {
+            let prefix = if key.ends_with('/') {
+                "--prefix=true"
+            } else {
+                "--prefix=false"
+            };
+            self.etcdctl(&["role", "grant-permission", name, prefix, perm, key])?;
+        }
+        self.etcdctl(&["user", "add", &format!("{name}:{password}")])?;
+        self.etcdctl(&["user", "grant-role", name, name])?;
+        Ok(())
+    }
+
+    /// What an operator does to end a NOSPACE alarm: compact to the current revision,
+    /// defragment, disarm.
+    ///
+    /// # Errors
+    /// [`FixtureError::Etcdctl`] when a step fails.
+    pub fn free_space_and_disarm(&self) -> Result<(), FixtureError> {
+        let status = self.etcdctl(&["endpoint", "status", "-w", "json"])?;
+        let revision = status
+            .split("\"revision\":")
+            .nth(1)
+            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+            .map(str::to_owned)
+            .ok_or_else(|| FixtureError::Etcdctl {
+                args: vec!["endpoint".into(), "status".into()],
+                stderr: format!("no revision in {status}"),
+            })?;
+        // Compacting the revision already compacted fails; that is fine here.
+        let _ = self.etcdctl(&["compaction", "--physical", &revision]);
+        self.etcdctl(&["defrag"])?;
+        self.etcdctl(&["alarm", "disarm"])?;
+        Ok(())
+    }
+
     /// TLS files of a fixture started with `tls: true`.
     pub fn tls(&self) -> Option<&TlsMaterial> {
         self.tls.as_ref()
@@ -329,8 +439,23 @@ impl EtcdFixture {
     /// # Errors
     /// [`FixtureError`] when it does not come back within 20 s.
     pub async fn restart(&mut self) -> Result<(), FixtureError> {
+        self.kill();
+        self.start_again().await
+    }
+
+    /// Kills etcd (`SIGKILL`); [`Self::start_again`] brings it back on the same ports and
+    /// data. Meanwhile its endpoint refuses connections, as a crashed etcd's does.
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts etcd again after [`Self::kill`] (on the same ports and data) and waits until it
+    /// serves.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when it does not come back within 20 s.
+    pub async fn start_again(&mut self) -> Result<(), FixtureError> {
         self.child = spawn(&self.command, self.data_dir.path())?;
         self.wait_healthy(Duration::from_secs(20)).await
     }

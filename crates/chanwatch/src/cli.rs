@@ -104,6 +104,50 @@ impl EtcdArgs {
             .with_context(|| format!("etcd unreachable at {}", self.endpoints.join(",")))?;
         Ok(Arc::new(store))
     }
+
+    /// Connects to etcd with a connection check that reads only under the root
+    /// (`{root}/id/node`, readable by every part's role), so prefix-limited roles work.
+    ///
+    /// # Errors
+    /// One line saying which endpoints did not answer and what to check.
+    pub async fn connect_under(&self, keys: &chanwatch_core::Keys) -> Result<Arc<dyn MetaStore>> {
+        let config = EtcdConfig {
+            probe_key: Some(keys.node_id_counter()),
+            ..self.config()
+        };
+        let store = EtcdStore::connect(config)
+            .await
+            .with_context(|| format!("etcd at {}", self.endpoints.join(",")))?;
+        Ok(Arc::new(store))
+    }
+
+    /// Like [`Self::connect_under`], for long-running processes: while etcd is down, out of
+    /// space or otherwise failing in a way that can pass, waits (logging why) and tries
+    /// again; only a configuration error (bad URL, unreadable TLS file, refused credentials
+    /// or role) ends it.
+    ///
+    /// # Errors
+    /// The configuration error.
+    pub async fn connect_waiting(&self, keys: &chanwatch_core::Keys) -> Result<Arc<dyn MetaStore>> {
+        let config = EtcdConfig {
+            probe_key: Some(keys.node_id_counter()),
+            ..self.config()
+        };
+        let mut wait = Duration::from_millis(500);
+        loop {
+            match EtcdStore::connect(config.clone()).await {
+                Ok(store) => return Ok(Arc::new(store)),
+                Err(e) if !e.is_config() => {
+                    tracing::warn!(error = %e, ?wait, "cannot connect to etcd yet; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("etcd at {}", self.endpoints.join(",")))
+                }
+            }
+        }
+    }
 }
 
 /// Parses `10s`, `500ms`, `2m`, `1h 30m` (humantime syntax).

@@ -88,7 +88,7 @@ async fn wait_true(mut rx: watch::Receiver<bool>) {
 
 pub async fn coord(args: CoordArgs) -> Result<()> {
     let keys = keys(&args.root)?;
-    let store = args.etcd.connect().await?;
+    let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let mut config = CoordinatorConfig {
         keys,
@@ -142,7 +142,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
 
 pub async fn node(args: NodeArgs) -> Result<()> {
     let keys = keys(&args.root)?;
-    let store = args.etcd.connect().await?;
+    let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let (status_tx, status) = watch::channel(NodeStatus::default());
     let stop = shared_shutdown();

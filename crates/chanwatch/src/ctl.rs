@@ -28,7 +28,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         }
         _ => {}
     }
-    let store = args.etcd.connect().await?;
+    let store = args.etcd.connect_under(&keys).await?;
     let token = args.admin_token.clone();
     let send = |method: reqwest::Method, path: String, body: Option<Value>| {
         let store = store.clone();

@@ -22,6 +22,7 @@ async fn tls_and_auth_work_and_wrong_credentials_are_refused_clearly() -> Result
         endpoints: vec![fixture.endpoint().to_owned()],
         user: user.map(|(u, p)| (u.to_owned(), p.to_owned())),
         tls,
+        probe_key: Some("k".to_owned()),
         connect_timeout: std::time::Duration::from_secs(3),
         ..EtcdConfig::default()
     };

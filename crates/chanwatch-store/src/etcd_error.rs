@@ -1,0 +1,134 @@
+//! Mapping etcd's errors onto [`StoreError`], so that callers can tell retryable from fatal
+//! and the message says what to do. Split from `etcd.rs` to keep that file about the calls.
+
+use crate::error::StoreError;
+
+/// Maps etcd's errors by the server's fixed error strings (etcd's `rpctypes`), then by gRPC
+/// code. `user` and `key` (the key or prefix the call named) go into the errors that need
+/// them to be acted on.
+pub(crate) fn map_err(endpoints: &str, user: &str, key: &str, e: etcd_client::Error) -> StoreError {
+    use etcd_client::Error as E;
+    use tonic::Code;
+    match e {
+        E::GRpcStatus(status) => {
+            let msg = status.message().to_owned();
+            if msg.contains("database space exceeded") {
+                return StoreError::NoSpace;
+            }
+            if msg.contains("invalid auth token")
+                || msg.contains("revision of auth store is old")
+                || msg.contains("auth token is expired")
+            {
+                return StoreError::AuthTokenExpired(msg);
+            }
+            if msg.contains("permission denied") || status.code() == Code::PermissionDenied {
+                if user.is_empty() {
+                    return StoreError::Unauthenticated(format!(
+                        "{msg} on {key:?} with no user given (etcd has auth on; a TLS client \
+                         certificate's common name counts as a user)"
+                    ));
+                }
+                return StoreError::PermissionDenied {
+                    user: user.to_owned(),
+                    key: key.to_owned(),
+                };
+            }
+            if msg.contains("authentication failed") {
+                return StoreError::Unauthenticated(format!("{msg} (user {user:?})"));
+            }
+            if msg.contains("user name is empty") {
+                return StoreError::Unauthenticated(format!(
+                    "{msg}: etcd has auth on and no user was given"
+                ));
+            }
+            if msg.contains("too many operations in txn request") {
+                return StoreError::TooManyOps { ops: 0, max: 0 };
+            }
+            if msg.contains("request is too large") {
+                return StoreError::RequestTooLarge { bytes: 0, max: 0 };
+            }
+            if msg.contains("requested lease not found") {
+                return StoreError::LeaseNotFound(0);
+            }
+            if msg.contains("required revision has been compacted") {
+                return StoreError::Compacted {
+                    compact_revision: 0,
+                };
+            }
+            if msg.contains("required revision is a future revision") {
+                return StoreError::FutureRevision {
+                    requested: 0,
+                    current: 0,
+                };
+            }
+            match status.code() {
+                Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted => {
+                    StoreError::Unavailable {
+                        endpoints: endpoints.to_owned(),
+                        message: msg,
+                    }
+                }
+                Code::Unauthenticated => {
+                    StoreError::Unauthenticated(format!("{msg} (user {user:?})"))
+                }
+                Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
+                    StoreError::InvalidArgument(msg)
+                }
+                Code::ResourceExhausted => StoreError::RequestTooLarge { bytes: 0, max: 0 },
+                _ => StoreError::Backend(format!("{:?}: {msg}", status.code())),
+            }
+        }
+        E::TransportError(t) => StoreError::Unavailable {
+            endpoints: endpoints.to_owned(),
+            message: format!("{t}: {}", source_chain(&t)),
+        },
+        E::IoError(io) => StoreError::Unavailable {
+            endpoints: endpoints.to_owned(),
+            message: io.to_string(),
+        },
+        E::InvalidUri(u) => StoreError::Config(format!("bad etcd endpoint URL: {u}")),
+        E::InvalidArgs(a) => StoreError::InvalidArgument(a),
+        E::WatchError(w) => StoreError::WatchClosed(w),
+        E::LeaseKeepAliveError(m) if m.contains("not found") => StoreError::LeaseNotFound(0),
+        other => StoreError::Backend(other.to_string()),
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut out = String::new();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+/// What a watch cancelled by etcd means. etcd gives the reason as text: a Go-formatted gRPC
+/// error (`rpc error: code = Unauthenticated desc = etcdserver: invalid auth token`), one of
+/// its fixed strings (`etcdserver: permission denied`), or anything else (the watch closed).
+pub(crate) fn cancel_error(endpoints: &str, user: &str, key: &str, reason: &str) -> StoreError {
+    let known = [
+        "invalid auth token",
+        "permission denied",
+        "auth store is old",
+    ];
+    if known.iter().any(|k| reason.contains(k)) {
+        let desc = reason.rsplit("desc = ").next().unwrap_or(reason);
+        let status = if reason.contains("permission denied") {
+            tonic::Status::permission_denied(desc)
+        } else {
+            tonic::Status::unauthenticated(desc)
+        };
+        return map_err(endpoints, user, key, etcd_client::Error::GRpcStatus(status));
+    }
+    let why = if reason.is_empty() {
+        "etcd cancelled the watch".to_owned()
+    } else {
+        reason.to_owned()
+    };
+    StoreError::WatchClosed(why)
+}

@@ -1,0 +1,196 @@
+//! The least-privilege etcd roles of the README ("etcd users and roles"), tested on an etcd
+//! with auth on: a coordinator, a node and `ctl` run as real processes, each as its own
+//! user with its own role, and do their work; the node's user cannot write the leader key or
+//! drain marks, and `ctl`'s user cannot write at all.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, StoreError, Txn, TxnOp};
+use chanwatch_testkit::{EtcdFixture, EtcdOptions};
+
+const ROOT: &str = "cw";
+
+/// The README's roles, for `--root cw`: (user, grants). Keep in step with the README.
+const ROLES: &[(&str, &[(&str, &str)])] = &[
+    (
+        "chanwatch-coord",
+        &[
+            ("read", "cw/"),
+            ("readwrite", "cw/coord/"),
+            ("readwrite", "cw/channel/"),
+            ("readwrite", "cw/checkpoint/"),
+        ],
+    ),
+    (
+        "chanwatch-node",
+        &[
+            ("readwrite", "cw/id/node"),
+            ("readwrite", "cw/session/node/"),
+            ("readwrite", "cw/channel/"),
+            ("readwrite", "cw/checkpoint/"),
+        ],
+    ),
+    ("chanwatch-ctl", &[("read", "cw/")]),
+];
+
+/// A process of the binary, killed on drop.
+struct Proc {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Proc {
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
+}
+
+fn common(fixture: &EtcdFixture, user: &str) -> Vec<String> {
+    vec![
+        format!("--endpoints={}", fixture.endpoint()),
+        format!("--root={ROOT}"),
+        format!("--etcd-user={user}"),
+        format!("--etcd-password={user}-pw"),
+    ]
+}
+
+fn spawn(dir: &std::path::Path, name: &str, args: &[String]) -> Proc {
+    let out = dir.join(format!("{name}.out"));
+    let file = std::fs::File::create(&out).expect("output file");
+    let child = Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("dup"))
+        .stderr(file)
+        .spawn()
+        .expect("spawn chanwatch");
+    Proc { child, out }
+}
+
+fn ctl(fixture: &EtcdFixture, args: &[&str]) -> Output {
+    let mut all = vec!["ctl".to_owned()];
+    all.extend(common(fixture, "chanwatch-ctl"));
+    all.extend(args.iter().map(|a| (*a).to_owned()));
+    Command::new(bin())
+        .args(&all)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ctl")
+}
+
+/// Retries `f` every 200 ms until it returns `Some`, for up to `limit`.
+fn eventually<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < limit, "no {what} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+async fn store_as(fixture: &EtcdFixture, user: &str) -> EtcdStore {
+    EtcdStore::connect(EtcdConfig {
+        endpoints: vec![fixture.endpoint().to_owned()],
+        user: Some((user.to_owned(), format!("{user}-pw"))),
+        probe_key: Some(format!("{ROOT}/id/node")),
+        ..EtcdConfig::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{user} cannot connect: {e}"))
+}
+
+async fn refused(store: &EtcdStore, key: &str) -> bool {
+    let r = store.txn(Txn::new().and_then([TxnOp::put(key, "x")])).await;
+    matches!(r, Err(StoreError::PermissionDenied { .. }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_part_works_with_its_least_privilege_role_and_no_more() {
+    let fixture = EtcdFixture::start_with(EtcdOptions {
+        root_password: Some("rootpw".into()),
+        ..EtcdOptions::default()
+    })
+    .await
+    .expect("etcd with auth");
+    for (user, grants) in ROLES {
+        fixture
+            .add_user_with_role(user, &format!("{user}-pw"), grants)
+            .expect("user and role");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let mut coord_args = vec!["coord".to_owned(), format!("--admin=127.0.0.1:{port}")];
+    coord_args.extend(common(&fixture, "chanwatch-coord"));
+    let mut coord = spawn(dir.path(), "coord", &coord_args);
+    let mut node_args = vec!["node".to_owned()];
+    node_args.extend(common(&fixture, "chanwatch-node"));
+    let mut node = spawn(dir.path(), "node", &node_args);
+
+    // ctl (read-only role) adds a channel through the leader's admin API, once there is one.
+    eventually(
+        "a leader accepting add-channel",
+        Duration::from_secs(30),
+        || {
+            assert!(coord.running(), "coordinator exited:\n{}", coord.output());
+            assert!(node.running(), "node exited:\n{}", node.output());
+            ctl(&fixture, &["add-channel", "c1"])
+                .status
+                .success()
+                .then_some(())
+        },
+    );
+    let rows = eventually("c1 Watched on node 1", Duration::from_secs(30), || {
+        let out = ctl(&fixture, &["channels", "--json"]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.success() && text.contains("\"c1\"") && text.contains("Watched"))
+            .then_some(text)
+    });
+    assert!(rows.contains("Watched"), "{rows}");
+    let nodes = ctl(&fixture, &["nodes", "--json"]);
+    assert!(nodes.status.success(), "ctl nodes: {nodes:?}");
+
+    // What each role must not do.
+    let node_user = store_as(&fixture, "chanwatch-node").await;
+    assert!(
+        refused(&node_user, &format!("{ROOT}/coord/leader")).await,
+        "a node's user can write the leader key"
+    );
+    assert!(
+        refused(&node_user, &format!("{ROOT}/coord/drain/1")).await,
+        "a node's user can write drain marks"
+    );
+    let ctl_user = store_as(&fixture, "chanwatch-ctl").await;
+    assert!(
+        refused(&ctl_user, &format!("{ROOT}/channel/remaining/c2")).await,
+        "ctl's user can write"
+    );
+    let coord_user = store_as(&fixture, "chanwatch-coord").await;
+    assert!(
+        refused(&coord_user, &format!("{ROOT}/session/node/99")).await,
+        "the coordinator's user can write sessions"
+    );
+    assert!(coord.running(), "coordinator exited:\n{}", coord.output());
+    assert!(node.running(), "node exited:\n{}", node.output());
+}

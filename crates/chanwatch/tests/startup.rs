@@ -1,0 +1,124 @@
+//! Processes started while etcd is down wait for it (DESIGN §6 invariant 10): a coordinator
+//! and a node started before etcd serves keep running, say why, and do their work once it
+//! does.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chanwatch_testkit::EtcdFixture;
+
+struct Proc {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Proc {
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
+}
+
+fn spawn(dir: &std::path::Path, name: &str, args: &[String]) -> Proc {
+    let out = dir.join(format!("{name}.out"));
+    let file = std::fs::File::create(&out).expect("output file");
+    let child = Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("dup"))
+        .stderr(file)
+        .spawn()
+        .expect("spawn chanwatch");
+    Proc { child, out }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_and_a_node_started_while_etcd_is_down_wait_for_it() {
+    let mut fixture = EtcdFixture::start().await.expect("etcd");
+    let endpoint = format!("--endpoints={}", fixture.endpoint());
+    fixture.kill();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let mut coord = spawn(
+        dir.path(),
+        "coord",
+        &[
+            "coord".to_owned(),
+            endpoint.clone(),
+            format!("--admin=127.0.0.1:{port}"),
+            "--connect-timeout=1s".to_owned(),
+        ],
+    );
+    let mut node = spawn(
+        dir.path(),
+        "node",
+        &[
+            "node".to_owned(),
+            endpoint.clone(),
+            "--connect-timeout=1s".to_owned(),
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(coord.running(), "coordinator exited:\n{}", coord.output());
+    assert!(node.running(), "node exited:\n{}", node.output());
+    assert!(
+        node.output().contains("cannot connect to etcd yet"),
+        "the node says why it waits:\n{}",
+        node.output()
+    );
+
+    fixture.start_again().await.expect("etcd back");
+    let start = Instant::now();
+    loop {
+        let added = Command::new(bin())
+            .args(["ctl", &endpoint, "add-channel", "c1"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("ctl");
+        if added.status.success() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no leader 30 s after etcd came back:\n{}",
+            coord.output()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    loop {
+        let out = Command::new(bin())
+            .args(["ctl", &endpoint, "channels", "--json"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("ctl");
+        let text = String::from_utf8_lossy(&out.stdout);
+        if text.contains("Watched") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(40),
+            "c1 not Watched 40 s after etcd came back: {text}\n{}",
+            node.output()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(coord.running() && node.running());
+}
