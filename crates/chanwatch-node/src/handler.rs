@@ -91,6 +91,17 @@ pub trait ChannelHandler: Send + Sync + 'static {
 
     /// Stops consuming the channel. Must be quick and must not fail.
     async fn release(&self, node: NodeId, info: &ChannelInfo);
+
+    /// The node cannot reach the store (or cannot see its assignments): stop every external
+    /// effect of this running channel and commit nothing, but keep what is loaded, so that
+    /// [`resume`](ChannelHandler::resume) continues warm (DESIGN §3). No default: a wrapper
+    /// that forgot to pass it on would keep a channel running while the node is fenced
+    /// (the simulation caught exactly that in its own wrapper).
+    async fn pause(&self, node: NodeId, info: &ChannelInfo);
+
+    /// The store answers again and the node's session survived: continue where
+    /// [`pause`](ChannelHandler::pause) stopped.
+    async fn resume(&self, node: NodeId, info: &ChannelInfo);
 }
 
 /// The default handler: a load that takes `load_delay`, reporting progress along the way.
@@ -115,6 +126,11 @@ impl ChannelHandler for SimulatedLoad {
     }
 
     async fn release(&self, _node: NodeId, _info: &ChannelInfo) {}
+
+    /// A simulated load has no effects to stop.
+    async fn pause(&self, _node: NodeId, _info: &ChannelInfo) {}
+
+    async fn resume(&self, _node: NodeId, _info: &ChannelInfo) {}
 }
 
 /// One stretch of time during which a node ran (or loaded) a channel.
@@ -328,12 +344,26 @@ impl ChannelHandler for RecordingHandler {
             self.close(index);
         }
     }
+
+    /// A paused channel does not run: its interval ends here.
+    async fn pause(&self, node: NodeId, info: &ChannelInfo) {
+        if let Some(index) = self.find_open(node, info) {
+            self.close(index);
+        }
+    }
+
+    /// And a new one begins.
+    async fn resume(&self, node: NodeId, info: &ChannelInfo) {
+        self.open(node, info);
+    }
 }
 
 /// Wraps a handler and appends one line per run boundary to a file, so that single ownership
 /// can be audited across processes (the chaos test reads these files):
-/// `start {node} {channel} {epoch} {unix_ms}` when a load begins and
-/// `stop {node} {channel} {epoch} {unix_ms}` when it fails, is cancelled or is released.
+/// `start {node} {channel} {epoch} {unix_ms}` when a load begins,
+/// `stop {node} {channel} {epoch} {unix_ms}` when it fails, is cancelled or is released, and
+/// `pause` / `resume` (same fields) around a stretch during which the node could not reach
+/// the store: a paused channel does not run.
 /// Each line is one `write` call, so a process killed with `SIGKILL` loses no line it wrote.
 #[derive(Debug)]
 pub struct AuditLog<H> {
@@ -412,5 +442,15 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
     async fn release(&self, node: NodeId, info: &ChannelInfo) {
         self.inner.release(node, info).await;
         self.line("stop", node, info);
+    }
+
+    async fn pause(&self, node: NodeId, info: &ChannelInfo) {
+        self.inner.pause(node, info).await;
+        self.line("pause", node, info);
+    }
+
+    async fn resume(&self, node: NodeId, info: &ChannelInfo) {
+        self.line("resume", node, info);
+        self.inner.resume(node, info).await;
     }
 }

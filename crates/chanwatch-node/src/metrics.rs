@@ -25,6 +25,10 @@ pub struct NodeMetrics {
     pub sessions: IntCounter,
     /// Times a node fenced itself.
     pub fences: IntCounter,
+    /// 1 while the node's channels are paused (the store is out of reach).
+    pub paused: IntGauge,
+    /// Times the node paused its channels.
+    pub pauses: IntCounter,
     /// Times a node's watch broke and was restarted.
     pub watch_restarts: IntCounter,
     /// Full lists of a node's prefix.
@@ -72,7 +76,15 @@ impl NodeMetrics {
             )),
             fences: must(IntCounter::new(
                 "chanwatch_node_fences_total",
-                "Times a node stopped every channel because its lease could not be renewed.",
+                "Times a node stopped every channel because the store said its lease was gone.",
+            )),
+            paused: must(IntGauge::new(
+                "chanwatch_node_paused",
+                "1 while the node's channels are paused: the store is out of reach or the node cannot see its assignments.",
+            )),
+            pauses: must(IntCounter::new(
+                "chanwatch_node_pauses_total",
+                "Times the node paused every channel (they resume warm if its session survives).",
             )),
             watch_restarts: must(IntCounter::new(
                 "chanwatch_node_watch_restarts_total",
@@ -117,6 +129,8 @@ impl NodeMetrics {
         registry.register(Box::new(self.ack_latency.clone()))?;
         registry.register(Box::new(self.sessions.clone()))?;
         registry.register(Box::new(self.fences.clone()))?;
+        registry.register(Box::new(self.paused.clone()))?;
+        registry.register(Box::new(self.pauses.clone()))?;
         registry.register(Box::new(self.watch_restarts.clone()))?;
         registry.register(Box::new(self.relists.clone()))?;
         registry.register(Box::new(self.etcd_alarm.clone()))?;

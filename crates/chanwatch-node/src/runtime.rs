@@ -102,6 +102,10 @@ pub struct NodeStatus {
     pub sessions: u64,
     /// Times the node fenced itself.
     pub fences: u64,
+    /// Why every channel is paused, while it is (the store is out of reach).
+    pub paused: Option<String>,
+    /// Times the node paused its channels.
+    pub pauses: u64,
 }
 
 /// Runs a node until `shutdown` completes: register, serve, fence and re-register as needed.
@@ -185,9 +189,12 @@ pub async fn run(
         });
         info!(node = %session.id, lease = session.lease, ttl = ?config.session_ttl, "node: session registered");
         let end = Session::new(store.clone(), handler.clone(), &config, clock, session)
-            .serve(&mut shutdown)
+            .serve(&mut shutdown, &status)
             .await;
-        status.send_modify(|s| s.id = None);
+        status.send_modify(|s| {
+            s.id = None;
+            s.paused = None;
+        });
         match end {
             SessionEnd::Shutdown => return Ok(()),
             SessionEnd::Fenced(why) => {
@@ -323,9 +330,14 @@ struct Session {
     events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
     metrics: Arc<crate::metrics::NodeMetrics>,
     planted_bug: Option<PlantedBug>,
-    /// Cancelled when the session must stop everything (lease lost or not renewed in time);
+    /// Cancelled when the session must stop everything (the store says the lease is gone);
     /// every runner's token is a child of it.
     fence: CancellationToken,
+    /// Why every channel is paused (`None`: running). Set by the watchdog when no keepalive
+    /// succeeded, or the node could not see its assignments, for `ttl - margin`; cleared
+    /// when the same lease is renewed again and the view is back (DESIGN §3, invariant 9:
+    /// an etcd outage pauses channels, it does not stop them).
+    pause: watch::Sender<Option<String>>,
     /// An ack failed for a store error (not a refusal): relist soon, which re-acks what is
     /// loaded, instead of leaving the channel to the coordinator's watch timeout.
     retry_acks: std::sync::atomic::AtomicBool,
@@ -426,6 +438,7 @@ impl Session {
             metrics: config.metrics.clone(),
             planted_bug: config.planted_bug,
             fence: CancellationToken::new(),
+            pause: watch::channel(None).0,
             retry_acks: std::sync::atomic::AtomicBool::new(false),
             seen_at: BTreeMap::new(),
             ack_queue: Vec::new(),
@@ -439,6 +452,7 @@ impl Session {
     async fn serve(
         mut self,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        status: &watch::Sender<NodeStatus>,
     ) -> SessionEnd {
         let (last_ok_tx, last_ok) = watch::channel(self.clock.now());
         let lost = CancellationToken::new();
@@ -455,21 +469,22 @@ impl Session {
             .keys
             .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));
         let mut lw = ListWatch::spawn(self.store.clone(), prefix);
-        // Fencing runs beside the event loop, not in it: a store call that hangs in the
-        // loop (an ack on a stalled connection) must not keep channels running past the
-        // lease (found by the simulation). Runners' tokens are children of `fence`. A node
-        // also fences when it cannot see its assignments for as long: the coordinator force-
-        // moves a channel it asked to release after the release timeout, and a node that kept
-        // renewing its lease between short partitions, yet never saw the request, would run
-        // it beside the new owner (found by the simulation too).
+        // Pausing runs beside the event loop, not in it: a store call that hangs in the loop
+        // (an ack on a stalled connection) must not keep channels running past the lease
+        // (found by the simulation). Runners follow `pause` themselves. A node also pauses
+        // when it cannot see its assignments for as long: a node that kept renewing its lease
+        // between short partitions, yet never saw a release request, must not run the
+        // channel once the coordinator fences it (found by the simulation too).
+        let mut renewed = last_ok.clone();
         let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
             AbortOnDrop(tokio::spawn(watchdog(
                 last_ok,
                 lw.blind_since(),
                 self.ttl.saturating_sub(self.margin),
-                self.fence.clone(),
+                self.pause.clone(),
             )))
         });
+        let mut paused = self.pause.subscribe();
         let mut metrics_tick = tokio::time::interval(Duration::from_millis(500));
         let mut restarts_seen = 0;
         metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -489,12 +504,34 @@ impl Session {
                     return SessionEnd::Fenced(if lost.is_cancelled() {
                         "the store says our lease is gone".into()
                     } else {
-                        format!(
-                            "no successful keepalive, or no view of its assignments, for {:?}; the lease may expire within {:?}",
-                            self.ttl.saturating_sub(self.margin),
-                            self.margin
-                        )
+                        "the session ended".into()
                     });
+                }
+                Ok(()) = paused.changed() => {
+                    let why = paused.borrow_and_update().clone();
+                    status.send_modify(|s| {
+                        s.pauses += u64::from(why.is_some());
+                        s.paused.clone_from(&why);
+                    });
+                    match why {
+                        Some(why) => {
+                            self.metrics.pauses.inc();
+                            self.metrics.paused.set(1);
+                            warn!(node = %self.reg.id, reason = %why, channels = self.runners.len(), "node: paused every channel (no effects, no commits) until the store answers again with our session alive");
+                        }
+                        None => {
+                            self.metrics.paused.set(0);
+                            info!(node = %self.reg.id, channels = self.runners.len(), "node: session survived; resuming channels and relisting");
+                            lw.relist();
+                            self.send_acks();
+                        }
+                    }
+                }
+                Ok(()) = renewed.changed(), if self.pause.borrow().is_some() => {
+                    // Renewed while paused: the store is back. Look again at once rather than
+                    // after the list-watch's back-off, so channels resume within a second.
+                    renewed.borrow_and_update();
+                    lw.relist();
                 }
                 _ = metrics_tick.tick() => {
                     if self.retry_acks.swap(false, std::sync::atomic::Ordering::Relaxed) {
@@ -652,8 +689,8 @@ impl Session {
     /// assignments started its next channels only one ack round trip later, and ack
     /// latency grew with the burst (the `ack` bench).
     fn send_acks(&mut self) {
-        if self.ack_in_flight || self.ack_queue.is_empty() {
-            return;
+        if self.ack_in_flight || self.ack_queue.is_empty() || self.pause.borrow().is_some() {
+            return; // a paused node commits nothing
         }
         let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
         let session = (!unguarded).then(|| self.session_guard());
@@ -775,6 +812,7 @@ impl Session {
             self.handler.clone(),
             ctx,
             cancel.clone(),
+            self.pause.subscribe(),
             generation,
         ));
         self.runners.insert(
@@ -823,37 +861,88 @@ async fn run_channel(
     handler: Arc<dyn ChannelHandler>,
     ctx: ChannelContext,
     cancel: CancellationToken,
+    mut pause: watch::Receiver<Option<String>>,
     generation: u64,
 ) {
     let node = ctx.node;
     let info = ctx.info.clone();
     let events = ctx.events.clone();
-    let loaded = tokio::select! {
-        biased;
-        () = cancel.cancelled() => None,
-        r = handler.watch(ctx) => Some(r),
+    let stopped = |events: &mpsc::UnboundedSender<RunnerEvent>| {
+        let _ = events.send(RunnerEvent::Stopped {
+            channel: info.channel.clone(),
+            generation,
+        });
     };
-    if let Some(result) = loaded {
+    // Load, again after each pause that caught the load in progress (a paused node must not
+    // even load: a load may be the start of its effects).
+    loop {
+        if !unpaused(&mut pause, &cancel).await {
+            stopped(&events);
+            return;
+        }
+        let loaded = tokio::select! {
+            biased;
+            () = cancel.cancelled() => None,
+            true = until_paused(&mut pause) => {
+                handler.release(node, &info).await;
+                continue;
+            }
+            r = handler.watch(ctx.clone()) => Some(r),
+        };
+        let Some(result) = loaded else { break };
         let ok = result.is_ok();
         let _ = events.send(RunnerEvent::LoadDone {
             channel: info.channel.clone(),
             epoch: info.epoch,
             result,
         });
-        if ok {
-            cancel.cancelled().await;
+        if !ok {
+            break;
         }
+        // Running: pause and resume warm until released.
+        loop {
+            let paused = tokio::select! {
+                biased;
+                () = cancel.cancelled() => false,
+                true = until_paused(&mut pause) => true,
+            };
+            if !paused {
+                break;
+            }
+            handler.pause(node, &info).await;
+            if !unpaused(&mut pause, &cancel).await {
+                break;
+            }
+            handler.resume(node, &info).await;
+        }
+        break;
     }
     handler.release(node, &info).await;
-    let _ = events.send(RunnerEvent::Stopped {
-        channel: info.channel.clone(),
-        generation,
-    });
+    stopped(&events);
+}
+
+async fn until_running(pause: &mut watch::Receiver<Option<String>>) -> bool {
+    pause.wait_for(Option::is_none).await.is_ok()
+}
+
+/// Waits until the node is paused; false if the session is gone.
+async fn until_paused(pause: &mut watch::Receiver<Option<String>>) -> bool {
+    pause.wait_for(Option::is_some).await.is_ok()
+}
+
+/// Waits until the node is not paused; false when the runner is cancelled first.
+async fn unpaused(pause: &mut watch::Receiver<Option<String>>, cancel: &CancellationToken) -> bool {
+    tokio::select! {
+        biased;
+        () = cancel.cancelled() => false,
+        r = until_running(pause) => r,
+    }
 }
 
 /// Renews the lease every ttl/3 and publishes when the last successful renewal was sent
-/// (the lease runs from when the store got it, which is no earlier). Cancels `lost` and
-/// `fence` when the store says the lease no longer exists.
+/// (the lease runs from when the store got it, which is no earlier). After a failure it
+/// tries again every half second, so that a paused node learns within a second that the
+/// store is back. Cancels `lost` and `fence` when the store says the lease no longer exists.
 async fn keepalive(
     store: Arc<dyn MetaStore>,
     lease: i64,
@@ -863,48 +952,90 @@ async fn keepalive(
     lost: CancellationToken,
     fence: CancellationToken,
 ) {
+    const RETRY: Duration = Duration::from_millis(500);
     let period = ttl / 3;
+    let mut failing = 0u32;
     loop {
-        clock.sleep(period).await;
+        clock
+            .sleep(if failing > 0 {
+                RETRY.min(period)
+            } else {
+                period
+            })
+            .await;
         let sent = clock.now();
         let attempt = tokio::time::timeout(period, store.keepalive(lease)).await;
-        match attempt {
+        let error = match attempt {
             Ok(Ok(())) => {
+                if failing > 0 {
+                    info!(lease, failures = failing, "node: keepalive succeeds again");
+                }
+                failing = 0;
                 let _ = last_ok.send(sent);
+                continue;
             }
             Ok(Err(StoreError::LeaseNotFound(_))) => {
                 lost.cancel();
                 fence.cancel();
                 return;
             }
-            Ok(Err(e)) => warn!(lease, error = %e, "node: keepalive failed"),
-            Err(_) => warn!(lease, "node: keepalive timed out"),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {period:?}"),
+        };
+        failing += 1;
+        // One line when the trouble starts, then one every 20 attempts (~10 s).
+        if failing % 20 == 1 {
+            warn!(lease, failures = failing, error = %error, "node: keepalive failed; retrying every 500 ms");
         }
     }
 }
 
-/// Cancels `fence` when no renewal was sent successfully for `limit` (ttl − margin): the
-/// lease may expire soon, and a channel must stop before anyone else can own it; or when the
-/// node has not seen its assignments for `limit` (see the list-watch's `blind_since`).
+/// Pauses every channel (sets `pause`) when no renewal was sent successfully for `limit`
+/// (ttl − margin): the lease may expire soon, and a channel must stop its effects before
+/// anyone else can own it; or when the node has not seen its assignments for `limit` (see
+/// the list-watch's `blind_since`). Resumes (clears `pause`) when a renewal succeeds again
+/// and the view is back: the lease is then alive, so nobody else can own the channels.
 async fn watchdog(
     mut last_ok: watch::Receiver<tokio::time::Instant>,
     mut blind: watch::Receiver<Option<tokio::time::Instant>>,
     limit: Duration,
-    fence: CancellationToken,
+    pause: watch::Sender<Option<String>>,
 ) {
     loop {
         let renewed = *last_ok.borrow_and_update() + limit;
-        let deadline = match *blind.borrow_and_update() {
-            Some(since) => renewed.min(since + limit),
-            None => renewed,
-        };
-        tokio::select! {
-            biased;
-            changed = last_ok.changed() => if changed.is_err() { return },
-            changed = blind.changed() => if changed.is_err() { return },
-            () = tokio::time::sleep_until(deadline) => {
-                fence.cancel();
-                return;
+        let blind_since = *blind.borrow_and_update();
+        let now = tokio::time::Instant::now();
+        if pause.borrow().is_none() {
+            let deadline = match blind_since {
+                Some(since) => renewed.min(since + limit),
+                None => renewed,
+            };
+            if now >= deadline {
+                let why = if now >= renewed {
+                    format!(
+                        "no keepalive succeeded for {limit:?}: the store is down or out of reach"
+                    )
+                } else {
+                    format!("its watch has failed for {limit:?}: it cannot see its assignments")
+                };
+                pause.send_replace(Some(why));
+                continue;
+            }
+            tokio::select! {
+                biased;
+                changed = last_ok.changed() => if changed.is_err() { return },
+                changed = blind.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        } else {
+            if now < renewed && blind_since.is_none() {
+                pause.send_replace(None);
+                continue;
+            }
+            tokio::select! {
+                biased;
+                changed = last_ok.changed() => if changed.is_err() { return },
+                changed = blind.changed() => if changed.is_err() { return },
             }
         }
     }

@@ -896,4 +896,12 @@ impl ChannelHandler for Sickly {
     async fn release(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
         self.inner.release(node, info).await;
     }
+
+    async fn pause(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
+        self.inner.pause(node, info).await;
+    }
+
+    async fn resume(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
+        self.inner.resume(node, info).await;
+    }
 }

@@ -120,6 +120,8 @@ struct State {
     next_lease: LeaseId,
     /// The NOSPACE alarm is raised (see [`EmbeddedStore::set_nospace`]).
     nospace: bool,
+    /// No leader: every call fails and no lease expires (see [`EmbeddedStore::set_outage`]).
+    outage: bool,
 }
 
 impl EmbeddedStore {
@@ -176,6 +178,33 @@ impl EmbeddedStore {
         self.lock().nospace = on;
     }
 
+    /// Fault injection: the whole store goes away (`true`) and comes back (`false`), as an
+    /// etcd cluster does when it crashes, restarts or loses quorum. Meanwhile every call fails
+    /// with [`StoreError::Unavailable`], every watch stream ends, and no lease expires (etcd
+    /// has no leader to expire them); on return every lease gets a whole TTL again, as a newly
+    /// elected etcd leader grants. So a client that keeps renewing finds its lease alive.
+    pub fn set_outage(&self, on: bool) {
+        let now = Instant::now();
+        {
+            let mut state = self.lock();
+            if state.outage == on {
+                return;
+            }
+            state.outage = on;
+            if on {
+                state.watchers.clear();
+            } else {
+                let mut deadlines = BTreeSet::new();
+                for (id, l) in &mut state.leases {
+                    l.deadline = now + l.ttl;
+                    deadlines.insert((l.deadline, *id));
+                }
+                state.deadlines = deadlines;
+            }
+        }
+        self.shared.reaper_wake.notify_one();
+    }
+
     /// Number of live keys (for metrics and benchmarks).
     pub fn len(&self) -> usize {
         self.lock().kvs.len()
@@ -214,7 +243,10 @@ async fn reap_leases(shared: Weak<Shared>, wake: Arc<Notify>) {
             };
             let mut state = shared.lock();
             state.expire_due(Instant::now(), &shared);
-            state.deadlines.first().map(|&(deadline, _)| deadline)
+            // During an outage nothing expires: wait to be woken when it ends.
+            (!state.outage)
+                .then(|| state.deadlines.first().map(|&(deadline, _)| deadline))
+                .flatten()
         };
         match next {
             Some(deadline) => {
@@ -237,7 +269,21 @@ struct Change {
 }
 
 impl State {
+    /// `Unavailable` while the store is away ([`EmbeddedStore::set_outage`]).
+    fn available(&self) -> StoreResult<()> {
+        if self.outage {
+            return Err(StoreError::Unavailable {
+                endpoints: "embedded".into(),
+                message: "the store is away (simulated outage: no leader)".into(),
+            });
+        }
+        Ok(())
+    }
+
     fn expire_due(&mut self, now: Instant, shared: &Shared) {
+        if self.outage {
+            return; // no leader, no expiry
+        }
         while let Some(&(deadline, id)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -497,12 +543,14 @@ fn prefix_range<'a>(
 impl MetaStore for EmbeddedStore {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
         let mut state = self.lock();
+        state.available()?;
         state.expire_due(Instant::now(), &self.shared);
         Ok(state.kvs.get(key).cloned())
     }
 
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
         let mut state = self.lock();
+        state.available()?;
         state.expire_due(Instant::now(), &self.shared);
         Ok(RangeResponse {
             kvs: prefix_range(&state.kvs, prefix).cloned().collect(),
@@ -513,6 +561,7 @@ impl MetaStore for EmbeddedStore {
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         txn.check(&self.shared.limits)?;
         let mut state = self.lock();
+        state.available()?;
         state.expire_due(Instant::now(), &self.shared);
         state.validate(&txn.then)?;
         state.validate(&txn.otherwise)?;
@@ -540,6 +589,7 @@ impl MetaStore for EmbeddedStore {
     async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let mut state = self.lock();
+        state.available()?;
         state.expire_due(Instant::now(), &self.shared);
         let start = if from_revision <= 0 {
             state.revision + 1
@@ -592,6 +642,7 @@ impl MetaStore for EmbeddedStore {
         let now = Instant::now();
         let id = {
             let mut state = self.lock();
+            state.available()?;
             if state.nospace {
                 return Err(StoreError::NoSpace);
             }
@@ -616,6 +667,7 @@ impl MetaStore for EmbeddedStore {
     async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
         let now = Instant::now();
         let mut state = self.lock();
+        state.available()?;
         state.expire_due(now, &self.shared);
         let Some(l) = state.leases.get_mut(&lease) else {
             return Err(StoreError::LeaseNotFound(lease));
@@ -630,6 +682,7 @@ impl MetaStore for EmbeddedStore {
 
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
         let mut state = self.lock();
+        state.available()?;
         state.expire_due(Instant::now(), &self.shared);
         let Some(l) = state.leases.remove(&lease) else {
             return Err(StoreError::LeaseNotFound(lease));
@@ -641,6 +694,7 @@ impl MetaStore for EmbeddedStore {
 
     async fn compact(&self, revision: Revision) -> StoreResult<()> {
         let mut state = self.lock();
+        state.available()?;
         if revision > state.revision {
             return Err(StoreError::FutureRevision {
                 requested: revision,

@@ -164,7 +164,8 @@ pub async fn node(args: NodeArgs) -> Result<()> {
                 let s = status.borrow().clone();
                 async move {
                     axum::Json(serde_json::json!({
-                        "id": s.id.map(|i| i.0), "sessions": s.sessions, "fences": s.fences
+                        "id": s.id.map(|i| i.0), "sessions": s.sessions, "fences": s.fences,
+                        "paused": s.paused.is_some(), "paused_reason": s.paused, "pauses": s.pauses
                     }))
                 }
             }),

@@ -78,6 +78,11 @@ mod leader_key {
 /// Scenarios that need exact simulated time run on the embedded store only.
 mod embedded_only {
     #[tokio::test(start_paused = true)]
+    async fn an_etcd_outage_pauses_channels_and_they_resume_in_place() -> anyhow::Result<()> {
+        crate::scenarios::an_etcd_outage_pauses_channels_and_they_resume_in_place().await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_move(
     ) -> anyhow::Result<()> {
         crate::scenarios::a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_move()

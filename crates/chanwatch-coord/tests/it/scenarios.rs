@@ -719,3 +719,85 @@ pub async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_m
     }
     no_double_ownership(&c)
 }
+
+/// Embedded only (paused clock): the whole store goes away for 20 s (an etcd crash, restart
+/// or lost quorum: no leader, so no lease expires, and a new leader extends every lease),
+/// with a session TTL of 3 s. Static stability (DESIGN §6, invariant 9): every channel is
+/// paused, none is reassigned, no node registers again, and every channel runs again, on the
+/// node it was on, within a second of the store's return (issue 11 finding 2: before, every
+/// node fenced, stopped everything and came back under a new ID).
+pub async fn an_etcd_outage_pauses_channels_and_they_resume_in_place() -> Result<()> {
+    use chanwatch_store::{EmbeddedStore, MetaStore};
+    use std::sync::Arc;
+    let inner = EmbeddedStore::new();
+    let c = Cluster::with_stores(
+        Backend::Embedded(inner.clone()),
+        Arc::new(inner.clone()) as Arc<dyn MetaStore>,
+    );
+    let coord = c.spawn_coord("c1");
+    let nodes = [c.spawn_node(), c.spawn_node()];
+    for n in &nodes {
+        c.wait_node_id(n).await?;
+    }
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.add_channels(&coord, "ch", 6).await?;
+    let before = c
+        .wait_until(SETTLE, "6 Watched", |v| v.all_watched_on_live_nodes(6))
+        .await?;
+    let placement = |v: &crate::cluster::View| {
+        let mut p: Vec<(String, Option<u64>, u64)> = v
+            .channels
+            .iter()
+            .map(|r| (r.channel.to_string(), r.node, r.epoch))
+            .collect();
+        p.sort();
+        p
+    };
+    let outage_ms = 20_000;
+    inner.set_outage(true);
+    tokio::time::sleep(Duration::from_millis(outage_ms)).await;
+    let back = c.clock.unix_ms();
+    inner.set_outage(false);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Every channel runs again: one open interval per channel, begun after the return.
+    let running = c.handler.running();
+    ensure!(
+        running.len() == 6 && running.values().all(|n| n.len() == 1),
+        "not every channel runs once a second after the store came back: {running:?}"
+    );
+    for i in c.handler.intervals().iter().filter(|i| i.end_ms.is_none()) {
+        ensure!(
+            i.start_ms >= back && i.start_ms <= back + 1_000,
+            "{} resumed at {} (store back at {back})",
+            i.channel,
+            i.start_ms
+        );
+    }
+    // Paused meanwhile: no interval covers the middle of the outage.
+    let mid = back - outage_ms / 2;
+    ensure!(
+        c.handler
+            .intervals()
+            .iter()
+            .all(|i| !(i.start_ms <= mid && i.end_ms.map_or(true, |e| e > mid))),
+        "a channel ran during the outage"
+    );
+    for n in &nodes {
+        let s = n.proc.status.borrow().clone();
+        ensure!(s.sessions == 1, "a node registered again: {s:?}");
+        ensure!(s.pauses >= 1 && s.paused.is_none(), "{s:?}");
+    }
+    // Nothing moved, then or later.
+    tokio::time::sleep(TTL * 3).await;
+    let after = c
+        .wait_until(SETTLE, "6 Watched", |v| v.all_watched_on_live_nodes(6))
+        .await?;
+    ensure!(
+        placement(&before) == placement(&after),
+        "channels moved: {:?} -> {:?}",
+        placement(&before),
+        placement(&after)
+    );
+    no_double_ownership(&c)
+}
