@@ -172,9 +172,14 @@ async fn call(
     let client = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(30))
         .build()?;
-    let mut req = client.request(method, &url);
+    let mut req = client.request(method.clone(), &url);
     if let Some(t) = token {
         req = req.bearer_auth(t);
+    }
+    // The API refuses a write without this content type (no cross-site form posts), bodiless
+    // ones included.
+    if method != reqwest::Method::GET {
+        req = req.header(reqwest::header::CONTENT_TYPE, "application/json");
     }
     if let Some(b) = body {
         req = req.json(&b);
