@@ -10,7 +10,53 @@
 
 use std::collections::BTreeMap;
 
+use crate::error::{DecodeError, KeyError};
+use crate::keys::{ChannelKey, Keys};
 use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, Progress};
+
+/// An assignment key or value a node must not act on. Fatal for that key only: the node
+/// logs it (naming the key), counts it and leaves the key alone; the coordinator reports it.
+#[derive(Debug, thiserror::Error)]
+pub enum BadAssignment {
+    /// The key is not `{root}/channel/{owner}/{channel}`.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    /// The value does not decode.
+    #[error(transparent)]
+    Value(#[from] DecodeError),
+    /// The value names another channel than its key (DESIGN.md §2: they must agree).
+    #[error(
+        "value names channel {value} but the key names {key}; the key and its value must \
+         name the same channel: fix or delete the key"
+    )]
+    Mismatch {
+        /// The channel in the key.
+        key: ChannelName,
+        /// The channel in the value.
+        value: ChannelName,
+    },
+}
+
+/// Decodes the assignment `key` = `value`, refusing a value whose channel is not the key's.
+///
+/// # Errors
+/// [`BadAssignment`] for a key off the layout, a value that does not decode, or a value that
+/// names another channel: a node must not start a channel under another channel's key.
+pub fn decode_assignment(
+    keys: &Keys,
+    key: &str,
+    value: &[u8],
+) -> Result<(ChannelKey, ChannelInfo), BadAssignment> {
+    let ck = keys.parse_channel(key)?;
+    let info = ChannelInfo::decode(value)?;
+    if info.channel != ck.channel {
+        return Err(BadAssignment::Mismatch {
+            key: ck.channel,
+            value: info.channel,
+        });
+    }
+    Ok((ck, info))
+}
 
 /// What the runner of a channel is doing, as far as the machine knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -341,6 +387,31 @@ mod tests {
     }
     fn name(s: &str) -> ChannelName {
         ChannelName::new(s).expect("valid")
+    }
+
+    #[test]
+    fn an_assignment_whose_value_names_another_channel_is_refused() {
+        let keys = Keys::default();
+        let other = info("other", ChannelState::ToWatch, 1).encode();
+        let err = decode_assignment(&keys, "chanwatch/channel/1/bad2", &other)
+            .expect_err("key and value disagree");
+        assert!(
+            matches!(&err, BadAssignment::Mismatch { key, value }
+                if key.as_str() == "bad2" && value.as_str() == "other"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("bad2"), "{err}");
+        let (ck, i) = decode_assignment(&keys, "chanwatch/channel/1/other", &other)
+            .expect("key and value agree");
+        assert_eq!((ck.channel, i.channel), (name("other"), name("other")));
+        assert!(matches!(
+            decode_assignment(&keys, "chanwatch/channel/1/x", b"{nope"),
+            Err(BadAssignment::Value(_))
+        ));
+        assert!(matches!(
+            decode_assignment(&keys, "chanwatch/channel/1/a/b", &other),
+            Err(BadAssignment::Key(_))
+        ));
     }
 
     #[test]

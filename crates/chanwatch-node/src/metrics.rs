@@ -24,6 +24,8 @@ pub struct NodeMetrics {
     pub watch_restarts: IntCounter,
     /// Full lists of a node's prefix.
     pub relists: IntCounter,
+    /// Assignment keys seen that do not decode or whose value names another channel: not run.
+    pub corrupt: IntCounter,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -75,6 +77,10 @@ impl NodeMetrics {
                 "chanwatch_node_relists_total",
                 "Full lists of a node's own prefix.",
             )),
+            corrupt: must(IntCounter::new(
+                "chanwatch_node_corrupt_values_total",
+                "Assignments seen that do not decode or name another channel than their key; not run.",
+            )),
         }
     }
 
@@ -90,6 +96,7 @@ impl NodeMetrics {
         registry.register(Box::new(self.fences.clone()))?;
         registry.register(Box::new(self.watch_restarts.clone()))?;
         registry.register(Box::new(self.relists.clone()))?;
+        registry.register(Box::new(self.corrupt.clone()))?;
         Ok(())
     }
 

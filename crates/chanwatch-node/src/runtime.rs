@@ -555,11 +555,14 @@ impl Session {
         self.machine.step(event)
     }
 
+    /// The assignment under `key`, or `None` (logged naming the key, counted) when the key or
+    /// value is bad — a value naming another channel than its key included (DESIGN.md §2).
     fn decode(&self, key: &str, value: &[u8]) -> Option<ChannelInfo> {
-        match ChannelInfo::decode(value) {
-            Ok(info) => Some(info),
+        match chanwatch_core::node::decode_assignment(&self.keys, key, value) {
+            Ok((_, info)) => Some(info),
             Err(e) => {
-                error!(node = %self.reg.id, key, error = %e, "node: assignment value does not decode; ignoring it");
+                self.metrics.corrupt.inc();
+                error!(node = %self.reg.id, key, error = %e, "node: assignment does not decode; not running it, leaving the key alone");
                 None
             }
         }

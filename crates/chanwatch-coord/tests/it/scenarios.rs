@@ -450,8 +450,23 @@ pub async fn a_corrupt_value_is_reported_and_left_alone_while_the_rest_works(
         c.keys.owner_prefix(chanwatch_core::ChannelOwner::Node(id)),
         "broken"
     );
+    // A value that decodes but names another channel than its key (DESIGN.md §2).
+    let mismatched_key = format!(
+        "{}{}",
+        c.keys.owner_prefix(chanwatch_core::ChannelOwner::Node(id)),
+        "bad2"
+    );
+    let other = chanwatch_core::ChannelInfo::new(
+        ChannelName::new("other").expect("valid"),
+        chanwatch_core::Epoch(1),
+        0,
+        VChannelInfo::default(),
+    );
     c.store
-        .txn(Txn::new().and_then([TxnOp::put(&bad_key, b"{not json".to_vec())]))
+        .txn(Txn::new().and_then([
+            TxnOp::put(&bad_key, b"{not json".to_vec()),
+            TxnOp::put(&mismatched_key, other.encode()),
+        ]))
         .await?;
     c.add_channels(&coord, "ok", 3).await?;
     let view = c
@@ -459,7 +474,22 @@ pub async fn a_corrupt_value_is_reported_and_left_alone_while_the_rest_works(
             v.channels.len() == 3 && v.channels.iter().all(|r| r.state == ChannelState::Watched)
         })
         .await?;
-    ensure!(view.corrupt == [bad_key.clone()], "{:?}", view.corrupt);
+    ensure!(
+        view.corrupt == [mismatched_key.clone(), bad_key.clone()],
+        "{:?}",
+        view.corrupt
+    );
+    let ran: Vec<String> = c
+        .handler
+        .intervals()
+        .iter()
+        .map(|i| i.channel.to_string())
+        .filter(|ch| !ch.starts_with("ok"))
+        .collect();
+    ensure!(
+        ran.is_empty(),
+        "the node ran {ran:?} from a key whose value names another channel"
+    );
     let raw = c
         .store
         .get(&bad_key)
