@@ -335,10 +335,15 @@ impl ChannelHandler for RecordingHandler {
 /// `start {node} {channel} {epoch} {unix_ms}` when a load begins and
 /// `stop {node} {channel} {epoch} {unix_ms}` when it fails, is cancelled or is released.
 /// Each line is one `write` call, so a process killed with `SIGKILL` loses no line it wrote.
+/// Each run gets exactly one `stop`: a failed or cancelled load is followed by the runner's
+/// `release`, and only the first of the two writes the line.
 #[derive(Debug)]
 pub struct AuditLog<H> {
     inner: H,
     file: Mutex<std::fs::File>,
+    /// Runs with a `start` line and no `stop` yet. Without it a failed or cancelled load
+    /// wrote `stop` twice: once when the load ended, again on the release that follows.
+    open: Mutex<std::collections::BTreeSet<(NodeId, ChannelName, Epoch)>>,
     clock: Clock,
 }
 
@@ -355,8 +360,33 @@ impl<H: ChannelHandler> AuditLog<H> {
         Ok(AuditLog {
             inner,
             file: Mutex::new(file),
+            open: Mutex::default(),
             clock,
         })
+    }
+
+    fn open_runs(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<(NodeId, ChannelName, Epoch)>> {
+        self.open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn start(&self, node: NodeId, info: &ChannelInfo) {
+        self.open_runs()
+            .insert((node, info.channel.clone(), info.epoch));
+        self.line("start", node, info);
+    }
+
+    /// Writes `stop` if the run has a `start` without one.
+    fn stop(&self, node: NodeId, info: &ChannelInfo) {
+        let was_open = self
+            .open_runs()
+            .remove(&(node, info.channel.clone(), info.epoch));
+        if was_open {
+            self.line("stop", node, info);
+        }
     }
 
     fn line(&self, what: &str, node: NodeId, info: &ChannelInfo) {
@@ -388,7 +418,7 @@ struct StopOnDrop<'a, H: ChannelHandler> {
 impl<H: ChannelHandler> Drop for StopOnDrop<'_, H> {
     fn drop(&mut self) {
         if self.armed {
-            self.log.line("stop", self.node, &self.info);
+            self.log.stop(self.node, &self.info);
         }
     }
 }
@@ -397,7 +427,7 @@ impl<H: ChannelHandler> Drop for StopOnDrop<'_, H> {
 impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
     async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
         let (node, info) = (ctx.node, ctx.info.clone());
-        self.line("start", node, &info);
+        self.start(node, &info);
         let mut guard = StopOnDrop {
             log: self,
             node,
@@ -411,6 +441,88 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
 
     async fn release(&self, node: NodeId, info: &ChannelInfo) {
         self.inner.release(node, info).await;
-        self.line("stop", node, info);
+        self.stop(node, info);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chanwatch_core::VChannelInfo;
+
+    fn ctx(node: u64, channel: &str, epoch: u64) -> ChannelContext {
+        let (events, _rx) = mpsc::unbounded_channel();
+        ChannelContext {
+            node: NodeId(node),
+            info: ChannelInfo::new(
+                ChannelName::new(channel).expect("valid"),
+                Epoch(epoch),
+                0,
+                VChannelInfo::default(),
+            ),
+            clock: Clock::system(),
+            events,
+            last_progress: Arc::default(),
+            progress_interval: Duration::from_secs(5),
+        }
+    }
+
+    /// What the node's runner (`runtime::run_channel`) does: load, unless cancelled first;
+    /// then, after a successful load, run until cancelled; then release.
+    async fn run(h: &dyn ChannelHandler, ctx: ChannelContext, cancel_after: Duration) {
+        let (node, info) = (ctx.node, ctx.info.clone());
+        let _ = tokio::time::timeout(cancel_after, h.watch(ctx)).await;
+        h.release(node, &info).await;
+    }
+
+    /// A fresh file path under the temp dir, removed when dropped.
+    struct TempPath(std::path::PathBuf);
+    impl Drop for TempPath {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_handler_log_has_exactly_one_start_and_one_stop_per_run() {
+        let path = TempPath(std::env::temp_dir().join(format!(
+            "chanwatch-handler-log-{}-{}.log",
+            std::process::id(),
+            Clock::system().unix_ms()
+        )));
+        let inner = RecordingHandler::new(Clock::system());
+        inner.set("fails", Behaviour::Fail);
+        inner.set("hangs", Behaviour::Hang);
+        let log = AuditLog::open(inner, &path.0, Clock::system()).expect("temp file");
+        let short = Duration::from_millis(20);
+        run(&log, ctx(1, "loads", 1), short).await; // loaded, then released
+        run(&log, ctx(1, "fails", 1), short).await; // load failed
+        run(&log, ctx(1, "hangs", 1), short).await; // load cancelled
+        run(&log, ctx(2, "fails", 2), short).await;
+        run(&log, ctx(1, "loads", 1), short).await; // the same run key again, later
+        let text = std::fs::read_to_string(&path.0).expect("written");
+        let mut counts: BTreeMap<(String, String, String), (usize, usize)> = BTreeMap::new();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            assert_eq!(f.len(), 5, "KIND NODE CHANNEL EPOCH UNIX_MS: {line:?}");
+            let c = counts
+                .entry((f[1].to_owned(), f[2].to_owned(), f[3].to_owned()))
+                .or_default();
+            match f[0] {
+                "start" => c.0 += 1,
+                "stop" => c.1 += 1,
+                other => panic!("unexpected kind {other:?} in {line:?}"),
+            }
+        }
+        let want: BTreeMap<(String, String, String), (usize, usize)> = [
+            (("1", "loads", "1"), (2, 2)),
+            (("1", "fails", "1"), (1, 1)),
+            (("1", "hangs", "1"), (1, 1)),
+            (("2", "fails", "2"), (1, 1)),
+        ]
+        .into_iter()
+        .map(|((n, c, e), v)| ((n.to_owned(), c.to_owned(), e.to_owned()), v))
+        .collect();
+        assert_eq!(counts, want, "log:\n{text}");
     }
 }
