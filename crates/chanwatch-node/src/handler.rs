@@ -1,5 +1,6 @@
 //! The work a node does for a channel, behind the [`ChannelHandler`] trait, and two handlers:
-//! [`SimulatedLoad`] (the default: a load that takes `--load-delay`) and [`RecordingHandler`]
+//! [`SimulatedLoad`] (the default: a load that takes `--load-delay`, and for black-box tests
+//! fails or hangs for channels matching [`NamePatterns`]) and [`RecordingHandler`]
 //! (records when each node ran each channel, so tests can check single ownership).
 //!
 //! Must not: touch the store. A handler reports progress through its [`ChannelContext`].
@@ -93,17 +94,87 @@ pub trait ChannelHandler: Send + Sync + 'static {
     async fn release(&self, node: NodeId, info: &ChannelInfo);
 }
 
+/// Channel names to match, for test switches: comma-separated globs in which `*` matches any
+/// run of characters and every other character only itself (`p1*,*-bad`). Empty matches
+/// nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NamePatterns(Vec<String>);
+
+impl std::str::FromStr for NamePatterns {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(NamePatterns(
+            s.split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        ))
+    }
+}
+
+impl NamePatterns {
+    /// Whether no pattern is set.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `name` matches one of the patterns.
+    pub fn matches(&self, name: &str) -> bool {
+        self.0.iter().any(|p| glob(p, name))
+    }
+}
+
+/// `*`-only glob match, iterative with one backtrack point (linear in practice).
+fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    let (mut pi, mut ni) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == n[ni] {
+            pi += 1;
+            ni += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
 /// The default handler: a load that takes `load_delay`, reporting progress along the way.
+/// For black-box tests (`chanwatch node --fail-load/--hang-load`), loads of matching
+/// channels fail at once or never finish.
 #[derive(Debug, Clone, Default)]
 pub struct SimulatedLoad {
     /// How long a load takes.
     pub load_delay: Duration,
+    /// For tests: loads of these channels fail at once (`WatchFailed`).
+    pub fail_load: NamePatterns,
+    /// For tests: loads of these channels never finish and report no progress (the
+    /// coordinator's watch timeout applies).
+    pub hang_load: NamePatterns,
 }
 
 #[async_trait]
 impl ChannelHandler for SimulatedLoad {
     async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
         const STEPS: u32 = 10;
+        let channel = ctx.info.channel.as_str();
+        if self.fail_load.matches(channel) {
+            return Err(format!(
+                "simulated load failure (--fail-load matches {channel})"
+            ));
+        }
+        if self.hang_load.matches(channel) {
+            std::future::pending::<()>().await;
+        }
         if self.load_delay.is_zero() {
             return Ok(());
         }
@@ -481,6 +552,41 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_file(&self.0);
         }
+    }
+
+    #[test]
+    fn name_patterns_are_comma_separated_star_globs() {
+        let p: NamePatterns = "p1*, *-bad ,exact,a*b*c".parse().expect("infallible");
+        for yes in [
+            "p1", "p1-x", "x-bad", "-bad", "exact", "abc", "a-b-c", "aXbYbZc",
+        ] {
+            assert!(p.matches(yes), "{yes}");
+        }
+        for no in ["p2", "xp1", "x-bad2", "exact2", "ab", "acb", ""] {
+            assert!(!p.matches(no), "{no}");
+        }
+        let none: NamePatterns = "".parse().expect("infallible");
+        assert!(none.is_empty() && !none.matches("x") && !none.matches(""));
+        let all: NamePatterns = "*".parse().expect("infallible");
+        assert!(all.matches("") && all.matches("anything"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_simulated_loads_test_switches_fail_or_hang_matching_channels() {
+        let load = SimulatedLoad {
+            load_delay: Duration::from_millis(100),
+            fail_load: "bad-*".parse().expect("infallible"),
+            hang_load: "stuck".parse().expect("infallible"),
+        };
+        let err = load
+            .watch(ctx(1, "bad-1", 1))
+            .await
+            .expect_err("--fail-load matches");
+        assert!(err.contains("--fail-load"), "{err}");
+        let hung = tokio::time::timeout(Duration::from_secs(3600), load.watch(ctx(1, "stuck", 1)));
+        assert!(hung.await.is_err(), "--hang-load: never finishes");
+        let ok = tokio::time::timeout(Duration::from_secs(1), load.watch(ctx(1, "stuck-2", 1)));
+        assert_eq!(ok.await, Ok(Ok(())), "others load as usual");
     }
 
     #[tokio::test]

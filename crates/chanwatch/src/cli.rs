@@ -203,6 +203,41 @@ pub struct StandaloneArgs {
     /// How long each simulated channel load takes.
     #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
     pub load_delay: Duration,
+    #[command(flatten)]
+    pub test_load: TestLoadArgs,
+}
+
+/// Switches for black-box tests of the built-in simulated load, hidden from `--help`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TestLoadArgs {
+    /// FOR TESTS: loads of channels matching these comma-separated globs (`*` = any run of
+    /// characters) fail at once, so the channel becomes WatchFailed.
+    #[arg(
+        long,
+        env = "CHANWATCH_FAIL_LOAD",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub fail_load: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: loads of matching channels never finish and report no progress.
+    #[arg(
+        long,
+        env = "CHANWATCH_HANG_LOAD",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub hang_load: Option<chanwatch_node::NamePatterns>,
+}
+
+impl TestLoadArgs {
+    /// The simulated load with these switches.
+    pub fn simulated_load(&self, load_delay: Duration) -> chanwatch_node::SimulatedLoad {
+        chanwatch_node::SimulatedLoad {
+            load_delay,
+            fail_load: self.fail_load.clone().unwrap_or_default(),
+            hang_load: self.hang_load.clone().unwrap_or_default(),
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -268,6 +303,8 @@ pub struct NodeArgs {
     /// (`start|stop NODE CHANNEL EPOCH UNIX_MS`), to audit single ownership.
     #[arg(long, env = "CHANWATCH_HANDLER_LOG")]
     pub handler_log: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub test_load: TestLoadArgs,
 }
 
 #[derive(Debug, Args)]
@@ -542,5 +579,41 @@ mod tests {
         assert!(humantime_secs("ten").is_err());
         assert!(humantime_secs("5 parsecs").is_err());
         assert!(humantime_secs("").is_err());
+    }
+
+    /// What the switches make the load do is tested beside `SimulatedLoad`.
+    #[test]
+    fn the_hidden_test_switches_reach_the_simulated_load_and_stay_out_of_help() {
+        let cli = Cli::try_parse_from([
+            "chanwatch",
+            "node",
+            "--fail-load",
+            "bad-*,worse",
+            "--hang-load",
+            "stuck*",
+        ])
+        .expect("parses");
+        let Command::Node(args) = cli.command else {
+            panic!("not the node command");
+        };
+        let load = args.test_load.simulated_load(Duration::ZERO);
+        assert!(load.fail_load.matches("bad-7") && load.fail_load.matches("worse"));
+        assert!(load.hang_load.matches("stuck-1") && !load.hang_load.matches("ok"));
+        assert!(!load.fail_load.matches("ok-1"));
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let node = cmd.find_subcommand_mut("node").expect("node subcommand");
+        node.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        assert!(
+            !help.contains("fail-load") && !help.contains("hang-load"),
+            "test switches must stay out of --help:\n{help}"
+        );
+        let plain = Cli::try_parse_from(["chanwatch", "standalone"]).expect("parses");
+        let Command::Standalone(args) = plain.command else {
+            panic!("not the standalone command");
+        };
+        let load = args.test_load.simulated_load(Duration::ZERO);
+        assert!(load.fail_load.is_empty() && load.hang_load.is_empty());
     }
 }
