@@ -106,6 +106,9 @@ pub struct ApiOptions {
     pub registry: prometheus::Registry,
     /// When set, every write (any method but GET/HEAD) needs `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// Host names the API answers to besides IP addresses and `localhost` (`--admin-host`):
+    /// any other `Host` is refused, against DNS rebinding. Matched without case or port.
+    pub allowed_hosts: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -126,6 +129,14 @@ const STATUS_PAGE: &str = include_str!("status.html");
 /// The router, ready to serve.
 pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
     let token = options.token.clone();
+    let allowed = std::sync::Arc::new(guard::AllowedHosts(
+        options
+            .allowed_hosts
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect(),
+    ));
     Router::new()
         .route("/", get(|| async { axum::response::Html(STATUS_PAGE) }))
         .route("/metrics", get(metrics))
@@ -145,7 +156,10 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
             let token = token.clone();
             async move { require_token(token.as_deref(), req, next).await }
         }))
-        .layer(axum::middleware::from_fn(guard::guard))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            let allowed = allowed.clone();
+            async move { guard::guard(&allowed, req, next).await }
+        }))
         .with_state(AppState {
             handle,
             registry: options.registry,

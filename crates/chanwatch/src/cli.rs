@@ -197,6 +197,10 @@ pub struct StandaloneArgs {
     /// Bearer token required for admin writes; mandatory when --admin is not loopback.
     #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Host names the admin API answers to besides IP addresses and localhost (comma-separated,
+    /// e.g. the DNS name Prometheus scrapes); any other Host header is refused (DNS rebinding).
+    #[arg(long, env = "CHANWATCH_ADMIN_HOST", value_delimiter = ',')]
+    pub admin_host: Vec<String>,
     /// Session lease TTL of the in-process nodes and coordinator.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,
@@ -252,6 +256,10 @@ pub struct CoordArgs {
     /// Bearer token required for admin writes; mandatory when --admin is not loopback.
     #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Host names the admin API answers to besides IP addresses and localhost (comma-separated,
+    /// e.g. the DNS name Prometheus scrapes); any other Host header is refused (DNS rebinding).
+    #[arg(long, env = "CHANWATCH_ADMIN_HOST", value_delimiter = ',')]
+    pub admin_host: Vec<String>,
     /// Leader lease TTL: a standby takes over within about this long after the leader dies.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,

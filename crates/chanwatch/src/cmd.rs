@@ -120,6 +120,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
         chanwatch_coord::api::ApiOptions {
             registry,
             token: admin_token(&listener, args.admin_token)?,
+            allowed_hosts: args.admin_host,
         },
     );
     let server = tokio::spawn(chanwatch_coord::api::serve(
@@ -223,7 +224,11 @@ pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
     cluster.node_metrics.register(&registry)?;
     let api = chanwatch_coord::api::router(
         cluster.handle.clone(),
-        chanwatch_coord::api::ApiOptions { registry, token },
+        chanwatch_coord::api::ApiOptions {
+            registry,
+            token,
+            allowed_hosts: args.admin_host,
+        },
     );
     let server = tokio::spawn(chanwatch_coord::api::serve(
         listener,

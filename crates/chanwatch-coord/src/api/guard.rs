@@ -1,10 +1,10 @@
 //! Request guard of the admin API: no cross-site writes, no DNS rebinding (DESIGN.md §7).
 //!
 //! Owns: the checks every request passes before a route sees it —
-//! - `Host` (every method): the bound address, or `localhost` / `127.0.0.1` / `[::1]`, always with
-//!   the bound port; on an unspecified bind (`0.0.0.0`, `::`) any name with the bound port (there
-//!   the bearer token guards writes and the API is reachable from the network anyway). 421
-//!   otherwise: a page under a foreign name that resolves to us (DNS rebinding) reads nothing.
+//! - `Host` (every method), always with the bound port: an IP address (the bound one, or any:
+//!   a browser sends an IP host only to that IP, so it cannot be a DNS-rebinding attack),
+//!   `localhost`, or a name the operator allowed (`--admin-host`). 421 otherwise: a page under
+//!   a foreign name that resolves to us (DNS rebinding) reads and writes nothing.
 //! - `Origin` (every method), when sent: `http://` and the same host and port as `Host`. 403
 //!   otherwise.
 //! - writes (POST, PUT, PATCH, DELETE): `Content-Type: application/json` (415 otherwise) — a
@@ -27,8 +27,9 @@ use super::HttpError;
 #[derive(Debug, Clone, Copy)]
 pub(super) struct BoundAddr(pub(super) SocketAddr);
 
-/// Names that always mean this machine; accepted with the bound port.
-const LOOPBACK_NAMES: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
+/// Host names (lower case, no port) the API answers to besides IP addresses and `localhost`.
+#[derive(Debug, Clone, Default)]
+pub(super) struct AllowedHosts(pub(super) Vec<String>);
 
 fn refuse(status: StatusCode, message: String) -> Response {
     HttpError {
@@ -47,7 +48,7 @@ fn is_write(m: &Method) -> bool {
 }
 
 /// The middleware: runs the checks of the module docs, in that order.
-pub(super) async fn guard(req: Request, next: Next) -> Response {
+pub(super) async fn guard(allowed: &AllowedHosts, req: Request, next: Next) -> Response {
     let Some(BoundAddr(bound)) = req.extensions().get::<BoundAddr>().copied() else {
         return refuse(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -68,7 +69,7 @@ pub(super) async fn guard(req: Request, next: Next) -> Response {
             format!("request without a Host header refused; send Host: {bound}"),
         );
     };
-    if let Err(why) = check_host(&host, bound) {
+    if let Err(why) = check_host(&host, bound, allowed) {
         return refuse(StatusCode::MISDIRECTED_REQUEST, why);
     }
     if let Some(origin) = req.headers().get(header::ORIGIN) {
@@ -132,16 +133,12 @@ fn split_host(raw: &str, default_port: u16) -> Option<(String, u16)> {
 }
 
 /// `Ok` when `host` (a `Host` header) names this API: see the module docs.
-fn check_host(host: &str, bound: SocketAddr) -> Result<(), String> {
+fn check_host(host: &str, bound: SocketAddr, allowed: &AllowedHosts) -> Result<(), String> {
     let accepted = || {
-        if bound.ip().is_unspecified() {
-            format!("any name with port {}", bound.port())
-        } else {
-            format!(
-                "{bound}, or localhost, 127.0.0.1 or [::1] with port {}",
-                bound.port()
-            )
-        }
+        let mut names = vec![format!("an IP address (such as {})", bound.ip())];
+        names.push("localhost".into());
+        names.extend(allowed.0.iter().cloned());
+        format!("{}, with port {}", names.join(", "), bound.port())
     };
     let Some((name, port)) = split_host(host, 80) else {
         return Err(format!(
@@ -150,15 +147,14 @@ fn check_host(host: &str, bound: SocketAddr) -> Result<(), String> {
         ));
     };
     let ours = port == bound.port()
-        && (bound.ip().is_unspecified()
-            || LOOPBACK_NAMES.contains(&name.as_str())
-            || name.parse::<IpAddr>().is_ok_and(|ip| ip == bound.ip()));
+        && (name.parse::<IpAddr>().is_ok() || name == "localhost" || allowed.0.contains(&name));
     if ours {
         Ok(())
     } else {
         Err(format!(
-            "Host {host:?} refused: this API answers only to {} (a foreign name could be a DNS \
-             rebinding attack from a web page); call it by its address",
+            "Host {host:?} refused: this API answers only to {} (another name could be a DNS \
+             rebinding attack from a web page); call it by its address, or allow the name with \
+             --admin-host",
             accepted()
         ))
     }
@@ -227,37 +223,45 @@ mod tests {
     }
 
     #[test]
-    fn host_must_be_the_bound_address_or_a_loopback_name_with_its_port() {
+    fn host_must_be_an_ip_localhost_or_an_allowed_name_with_the_bound_port() {
         let bound = a("127.0.0.1:8080");
+        let none = AllowedHosts::default();
         for ok in [
             "127.0.0.1:8080",
             "localhost:8080",
             "LocalHost:8080",
             "[::1]:8080",
+            "127.0.0.2:8080",
         ] {
-            assert_eq!(check_host(ok, bound), Ok(()), "{ok}");
+            assert_eq!(check_host(ok, bound, &none), Ok(()), "{ok}");
         }
         for bad in [
             "evil.example:8080",
+            "localhost.:8080",
             "127.0.0.1:8081",
             "localhost",
             "127.0.0.1",
-            "127.0.0.2:8080",
             "user@127.0.0.1:8080",
             "",
             "::1:8080",
             "127.0.0.1:x",
         ] {
-            let e = check_host(bad, bound).expect_err("refused");
+            let e = check_host(bad, bound, &none).expect_err("refused");
             assert!(e.contains("refused") && e.contains("8080"), "{bad}: {e}");
         }
-        assert_eq!(check_host("localhost", a("127.0.0.1:80")), Ok(()));
-        assert_eq!(check_host("[::1]:9", a("[::1]:9")), Ok(()));
-        assert_eq!(check_host("10.0.0.5:9", a("10.0.0.5:9")), Ok(()));
-        assert!(check_host("coord.example:9", a("10.0.0.5:9")).is_err());
-        // An unspecified bind is reachable under any name: only the port is checked.
-        assert_eq!(check_host("coord.example:9", a("0.0.0.0:9")), Ok(()));
-        assert!(check_host("coord.example:10", a("0.0.0.0:9")).is_err());
+        assert_eq!(check_host("localhost", a("127.0.0.1:80"), &none), Ok(()));
+        assert_eq!(check_host("[::1]:9", a("[::1]:9"), &none), Ok(()));
+        // Off loopback, and on an unspecified bind (ctl then sends Host 0.0.0.0:PORT): IP
+        // addresses with the port; a DNS name only when allowed.
+        for bound in [a("10.0.0.5:9"), a("0.0.0.0:9"), a("[::]:9")] {
+            assert_eq!(check_host("10.0.0.5:9", bound, &none), Ok(()));
+            assert_eq!(check_host("0.0.0.0:9", bound, &none), Ok(()));
+            let e = check_host("coord.example:9", bound, &none).expect_err("a name");
+            assert!(e.contains("--admin-host"), "{e}");
+            let allowed = AllowedHosts(vec!["coord.example".into()]);
+            assert_eq!(check_host("Coord.Example:9", bound, &allowed), Ok(()));
+            assert!(check_host("coord.example:10", bound, &allowed).is_err());
+        }
     }
 
     #[test]

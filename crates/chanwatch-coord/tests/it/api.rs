@@ -75,6 +75,7 @@ async fn start_with(
         chanwatch_coord::api::ApiOptions {
             registry,
             token: token.map(str::to_owned),
+            allowed_hosts: vec!["Coord.Example".into()],
         },
     );
     tokio::spawn(chanwatch_coord::api::serve(
@@ -414,6 +415,8 @@ async fn cross_site_and_dns_rebinding_requests_are_refused_and_change_nothing() 
     let same_origin = format!("http://{addr}");
     let localhost = format!("localhost:{port}");
     let wrong_port = "127.0.0.1:1".to_owned();
+    // Allowed by ApiOptions::allowed_hosts (`--admin-host`), matched without case.
+    let allowed_name = format!("coord.example:{port}");
     use reqwest::Method as M;
     type Case<'a> = (
         M,
@@ -533,6 +536,7 @@ async fn cross_site_and_dns_rebinding_requests_are_refused_and_change_nothing() 
         vec![json, ("host", localhost.as_str())],
         vec![json, ("origin", same_origin.as_str())],
         vec![("content-type", "application/json; charset=utf-8")],
+        vec![json, ("host", allowed_name.as_str())],
     ]
     .into_iter()
     .enumerate()
@@ -556,6 +560,6 @@ async fn cross_site_and_dns_rebinding_requests_are_refused_and_change_nothing() 
     ensure!(code == 200);
     let (code, _) = raw(&api, M::GET, "/", &[], None).await?;
     ensure!(code == 200, "the status page");
-    ensure!(store.range("chanwatch/channel/").await?.kvs.len() == 3);
+    ensure!(store.range("chanwatch/channel/").await?.kvs.len() == 4);
     Ok(())
 }
