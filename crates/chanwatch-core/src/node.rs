@@ -85,6 +85,10 @@ pub struct Local {
     pub mod_revision: i64,
     /// The runner's phase.
     pub phase: Phase,
+    /// Set when the handler reported the running channel broken: its runner is stopping,
+    /// and once it has stopped the node acknowledges `WatchFailed` with this reason (stop
+    /// first, so the channel never runs here beside its next owner).
+    pub broken: Option<String>,
 }
 
 /// Inputs of the machine.
@@ -126,6 +130,15 @@ pub enum NodeEvent {
     Stopped {
         /// The channel.
         channel: ChannelName,
+    },
+    /// The handler reported the running channel broken (`ChannelContext::fail`).
+    Broke {
+        /// The channel.
+        channel: ChannelName,
+        /// The epoch it runs for.
+        epoch: Epoch,
+        /// Why, written with `WatchFailed`.
+        reason: String,
     },
     /// An acknowledgement txn finished: `Some(rev)` committed at `rev`, `None` its compare
     /// failed (the assignment changed; the watch brings the new value).
@@ -273,6 +286,19 @@ impl NodeMachine {
                     return vec![];
                 };
                 l.phase = Phase::Stopped;
+                if let Some(reason) = l.broken.take() {
+                    if matches!(l.info.state, ChannelState::ToWatch | ChannelState::Watched) {
+                        l.phase = Phase::Failed;
+                        let mut info = l.info.clone();
+                        info.state = ChannelState::WatchFailed;
+                        info.reason = Some(reason);
+                        info.progress = None;
+                        return vec![NodeCommand::Ack {
+                            info,
+                            expect_mod_revision: l.mod_revision,
+                        }];
+                    }
+                }
                 if release_ack && l.info.state == ChannelState::ToRelease {
                     let mut info = l.info.clone();
                     info.state = ChannelState::Released;
@@ -282,6 +308,24 @@ impl NodeMachine {
                     }];
                 }
                 vec![]
+            }
+            NodeEvent::Broke {
+                channel,
+                epoch,
+                reason,
+            } => {
+                let Some(l) = self.channels.get_mut(&channel) else {
+                    return vec![];
+                };
+                let running = l.phase == Phase::Running
+                    && l.info.epoch == epoch
+                    && matches!(l.info.state, ChannelState::ToWatch | ChannelState::Watched);
+                if !running {
+                    return vec![]; // stale: that run is gone already
+                }
+                l.phase = Phase::Stopping { release_ack: false };
+                l.broken = Some(reason);
+                vec![NodeCommand::Stop { channel }]
             }
             NodeEvent::AckDone { channel, committed } => {
                 if let (Some(l), Some(rev)) = (self.channels.get_mut(&channel), committed) {
@@ -303,8 +347,16 @@ impl NodeMachine {
         let same_epoch = prev.as_ref().is_some_and(|p| p.info.epoch == info.epoch);
         let phase = prev.as_ref().map(|p| p.phase);
         let active = matches!(phase, Some(Phase::Loading | Phase::Running));
+        // A run reported broken is stopping and then acks WatchFailed; a later echo of the
+        // same assignment must not start it again.
+        let broken = prev
+            .as_ref()
+            .and_then(|p| p.broken.clone())
+            .filter(|_| same_epoch)
+            .filter(|_| matches!(info.state, ChannelState::ToWatch | ChannelState::Watched));
         let mut out = Vec::new();
         let new_phase = match info.state {
+            _ if broken.is_some() => phase.unwrap_or(Phase::Stopped),
             ChannelState::ToWatch | ChannelState::Watched if same_epoch && active => {
                 let phase = phase.unwrap_or(Phase::Loading);
                 if phase == Phase::Running && info.state == ChannelState::ToWatch {
@@ -364,6 +416,7 @@ impl NodeMachine {
                 info,
                 mod_revision,
                 phase: new_phase,
+                broken,
             },
         );
         out
@@ -412,6 +465,96 @@ mod tests {
             decode_assignment(&keys, "chanwatch/channel/1/a/b", &other),
             Err(BadAssignment::Key(_))
         ));
+    }
+
+    #[test]
+    fn a_running_channel_reported_broken_stops_first_then_acks_watch_failed() {
+        let mut m = NodeMachine::new();
+        let a = info("a", ChannelState::ToWatch, 1);
+        m.step(NodeEvent::Put {
+            info: a.clone(),
+            mod_revision: 10,
+        });
+        m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Ok(()),
+        });
+        m.step(NodeEvent::AckDone {
+            channel: name("a"),
+            committed: Some(11),
+        });
+        let broke = |epoch: u64, why: &str| NodeEvent::Broke {
+            channel: name("a"),
+            epoch: Epoch(epoch),
+            reason: why.to_owned(),
+        };
+        assert_eq!(m.step(broke(0, "old run")), vec![], "another epoch");
+        assert_eq!(
+            m.step(broke(1, "disk full")),
+            vec![NodeCommand::Stop { channel: name("a") }]
+        );
+        // The echo of our own Watched ack arrives while it stops: no restart.
+        let mut watched = a.clone();
+        watched.state = ChannelState::Watched;
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: watched.clone(),
+                mod_revision: 11
+            }),
+            vec![]
+        );
+        // Stopped: only now WatchFailed, against the revision last seen.
+        let mut failed = watched;
+        failed.state = ChannelState::WatchFailed;
+        failed.reason = Some("disk full".into());
+        assert_eq!(
+            m.step(NodeEvent::Stopped { channel: name("a") }),
+            vec![NodeCommand::Ack {
+                info: failed,
+                expect_mod_revision: 11
+            }]
+        );
+        assert_eq!(m.channels()[&name("a")].phase, Phase::Failed);
+        assert_eq!(m.step(broke(1, "again")), vec![], "not running any more");
+    }
+
+    #[test]
+    fn a_broken_channel_moved_away_while_stopping_acks_released_not_failed() {
+        let mut m = NodeMachine::new();
+        let a = info("a", ChannelState::Watched, 1);
+        m.step(NodeEvent::Put {
+            info: a.clone(),
+            mod_revision: 10,
+        });
+        m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Ok(()),
+        });
+        m.step(NodeEvent::Broke {
+            channel: name("a"),
+            epoch: Epoch(1),
+            reason: "x".into(),
+        });
+        let mut release = a.clone();
+        release.state = ChannelState::ToRelease;
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: release.clone(),
+                mod_revision: 12
+            }),
+            vec![]
+        );
+        let mut released = release;
+        released.state = ChannelState::Released;
+        assert_eq!(
+            m.step(NodeEvent::Stopped { channel: name("a") }),
+            vec![NodeCommand::Ack {
+                info: released,
+                expect_mod_revision: 12
+            }]
+        );
     }
 
     #[test]

@@ -31,6 +31,12 @@ pub(crate) enum RunnerEvent {
         channel: ChannelName,
         generation: u64,
     },
+    Broke {
+        channel: ChannelName,
+        epoch: Epoch,
+        reason: String,
+        generation: u64,
+    },
 }
 
 /// Given to [`ChannelHandler::watch`]: the assignment and a way to report progress.
@@ -44,6 +50,9 @@ pub struct ChannelContext {
     pub(crate) events: mpsc::UnboundedSender<RunnerEvent>,
     pub(crate) last_progress: Arc<Mutex<Option<tokio::time::Instant>>>,
     pub(crate) progress_interval: Duration,
+    /// The runner this context belongs to: a late [`ChannelContext::fail`] of an earlier run
+    /// of the same channel is ignored.
+    pub(crate) generation: u64,
 }
 
 impl ChannelContext {
@@ -72,6 +81,18 @@ impl ChannelContext {
     /// The clock, for handlers that wait.
     pub fn clock(&self) -> Clock {
         self.clock
+    }
+
+    /// Reports the running channel broken: the node stops it (`release`), then writes
+    /// `WatchFailed` with `reason`, and the coordinator moves it elsewhere (cause `failed`).
+    /// Ignored once this run has ended. A load that fails returns its error instead.
+    pub fn fail(&self, reason: impl Into<String>) {
+        let _ = self.events.send(RunnerEvent::Broke {
+            channel: self.info.channel.clone(),
+            epoch: self.info.epoch,
+            reason: reason.into(),
+            generation: self.generation,
+        });
     }
 }
 
@@ -160,6 +181,11 @@ pub struct SimulatedLoad {
     /// For tests: loads of these channels never finish and report no progress (the
     /// coordinator's watch timeout applies).
     pub hang_load: NamePatterns,
+    /// For tests: these channels load, run for `fail_running_after`, then report themselves
+    /// broken ([`ChannelContext::fail`]).
+    pub fail_running: NamePatterns,
+    /// How long a `fail_running` channel runs before it breaks.
+    pub fail_running_after: Duration,
 }
 
 #[async_trait]
@@ -175,12 +201,23 @@ impl ChannelHandler for SimulatedLoad {
         if self.hang_load.matches(channel) {
             std::future::pending::<()>().await;
         }
-        if self.load_delay.is_zero() {
-            return Ok(());
+        if !self.load_delay.is_zero() {
+            for step in 0..STEPS {
+                ctx.progress(u8::try_from(step * 100 / STEPS).unwrap_or(100));
+                ctx.clock().sleep(self.load_delay / STEPS).await;
+            }
         }
-        for step in 0..STEPS {
-            ctx.progress(u8::try_from(step * 100 / STEPS).unwrap_or(100));
-            ctx.clock().sleep(self.load_delay / STEPS).await;
+        if self.fail_running.matches(channel) {
+            let after = self.fail_running_after;
+            let reason = format!(
+                "simulated failure of a running channel (--fail-running matches {channel})"
+            );
+            let ctx = ctx.clone();
+            // Outlives a release at worst by `after`; a report for an ended run is ignored.
+            tokio::spawn(async move {
+                ctx.clock().sleep(after).await;
+                ctx.fail(reason);
+            });
         }
         Ok(())
     }
@@ -220,6 +257,12 @@ pub enum Behaviour {
     Hang,
     /// Fail at once.
     Fail,
+    /// Load at once, run for `after`, then report the channel broken
+    /// ([`ChannelContext::fail`]).
+    BreakAfter {
+        /// How long it runs before it breaks.
+        after: Duration,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -387,6 +430,14 @@ impl ChannelHandler for RecordingHandler {
             }
             Behaviour::Hang => std::future::pending().await,
             Behaviour::Fail => Err("simulated load failure".to_owned()),
+            Behaviour::BreakAfter { after } => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    ctx.clock().sleep(after).await;
+                    ctx.fail("simulated break of a running channel");
+                });
+                Ok(())
+            }
         };
         // Still running after a successful load: `release`, or `mark_dead` for a killed
         // node, closes it.
@@ -535,6 +586,7 @@ mod tests {
             events,
             last_progress: Arc::default(),
             progress_interval: Duration::from_secs(5),
+            generation: 7,
         }
     }
 
@@ -577,6 +629,7 @@ mod tests {
             load_delay: Duration::from_millis(100),
             fail_load: "bad-*".parse().expect("infallible"),
             hang_load: "stuck".parse().expect("infallible"),
+            ..SimulatedLoad::default()
         };
         let err = load
             .watch(ctx(1, "bad-1", 1))
@@ -587,6 +640,44 @@ mod tests {
         assert!(hung.await.is_err(), "--hang-load: never finishes");
         let ok = tokio::time::timeout(Duration::from_secs(1), load.watch(ctx(1, "stuck-2", 1)));
         assert_eq!(ok.await, Ok(Ok(())), "others load as usual");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_fail_running_switch_reports_a_loaded_channel_broken_after_the_delay() {
+        let load = SimulatedLoad {
+            fail_running: "brk*".parse().expect("infallible"),
+            fail_running_after: Duration::from_millis(500),
+            ..SimulatedLoad::default()
+        };
+        let (events, mut rx) = mpsc::unbounded_channel();
+        let mut c = ctx(1, "brk-1", 3);
+        c.events = events;
+        let t0 = tokio::time::Instant::now();
+        assert_eq!(load.watch(c.clone()).await, Ok(()), "it loads");
+        match rx.recv().await {
+            Some(RunnerEvent::Broke {
+                channel,
+                epoch,
+                reason,
+                generation,
+            }) => {
+                assert_eq!(
+                    (channel.as_str(), epoch, generation),
+                    ("brk-1", Epoch(3), 7)
+                );
+                assert!(reason.contains("--fail-running"), "{reason}");
+            }
+            other => panic!("expected Broke, got {other:?}"),
+        }
+        assert_eq!(t0.elapsed(), Duration::from_millis(500));
+        let mut other = c;
+        other.info.channel = ChannelName::new("ok").expect("valid");
+        assert_eq!(load.watch(other).await, Ok(()));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            rx.try_recv().is_err(),
+            "a channel not matching keeps running"
+        );
     }
 
     #[tokio::test]

@@ -551,6 +551,26 @@ impl Session {
                 }
                 NodeEvent::Stopped { channel }
             }
+            RunnerEvent::Broke {
+                channel,
+                epoch,
+                reason,
+                generation,
+            } => {
+                let current = self
+                    .runners
+                    .get(&channel)
+                    .is_some_and(|r| r.generation == generation);
+                if !current {
+                    return vec![]; // an earlier run of the channel: long stopped
+                }
+                warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: the handler reports the running channel broken; stopping it, then acknowledging WatchFailed");
+                NodeEvent::Broke {
+                    channel,
+                    epoch,
+                    reason,
+                }
+            }
         };
         self.machine.step(event)
     }
@@ -721,6 +741,7 @@ impl Session {
             events: self.events_tx.clone(),
             last_progress: Arc::new(Mutex::new(None)),
             progress_interval: self.progress_interval,
+            generation,
         };
         self.seen_at.insert(info.channel.clone(), self.clock.now());
         self.metrics.running.inc();

@@ -231,6 +231,18 @@ pub struct TestLoadArgs {
         value_name = "GLOB,..."
     )]
     pub hang_load: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: matching channels load, run for --fail-running-after, then report
+    /// themselves broken (the node stops them and acknowledges WatchFailed).
+    #[arg(
+        long,
+        env = "CHANWATCH_FAIL_RUNNING",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub fail_running: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: how long a --fail-running channel runs before it breaks.
+    #[arg(long, env = "CHANWATCH_FAIL_RUNNING_AFTER", hide = true, value_parser = humantime_secs, default_value = "1s")]
+    pub fail_running_after: Duration,
 }
 
 impl TestLoadArgs {
@@ -240,6 +252,8 @@ impl TestLoadArgs {
             load_delay,
             fail_load: self.fail_load.clone().unwrap_or_default(),
             hang_load: self.hang_load.clone().unwrap_or_default(),
+            fail_running: self.fail_running.clone().unwrap_or_default(),
+            fail_running_after: self.fail_running_after,
         }
     }
 }
@@ -599,6 +613,10 @@ mod tests {
             "bad-*,worse",
             "--hang-load",
             "stuck*",
+            "--fail-running",
+            "brk",
+            "--fail-running-after",
+            "250ms",
         ])
         .expect("parses");
         let Command::Node(args) = cli.command else {
@@ -607,6 +625,8 @@ mod tests {
         let load = args.test_load.simulated_load(Duration::ZERO);
         assert!(load.fail_load.matches("bad-7") && load.fail_load.matches("worse"));
         assert!(load.hang_load.matches("stuck-1") && !load.hang_load.matches("ok"));
+        assert!(load.fail_running.matches("brk") && !load.fail_running.matches("brk2"));
+        assert_eq!(load.fail_running_after, Duration::from_millis(250));
         assert!(!load.fail_load.matches("ok-1"));
         let mut help = Vec::new();
         let mut cmd = Cli::command();
@@ -614,7 +634,9 @@ mod tests {
         node.write_long_help(&mut help).expect("help renders");
         let help = String::from_utf8_lossy(&help);
         assert!(
-            !help.contains("fail-load") && !help.contains("hang-load"),
+            !help.contains("fail-load")
+                && !help.contains("hang-load")
+                && !help.contains("fail-running"),
             "test switches must stay out of --help:\n{help}"
         );
         let plain = Cli::try_parse_from(["chanwatch", "standalone"]).expect("parses");

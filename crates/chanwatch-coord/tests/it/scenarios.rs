@@ -284,6 +284,54 @@ pub async fn a_failed_load_is_moved_to_another_node(c: Cluster) -> Result<()> {
     Ok(())
 }
 
+pub async fn a_running_channel_that_breaks_is_stopped_before_it_moves(c: Cluster) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let a = c.spawn_node();
+    let b = c.spawn_node();
+    c.wait_node_id(&a).await?;
+    c.wait_node_id(&b).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.handler.set(
+        "brk",
+        Behaviour::BreakAfter {
+            after: Duration::from_secs(2),
+        },
+    );
+    retry_not_ready(|| {
+        coord.handle.add_channel(
+            ChannelName::new("brk").expect("valid"),
+            VChannelInfo::default(),
+        )
+    })
+    .await?;
+    // It loads, runs, breaks: its node stops it, then acks WatchFailed, and it moves.
+    c.wait_until(SETTLE, "brk moved after breaking", |v| {
+        v.channels.iter().any(|r| r.epoch >= 2)
+    })
+    .await?;
+    ensure!(
+        coord.metrics.reassignments_of("failed") >= 1,
+        "the move after a break counts as cause=failed"
+    );
+    let runs: Vec<_> = c
+        .handler
+        .intervals()
+        .into_iter()
+        .filter(|i| i.channel.as_str() == "brk")
+        .collect();
+    ensure!(
+        runs.first().is_some_and(|r| r.end_ms.is_some()),
+        "the broken run was stopped: {runs:?}"
+    );
+    let overlaps = c.handler.overlaps();
+    ensure!(
+        overlaps.is_empty(),
+        "a broken channel ran beside its next owner: {overlaps:#?}"
+    );
+    Ok(())
+}
+
 pub async fn delete_during_a_load_cancels_it(c: Cluster) -> Result<()> {
     c.handler.set("doomed", Behaviour::Hang);
     let coord = c.spawn_coord("c1");
