@@ -1,4 +1,7 @@
 //! The scenarios of the control plane, written once for every backend.
+//!
+//! Over 600 lines because it is a flat list of independent scenarios, each one test (run on
+//! the embedded store and on etcd by `main.rs`); split it by theme when it grows further.
 
 use std::time::Duration;
 
