@@ -2,6 +2,8 @@
 //!
 //! Owns: routes, request validation, and the mapping of [`ApiError`] to status codes with a
 //! JSON body `{"error": "...", "leader": "..."?}` that says what is wrong.
+//! Every request first passes [`guard`] (Host, Origin, Content-Type, object body), then the
+//! bearer token check when one is configured.
 //! Must not: change state itself — every write goes through the [`CoordHandle`], so bad input
 //! is refused before anything is written.
 
@@ -19,6 +21,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::runtime::{ApiError, CoordHandle};
+
+mod guard;
 
 /// Largest request body: a channel name plus a 64 KiB vchannel, with room for JSON escaping.
 pub const MAX_BODY_BYTES: usize = 256 * 1024;
@@ -102,6 +106,9 @@ pub struct ApiOptions {
     pub registry: prometheus::Registry,
     /// When set, every write (any method but GET/HEAD) needs `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// Host names the API answers to besides IP addresses and `localhost` (`--admin-host`):
+    /// any other `Host` is refused, against DNS rebinding. Matched without case or port.
+    pub allowed_hosts: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -122,6 +129,14 @@ const STATUS_PAGE: &str = include_str!("status.html");
 /// The router, ready to serve.
 pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
     let token = options.token.clone();
+    let allowed = std::sync::Arc::new(guard::AllowedHosts(
+        options
+            .allowed_hosts
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect(),
+    ));
     Router::new()
         .route("/", get(|| async { axum::response::Html(STATUS_PAGE) }))
         .route("/metrics", get(metrics))
@@ -140,6 +155,10 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
             async move { require_token(token.as_deref(), req, next).await }
+        }))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            let allowed = allowed.clone();
+            async move { guard::guard(&allowed, req, next).await }
         }))
         .with_state(AppState {
             handle,
@@ -193,7 +212,8 @@ async fn metrics(State(s): State<AppState>) -> Response {
         .into_response()
 }
 
-/// Serves `router` on `listener` until `shutdown` completes.
+/// Serves `router` on `listener` until `shutdown` completes. Every request carries the bound
+/// address, which the [`router`]'s Host check needs (a router served otherwise answers 500).
 ///
 /// # Errors
 /// I/O errors of the listener.
@@ -202,7 +222,8 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
+    let bound = guard::BoundAddr(listener.local_addr()?);
+    axum::serve(listener, router.layer(axum::Extension(bound)))
         .with_graceful_shutdown(shutdown)
         .await
 }

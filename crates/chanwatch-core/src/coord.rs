@@ -495,8 +495,19 @@ impl CoordState {
     }
 
     fn decode(&mut self, key: &str, value: &[u8]) -> Decoded {
-        if let Ok(id) = self.keys.parse_drain(key) {
-            return Decoded::Drain(id);
+        if key.starts_with(&self.keys.drains_prefix()) {
+            // A drain mark whose node part is not an ID is reported like any other key that
+            // does not decode, never silently dropped.
+            return match self.keys.parse_drain(key) {
+                Ok(id) => {
+                    self.corrupt.remove(key);
+                    Decoded::Drain(id)
+                }
+                Err(e) => {
+                    self.corrupt.insert(key.to_owned(), e.to_string());
+                    Decoded::Ignored
+                }
+            };
         }
         if let Ok(id) = self.keys.parse_fence(key) {
             return Decoded::Fence(id);
@@ -2437,6 +2448,40 @@ mod tests {
         assert!(w.state.corrupt().contains_key(key));
         assert!(w.state.plan(0).is_empty());
         w.state.apply_delete(key, 6);
+        assert!(w.state.corrupt().is_empty());
+    }
+
+    #[test]
+    fn a_value_naming_another_channel_than_its_key_is_corrupt_and_left_alone() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        w.node(2);
+        let key = "chanwatch/channel/1/bad2";
+        let other = info("other", ChannelState::WatchFailed, 1, 0);
+        let why = w.state.apply_put(key, &other.encode(), 5).expect("corrupt");
+        assert!(why.contains("other") && why.contains("bad2"), "{why}");
+        assert!(w.state.corrupt().contains_key(key));
+        assert_eq!(w.state.channel_count(), 0, "neither bad2 nor other exists");
+        assert!(w.state.plan(10_000).is_empty(), "nothing planned for it");
+    }
+
+    #[test]
+    fn an_unparsable_drain_key_is_reported_as_corrupt_and_drains_nothing() {
+        let mut w = World::new(CoordConfig::default());
+        w.node(1);
+        let key = "chanwatch/coord/drain/abc";
+        let why = w.state.apply_put(key, b"{}", 5).expect("reported");
+        assert!(why.contains("abc") || why.contains("decimal"), "{why}");
+        assert!(w.state.corrupt().contains_key(key));
+        assert!(w.state.draining().is_empty());
+        // Listed again (a relist) it is still reported; a good mark next to it still counts.
+        w.state.reset([
+            (key, b"{}".as_slice(), 5),
+            ("chanwatch/coord/drain/1", b"{}".as_slice(), 6),
+        ]);
+        assert!(w.state.corrupt().contains_key(key));
+        assert!(w.state.draining().contains(&NodeId(1)));
+        w.state.apply_delete(key, 7);
         assert!(w.state.corrupt().is_empty());
     }
 

@@ -7,10 +7,59 @@
 //!
 //! Must not: do I/O, run handlers or read the clock. The runtime feeds events in and carries
 //! the commands out; `now_ms` arrives inside the events that need it.
+//!
+//! Over 600 lines because about half of it is the tests beside the machine, which assert
+//! the exact command lists (STYLE.md 2); the machine itself is about 400 lines.
 
 use std::collections::BTreeMap;
 
+use crate::error::{DecodeError, KeyError};
+use crate::keys::{ChannelKey, Keys};
 use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, Progress};
+
+/// An assignment key or value a node must not act on. Fatal for that key only: the node
+/// logs it (naming the key), counts it and leaves the key alone; the coordinator reports it.
+#[derive(Debug, thiserror::Error)]
+pub enum BadAssignment {
+    /// The key is not `{root}/channel/{owner}/{channel}`.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    /// The value does not decode.
+    #[error(transparent)]
+    Value(#[from] DecodeError),
+    /// The value names another channel than its key (DESIGN.md §2: they must agree).
+    #[error(
+        "value names channel {value} but the key names {key}; the key and its value must \
+         name the same channel: fix or delete the key"
+    )]
+    Mismatch {
+        /// The channel in the key.
+        key: ChannelName,
+        /// The channel in the value.
+        value: ChannelName,
+    },
+}
+
+/// Decodes the assignment `key` = `value`, refusing a value whose channel is not the key's.
+///
+/// # Errors
+/// [`BadAssignment`] for a key off the layout, a value that does not decode, or a value that
+/// names another channel: a node must not start a channel under another channel's key.
+pub fn decode_assignment(
+    keys: &Keys,
+    key: &str,
+    value: &[u8],
+) -> Result<(ChannelKey, ChannelInfo), BadAssignment> {
+    let ck = keys.parse_channel(key)?;
+    let info = ChannelInfo::decode(value)?;
+    if info.channel != ck.channel {
+        return Err(BadAssignment::Mismatch {
+            key: ck.channel,
+            value: info.channel,
+        });
+    }
+    Ok((ck, info))
+}
 
 /// What the runner of a channel is doing, as far as the machine knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +88,10 @@ pub struct Local {
     pub mod_revision: i64,
     /// The runner's phase.
     pub phase: Phase,
+    /// Set when the handler reported the running channel broken: its runner is stopping,
+    /// and once it has stopped the node acknowledges `WatchFailed` with this reason (stop
+    /// first, so the channel never runs here beside its next owner).
+    pub broken: Option<String>,
 }
 
 /// Inputs of the machine.
@@ -80,6 +133,15 @@ pub enum NodeEvent {
     Stopped {
         /// The channel.
         channel: ChannelName,
+    },
+    /// The handler reported the running channel broken (`ChannelContext::fail`).
+    Broke {
+        /// The channel.
+        channel: ChannelName,
+        /// The epoch it runs for.
+        epoch: Epoch,
+        /// Why, written with `WatchFailed`.
+        reason: String,
     },
     /// An acknowledgement txn finished: `Some(rev)` committed at `rev`, `None` its compare
     /// failed (the assignment changed; the watch brings the new value).
@@ -227,6 +289,19 @@ impl NodeMachine {
                     return vec![];
                 };
                 l.phase = Phase::Stopped;
+                if let Some(reason) = l.broken.take() {
+                    if matches!(l.info.state, ChannelState::ToWatch | ChannelState::Watched) {
+                        l.phase = Phase::Failed;
+                        let mut info = l.info.clone();
+                        info.state = ChannelState::WatchFailed;
+                        info.reason = Some(reason);
+                        info.progress = None;
+                        return vec![NodeCommand::Ack {
+                            info,
+                            expect_mod_revision: l.mod_revision,
+                        }];
+                    }
+                }
                 if release_ack && l.info.state == ChannelState::ToRelease {
                     let mut info = l.info.clone();
                     info.state = ChannelState::Released;
@@ -236,6 +311,24 @@ impl NodeMachine {
                     }];
                 }
                 vec![]
+            }
+            NodeEvent::Broke {
+                channel,
+                epoch,
+                reason,
+            } => {
+                let Some(l) = self.channels.get_mut(&channel) else {
+                    return vec![];
+                };
+                let running = l.phase == Phase::Running
+                    && l.info.epoch == epoch
+                    && matches!(l.info.state, ChannelState::ToWatch | ChannelState::Watched);
+                if !running {
+                    return vec![]; // stale: that run is gone already
+                }
+                l.phase = Phase::Stopping { release_ack: false };
+                l.broken = Some(reason);
+                vec![NodeCommand::Stop { channel }]
             }
             NodeEvent::AckDone { channel, committed } => {
                 if let (Some(l), Some(rev)) = (self.channels.get_mut(&channel), committed) {
@@ -257,8 +350,16 @@ impl NodeMachine {
         let same_epoch = prev.as_ref().is_some_and(|p| p.info.epoch == info.epoch);
         let phase = prev.as_ref().map(|p| p.phase);
         let active = matches!(phase, Some(Phase::Loading | Phase::Running));
+        // A run reported broken is stopping and then acks WatchFailed; a later echo of the
+        // same assignment must not start it again.
+        let broken = prev
+            .as_ref()
+            .and_then(|p| p.broken.clone())
+            .filter(|_| same_epoch)
+            .filter(|_| matches!(info.state, ChannelState::ToWatch | ChannelState::Watched));
         let mut out = Vec::new();
         let new_phase = match info.state {
+            _ if broken.is_some() => phase.unwrap_or(Phase::Stopped),
             ChannelState::ToWatch | ChannelState::Watched if same_epoch && active => {
                 let phase = phase.unwrap_or(Phase::Loading);
                 if phase == Phase::Running && info.state == ChannelState::ToWatch {
@@ -318,6 +419,7 @@ impl NodeMachine {
                 info,
                 mod_revision,
                 phase: new_phase,
+                broken,
             },
         );
         out
@@ -341,6 +443,121 @@ mod tests {
     }
     fn name(s: &str) -> ChannelName {
         ChannelName::new(s).expect("valid")
+    }
+
+    #[test]
+    fn an_assignment_whose_value_names_another_channel_is_refused() {
+        let keys = Keys::default();
+        let other = info("other", ChannelState::ToWatch, 1).encode();
+        let err = decode_assignment(&keys, "chanwatch/channel/1/bad2", &other)
+            .expect_err("key and value disagree");
+        assert!(
+            matches!(&err, BadAssignment::Mismatch { key, value }
+                if key.as_str() == "bad2" && value.as_str() == "other"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("bad2"), "{err}");
+        let (ck, i) = decode_assignment(&keys, "chanwatch/channel/1/other", &other)
+            .expect("key and value agree");
+        assert_eq!((ck.channel, i.channel), (name("other"), name("other")));
+        assert!(matches!(
+            decode_assignment(&keys, "chanwatch/channel/1/x", b"{nope"),
+            Err(BadAssignment::Value(_))
+        ));
+        assert!(matches!(
+            decode_assignment(&keys, "chanwatch/channel/1/a/b", &other),
+            Err(BadAssignment::Key(_))
+        ));
+    }
+
+    #[test]
+    fn a_running_channel_reported_broken_stops_first_then_acks_watch_failed() {
+        let mut m = NodeMachine::new();
+        let a = info("a", ChannelState::ToWatch, 1);
+        m.step(NodeEvent::Put {
+            info: a.clone(),
+            mod_revision: 10,
+        });
+        m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Ok(()),
+        });
+        m.step(NodeEvent::AckDone {
+            channel: name("a"),
+            committed: Some(11),
+        });
+        let broke = |epoch: u64, why: &str| NodeEvent::Broke {
+            channel: name("a"),
+            epoch: Epoch(epoch),
+            reason: why.to_owned(),
+        };
+        assert_eq!(m.step(broke(0, "old run")), vec![], "another epoch");
+        assert_eq!(
+            m.step(broke(1, "disk full")),
+            vec![NodeCommand::Stop { channel: name("a") }]
+        );
+        // The echo of our own Watched ack arrives while it stops: no restart.
+        let mut watched = a.clone();
+        watched.state = ChannelState::Watched;
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: watched.clone(),
+                mod_revision: 11
+            }),
+            vec![]
+        );
+        // Stopped: only now WatchFailed, against the revision last seen.
+        let mut failed = watched;
+        failed.state = ChannelState::WatchFailed;
+        failed.reason = Some("disk full".into());
+        assert_eq!(
+            m.step(NodeEvent::Stopped { channel: name("a") }),
+            vec![NodeCommand::Ack {
+                info: failed,
+                expect_mod_revision: 11
+            }]
+        );
+        assert_eq!(m.channels()[&name("a")].phase, Phase::Failed);
+        assert_eq!(m.step(broke(1, "again")), vec![], "not running any more");
+    }
+
+    #[test]
+    fn a_broken_channel_moved_away_while_stopping_acks_released_not_failed() {
+        let mut m = NodeMachine::new();
+        let a = info("a", ChannelState::Watched, 1);
+        m.step(NodeEvent::Put {
+            info: a.clone(),
+            mod_revision: 10,
+        });
+        m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Ok(()),
+        });
+        m.step(NodeEvent::Broke {
+            channel: name("a"),
+            epoch: Epoch(1),
+            reason: "x".into(),
+        });
+        let mut release = a.clone();
+        release.state = ChannelState::ToRelease;
+        assert_eq!(
+            m.step(NodeEvent::Put {
+                info: release.clone(),
+                mod_revision: 12
+            }),
+            vec![]
+        );
+        let mut released = release;
+        released.state = ChannelState::Released;
+        assert_eq!(
+            m.step(NodeEvent::Stopped { channel: name("a") }),
+            vec![NodeCommand::Ack {
+                info: released,
+                expect_mod_revision: 12
+            }]
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The work a node does for a channel, behind the [`ChannelHandler`] trait, and two handlers:
-//! [`SimulatedLoad`] (the default: a load that takes `--load-delay`) and [`RecordingHandler`]
+//! [`SimulatedLoad`] (the default: a load that takes `--load-delay`, and for black-box tests
+//! fails or hangs for channels matching [`NamePatterns`]) and [`RecordingHandler`]
 //! (records when each node ran each channel, so tests can check single ownership).
 //!
 //! Must not: touch the store. A handler reports progress through its [`ChannelContext`].
@@ -30,6 +31,12 @@ pub(crate) enum RunnerEvent {
         channel: ChannelName,
         generation: u64,
     },
+    Broke {
+        channel: ChannelName,
+        epoch: Epoch,
+        reason: String,
+        generation: u64,
+    },
 }
 
 /// Given to [`ChannelHandler::watch`]: the assignment and a way to report progress.
@@ -43,6 +50,9 @@ pub struct ChannelContext {
     pub(crate) events: mpsc::UnboundedSender<RunnerEvent>,
     pub(crate) last_progress: Arc<Mutex<Option<tokio::time::Instant>>>,
     pub(crate) progress_interval: Duration,
+    /// The runner this context belongs to: a late [`ChannelContext::fail`] of an earlier run
+    /// of the same channel is ignored.
+    pub(crate) generation: u64,
 }
 
 impl ChannelContext {
@@ -71,6 +81,18 @@ impl ChannelContext {
     /// The clock, for handlers that wait.
     pub fn clock(&self) -> Clock {
         self.clock
+    }
+
+    /// Reports the running channel broken: the node stops it (`release`), then writes
+    /// `WatchFailed` with `reason`, and the coordinator moves it elsewhere (cause `failed`).
+    /// Ignored once this run has ended. A load that fails returns its error instead.
+    pub fn fail(&self, reason: impl Into<String>) {
+        let _ = self.events.send(RunnerEvent::Broke {
+            channel: self.info.channel.clone(),
+            epoch: self.info.epoch,
+            reason: reason.into(),
+            generation: self.generation,
+        });
     }
 }
 
@@ -104,23 +126,109 @@ pub trait ChannelHandler: Send + Sync + 'static {
     async fn resume(&self, node: NodeId, info: &ChannelInfo);
 }
 
+/// Channel names to match, for test switches: comma-separated globs in which `*` matches any
+/// run of characters and every other character only itself (`p1*,*-bad`). Empty matches
+/// nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NamePatterns(Vec<String>);
+
+impl std::str::FromStr for NamePatterns {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(NamePatterns(
+            s.split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        ))
+    }
+}
+
+impl NamePatterns {
+    /// Whether no pattern is set.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `name` matches one of the patterns.
+    pub fn matches(&self, name: &str) -> bool {
+        self.0.iter().any(|p| glob(p, name))
+    }
+}
+
+/// `*`-only glob match, iterative with one backtrack point (linear in practice).
+fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    let (mut pi, mut ni) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == n[ni] {
+            pi += 1;
+            ni += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
 /// The default handler: a load that takes `load_delay`, reporting progress along the way.
+/// For black-box tests (`chanwatch node --fail-load/--hang-load`), loads of matching
+/// channels fail at once or never finish.
 #[derive(Debug, Clone, Default)]
 pub struct SimulatedLoad {
     /// How long a load takes.
     pub load_delay: Duration,
+    /// For tests: loads of these channels fail at once (`WatchFailed`).
+    pub fail_load: NamePatterns,
+    /// For tests: loads of these channels never finish and report no progress (the
+    /// coordinator's watch timeout applies).
+    pub hang_load: NamePatterns,
+    /// For tests: these channels load, run for `fail_running_after`, then report themselves
+    /// broken ([`ChannelContext::fail`]).
+    pub fail_running: NamePatterns,
+    /// How long a `fail_running` channel runs before it breaks.
+    pub fail_running_after: Duration,
 }
 
 #[async_trait]
 impl ChannelHandler for SimulatedLoad {
     async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
         const STEPS: u32 = 10;
-        if self.load_delay.is_zero() {
-            return Ok(());
+        let channel = ctx.info.channel.as_str();
+        if self.fail_load.matches(channel) {
+            return Err(format!(
+                "simulated load failure (--fail-load matches {channel})"
+            ));
         }
-        for step in 0..STEPS {
-            ctx.progress(u8::try_from(step * 100 / STEPS).unwrap_or(100));
-            ctx.clock().sleep(self.load_delay / STEPS).await;
+        if self.hang_load.matches(channel) {
+            std::future::pending::<()>().await;
+        }
+        if !self.load_delay.is_zero() {
+            for step in 0..STEPS {
+                ctx.progress(u8::try_from(step * 100 / STEPS).unwrap_or(100));
+                ctx.clock().sleep(self.load_delay / STEPS).await;
+            }
+        }
+        if self.fail_running.matches(channel) {
+            let after = self.fail_running_after;
+            let reason = format!(
+                "simulated failure of a running channel (--fail-running matches {channel})"
+            );
+            let ctx = ctx.clone();
+            // Outlives a release at worst by `after`; a report for an ended run is ignored.
+            tokio::spawn(async move {
+                ctx.clock().sleep(after).await;
+                ctx.fail(reason);
+            });
         }
         Ok(())
     }
@@ -165,6 +273,12 @@ pub enum Behaviour {
     Hang,
     /// Fail at once.
     Fail,
+    /// Load at once, run for `after`, then report the channel broken
+    /// ([`ChannelContext::fail`]).
+    BreakAfter {
+        /// How long it runs before it breaks.
+        after: Duration,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -332,6 +446,14 @@ impl ChannelHandler for RecordingHandler {
             }
             Behaviour::Hang => std::future::pending().await,
             Behaviour::Fail => Err("simulated load failure".to_owned()),
+            Behaviour::BreakAfter { after } => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    ctx.clock().sleep(after).await;
+                    ctx.fail("simulated break of a running channel");
+                });
+                Ok(())
+            }
         };
         // Still running after a successful load: `release`, or `mark_dead` for a killed
         // node, closes it.
@@ -365,10 +487,15 @@ impl ChannelHandler for RecordingHandler {
 /// `pause` / `resume` (same fields) around a stretch during which the node could not reach
 /// the store: a paused channel does not run.
 /// Each line is one `write` call, so a process killed with `SIGKILL` loses no line it wrote.
+/// Each run gets exactly one `stop`: a failed or cancelled load is followed by the runner's
+/// `release`, and only the first of the two writes the line.
 #[derive(Debug)]
 pub struct AuditLog<H> {
     inner: H,
     file: Mutex<std::fs::File>,
+    /// Runs with a `start` line and no `stop` yet. Without it a failed or cancelled load
+    /// wrote `stop` twice: once when the load ended, again on the release that follows.
+    open: Mutex<std::collections::BTreeSet<(NodeId, ChannelName, Epoch)>>,
     clock: Clock,
 }
 
@@ -385,8 +512,33 @@ impl<H: ChannelHandler> AuditLog<H> {
         Ok(AuditLog {
             inner,
             file: Mutex::new(file),
+            open: Mutex::default(),
             clock,
         })
+    }
+
+    fn open_runs(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<(NodeId, ChannelName, Epoch)>> {
+        self.open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn start(&self, node: NodeId, info: &ChannelInfo) {
+        self.open_runs()
+            .insert((node, info.channel.clone(), info.epoch));
+        self.line("start", node, info);
+    }
+
+    /// Writes `stop` if the run has a `start` without one.
+    fn stop(&self, node: NodeId, info: &ChannelInfo) {
+        let was_open = self
+            .open_runs()
+            .remove(&(node, info.channel.clone(), info.epoch));
+        if was_open {
+            self.line("stop", node, info);
+        }
     }
 
     fn line(&self, what: &str, node: NodeId, info: &ChannelInfo) {
@@ -418,7 +570,7 @@ struct StopOnDrop<'a, H: ChannelHandler> {
 impl<H: ChannelHandler> Drop for StopOnDrop<'_, H> {
     fn drop(&mut self) {
         if self.armed {
-            self.log.line("stop", self.node, &self.info);
+            self.log.stop(self.node, &self.info);
         }
     }
 }
@@ -427,7 +579,7 @@ impl<H: ChannelHandler> Drop for StopOnDrop<'_, H> {
 impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
     async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
         let (node, info) = (ctx.node, ctx.info.clone());
-        self.line("start", node, &info);
+        self.start(node, &info);
         let mut guard = StopOnDrop {
             log: self,
             node,
@@ -441,7 +593,7 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
 
     async fn release(&self, node: NodeId, info: &ChannelInfo) {
         self.inner.release(node, info).await;
-        self.line("stop", node, info);
+        self.stop(node, info);
     }
 
     async fn pause(&self, node: NodeId, info: &ChannelInfo) {
@@ -454,3 +606,6 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
         self.inner.resume(node, info).await;
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -15,7 +15,8 @@ pub mod metrics;
 pub mod runtime;
 
 pub use handler::{
-    AuditLog, Behaviour, ChannelContext, ChannelHandler, Interval, RecordingHandler, SimulatedLoad,
+    AuditLog, Behaviour, ChannelContext, ChannelHandler, Interval, NamePatterns, RecordingHandler,
+    SimulatedLoad,
 };
 pub use metrics::NodeMetrics;
 pub use runtime::{run, NodeConfig, NodeError, NodeStatus, PlantedBug};

@@ -35,6 +35,8 @@ pub struct NodeMetrics {
     pub relists: IntCounter,
     /// 1 while the store has raised an alarm of that type (`NOSPACE`, `CORRUPT`).
     pub etcd_alarm: IntGaugeVec,
+    /// Assignment keys seen that do not decode or whose value names another channel: not run.
+    pub corrupt: IntCounter,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -94,6 +96,10 @@ impl NodeMetrics {
                 "chanwatch_node_relists_total",
                 "Full lists of a node's own prefix.",
             )),
+            corrupt: must(IntCounter::new(
+                "chanwatch_node_corrupt_values_total",
+                "Assignments seen that do not decode or name another channel than their key; not run.",
+            )),
             etcd_alarm: {
                 let g = must(IntGaugeVec::new(
                     Opts::new(
@@ -134,6 +140,7 @@ impl NodeMetrics {
         registry.register(Box::new(self.watch_restarts.clone()))?;
         registry.register(Box::new(self.relists.clone()))?;
         registry.register(Box::new(self.etcd_alarm.clone()))?;
+        registry.register(Box::new(self.corrupt.clone()))?;
         Ok(())
     }
 

@@ -636,15 +636,38 @@ impl Session {
                 }
                 NodeEvent::Stopped { channel }
             }
+            RunnerEvent::Broke {
+                channel,
+                epoch,
+                reason,
+                generation,
+            } => {
+                let current = self
+                    .runners
+                    .get(&channel)
+                    .is_some_and(|r| r.generation == generation);
+                if !current {
+                    return vec![]; // an earlier run of the channel: long stopped
+                }
+                warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: the handler reports the running channel broken; stopping it, then acknowledging WatchFailed");
+                NodeEvent::Broke {
+                    channel,
+                    epoch,
+                    reason,
+                }
+            }
         };
         self.machine.step(event)
     }
 
+    /// The assignment under `key`, or `None` (logged naming the key, counted) when the key or
+    /// value is bad — a value naming another channel than its key included (DESIGN.md §2).
     fn decode(&self, key: &str, value: &[u8]) -> Option<ChannelInfo> {
-        match ChannelInfo::decode(value) {
-            Ok(info) => Some(info),
+        match chanwatch_core::node::decode_assignment(&self.keys, key, value) {
+            Ok((_, info)) => Some(info),
             Err(e) => {
-                error!(node = %self.reg.id, key, error = %e, "node: assignment value does not decode; ignoring it");
+                self.metrics.corrupt.inc();
+                error!(node = %self.reg.id, key, error = %e, "node: assignment does not decode; not running it, leaving the key alone");
                 None
             }
         }
@@ -803,6 +826,7 @@ impl Session {
             events: self.events_tx.clone(),
             last_progress: Arc::new(Mutex::new(None)),
             progress_interval: self.progress_interval,
+            generation,
         };
         self.seen_at.insert(info.channel.clone(), self.clock.now());
         self.metrics.running.inc();

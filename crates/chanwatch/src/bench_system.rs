@@ -332,8 +332,8 @@ pub async fn balance(args: &BenchBalanceArgs) -> Result<()> {
         let took = t0.elapsed().as_secs_f64();
         let made = c.coord_metrics.reassignments_of("balance") - before;
         let causes: Vec<(String, u64)> = [
-            "assign", "failover", "park", "unpark", "timeout", "balance", "drain", "manual",
-            "remove", "dedupe",
+            "assign", "failover", "park", "unpark", "timeout", "failed", "balance", "drain",
+            "manual", "remove", "dedupe",
         ]
         .iter()
         .map(|k| (k.to_string(), c.coord_metrics.reassignments_of(k)))

@@ -2,6 +2,9 @@
 //!
 //! Owns: flag names, defaults, `--help` texts, and turning flags into library configs.
 //! Must not: implement behaviour beyond wiring.
+//!
+//! Over 600 lines because it is one documented argument struct per subcommand (each flag's
+//! `--help` text is its documentation) plus the dispatch; there is no logic to split off.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -241,12 +244,65 @@ pub struct StandaloneArgs {
     /// Bearer token required for admin writes; mandatory when --admin is not loopback.
     #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Host names the admin API answers to besides IP addresses and localhost (comma-separated,
+    /// e.g. the DNS name Prometheus scrapes); any other Host header is refused (DNS rebinding).
+    #[arg(long, env = "CHANWATCH_ADMIN_HOST", value_delimiter = ',')]
+    pub admin_host: Vec<String>,
     /// Session lease TTL of the in-process nodes and coordinator.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,
     /// How long each simulated channel load takes.
     #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
     pub load_delay: Duration,
+    #[command(flatten)]
+    pub test_load: TestLoadArgs,
+}
+
+/// Switches for black-box tests of the built-in simulated load, hidden from `--help`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TestLoadArgs {
+    /// FOR TESTS: loads of channels matching these comma-separated globs (`*` = any run of
+    /// characters) fail at once, so the channel becomes WatchFailed.
+    #[arg(
+        long,
+        env = "CHANWATCH_FAIL_LOAD",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub fail_load: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: loads of matching channels never finish and report no progress.
+    #[arg(
+        long,
+        env = "CHANWATCH_HANG_LOAD",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub hang_load: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: matching channels load, run for --fail-running-after, then report
+    /// themselves broken (the node stops them and acknowledges WatchFailed).
+    #[arg(
+        long,
+        env = "CHANWATCH_FAIL_RUNNING",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub fail_running: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: how long a --fail-running channel runs before it breaks.
+    #[arg(long, env = "CHANWATCH_FAIL_RUNNING_AFTER", hide = true, value_parser = humantime_secs, default_value = "1s")]
+    pub fail_running_after: Duration,
+}
+
+impl TestLoadArgs {
+    /// The simulated load with these switches.
+    pub fn simulated_load(&self, load_delay: Duration) -> chanwatch_node::SimulatedLoad {
+        chanwatch_node::SimulatedLoad {
+            load_delay,
+            fail_load: self.fail_load.clone().unwrap_or_default(),
+            hang_load: self.hang_load.clone().unwrap_or_default(),
+            fail_running: self.fail_running.clone().unwrap_or_default(),
+            fail_running_after: self.fail_running_after,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -261,6 +317,10 @@ pub struct CoordArgs {
     /// Bearer token required for admin writes; mandatory when --admin is not loopback.
     #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Host names the admin API answers to besides IP addresses and localhost (comma-separated,
+    /// e.g. the DNS name Prometheus scrapes); any other Host header is refused (DNS rebinding).
+    #[arg(long, env = "CHANWATCH_ADMIN_HOST", value_delimiter = ',')]
+    pub admin_host: Vec<String>,
     /// Leader lease TTL: a standby takes over within about this long after the leader dies.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,
@@ -312,6 +372,8 @@ pub struct NodeArgs {
     /// (`start|stop NODE CHANNEL EPOCH UNIX_MS`), to audit single ownership.
     #[arg(long, env = "CHANWATCH_HANDLER_LOG")]
     pub handler_log: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub test_load: TestLoadArgs,
 }
 
 #[derive(Debug, Args)]
@@ -586,5 +648,49 @@ mod tests {
         assert!(humantime_secs("ten").is_err());
         assert!(humantime_secs("5 parsecs").is_err());
         assert!(humantime_secs("").is_err());
+    }
+
+    /// What the switches make the load do is tested beside `SimulatedLoad`.
+    #[test]
+    fn the_hidden_test_switches_reach_the_simulated_load_and_stay_out_of_help() {
+        let cli = Cli::try_parse_from([
+            "chanwatch",
+            "node",
+            "--fail-load",
+            "bad-*,worse",
+            "--hang-load",
+            "stuck*",
+            "--fail-running",
+            "brk",
+            "--fail-running-after",
+            "250ms",
+        ])
+        .expect("parses");
+        let Command::Node(args) = cli.command else {
+            panic!("not the node command");
+        };
+        let load = args.test_load.simulated_load(Duration::ZERO);
+        assert!(load.fail_load.matches("bad-7") && load.fail_load.matches("worse"));
+        assert!(load.hang_load.matches("stuck-1") && !load.hang_load.matches("ok"));
+        assert!(load.fail_running.matches("brk") && !load.fail_running.matches("brk2"));
+        assert_eq!(load.fail_running_after, Duration::from_millis(250));
+        assert!(!load.fail_load.matches("ok-1"));
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let node = cmd.find_subcommand_mut("node").expect("node subcommand");
+        node.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        assert!(
+            !help.contains("fail-load")
+                && !help.contains("hang-load")
+                && !help.contains("fail-running"),
+            "test switches must stay out of --help:\n{help}"
+        );
+        let plain = Cli::try_parse_from(["chanwatch", "standalone"]).expect("parses");
+        let Command::Standalone(args) = plain.command else {
+            panic!("not the standalone command");
+        };
+        let load = args.test_load.simulated_load(Duration::ZERO);
+        assert!(load.fail_load.is_empty() && load.hang_load.is_empty());
     }
 }

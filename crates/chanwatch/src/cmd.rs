@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use chanwatch_coord::{CoordHandle, CoordinatorConfig};
 use chanwatch_core::coord::CoordConfig;
 use chanwatch_core::Keys;
-use chanwatch_node::{NodeConfig, NodeStatus, SimulatedLoad};
+use chanwatch_node::{NodeConfig, NodeStatus};
 use chanwatch_store::Clock;
 use tokio::sync::watch;
 use tracing::info;
@@ -120,6 +120,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
         chanwatch_coord::api::ApiOptions {
             registry,
             token: admin_token(&listener, args.admin_token)?,
+            allowed_hosts: args.admin_host,
         },
     );
     let server = tokio::spawn(chanwatch_coord::api::serve(
@@ -184,9 +185,7 @@ pub async fn node(args: NodeArgs) -> Result<()> {
         ..NodeConfig::default()
     };
     info!(admin = %admin_addr, store = %store.describe(), "node starting");
-    let load = SimulatedLoad {
-        load_delay: args.load_delay,
-    };
+    let load = args.test_load.simulated_load(args.load_delay);
     let handler: Arc<dyn chanwatch_node::ChannelHandler> = match &args.handler_log {
         None => Arc::new(load),
         Some(path) => Arc::new(
@@ -217,9 +216,7 @@ pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
         tick: std::time::Duration::from_secs(1),
         progress_interval: std::time::Duration::from_secs(5),
     };
-    let handler = Arc::new(SimulatedLoad {
-        load_delay: args.load_delay,
-    });
+    let handler = Arc::new(args.test_load.simulated_load(args.load_delay));
     let token = admin_token(&listener, args.admin_token)?;
     let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone());
     let stop = shared_shutdown();
@@ -228,7 +225,11 @@ pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
     cluster.node_metrics.register(&registry)?;
     let api = chanwatch_coord::api::router(
         cluster.handle.clone(),
-        chanwatch_coord::api::ApiOptions { registry, token },
+        chanwatch_coord::api::ApiOptions {
+            registry,
+            token,
+            allowed_hosts: args.admin_host,
+        },
     );
     let server = tokio::spawn(chanwatch_coord::api::serve(
         listener,

@@ -23,11 +23,12 @@ impl Api {
     ) -> Result<(u16, Value)> {
         let mut req = self
             .client
-            .request(method, format!("{}{}", self.base, path));
+            .request(method.clone(), format!("{}{}", self.base, path));
+        if method != reqwest::Method::GET {
+            req = req.header("content-type", "application/json");
+        }
         if let Some(b) = body {
-            req = req
-                .header("content-type", "application/json")
-                .body(b.to_owned());
+            req = req.body(b.to_owned());
         }
         let resp = req.send().await?;
         let status = resp.status().as_u16();
@@ -74,6 +75,7 @@ async fn start_with(
         chanwatch_coord::api::ApiOptions {
             registry,
             token: token.map(str::to_owned),
+            allowed_hosts: vec!["Coord.Example".into()],
         },
     );
     tokio::spawn(chanwatch_coord::api::serve(
@@ -377,5 +379,187 @@ async fn metrics_and_the_status_page_are_served() -> Result<()> {
         !page.contains("http://") && !page.contains("https://"),
         "the status page must not load anything from elsewhere"
     );
+    Ok(())
+}
+
+/// One raw request: method, path, headers (a `Host` among them replaces the real one), body.
+async fn raw(
+    api: &Api,
+    method: reqwest::Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Result<(u16, String)> {
+    let mut req = api.client.request(method, format!("{}{}", api.base, path));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    if let Some(b) = body {
+        req = req.body(b.to_owned());
+    }
+    let resp = req.send().await?;
+    let code = resp.status().as_u16();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    Ok((code, body["error"].as_str().unwrap_or_default().to_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_site_and_dns_rebinding_requests_are_refused_and_change_nothing() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (api, handle) = start(store.clone(), "csrf").await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    let addr = api.base.trim_start_matches("http://").to_owned();
+    let port = addr.rsplit_once(':').map(|(_, p)| p).unwrap_or_default();
+    let json = ("content-type", "application/json");
+    let same_origin = format!("http://{addr}");
+    let localhost = format!("localhost:{port}");
+    let wrong_port = "127.0.0.1:1".to_owned();
+    // Allowed by ApiOptions::allowed_hosts (`--admin-host`), matched without case.
+    let allowed_name = format!("coord.example:{port}");
+    use reqwest::Method as M;
+    type Case<'a> = (
+        M,
+        &'a str,
+        Vec<(&'a str, &'a str)>,
+        Option<&'a str>,
+        u16,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
+        // The finding: a web page's form or fetch drains a node.
+        (
+            M::POST,
+            "/api/v1/nodes/1/drain",
+            vec![json, ("origin", "http://evil.example")],
+            None,
+            403,
+            "cross-site",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels",
+            vec![json, ("origin", "null")],
+            Some(r#"{"name":"x"}"#),
+            403,
+            "Origin \"null\"",
+        ),
+        // A form post cannot send application/json.
+        (
+            M::POST,
+            "/api/v1/nodes/1/drain",
+            vec![("content-type", "application/x-www-form-urlencoded")],
+            Some("a=b"),
+            415,
+            "Content-Type: application/json",
+        ),
+        (M::POST, "/api/v1/balance", vec![], None, 415, "got none"),
+        (
+            M::DELETE,
+            "/api/v1/channels/c1",
+            vec![("content-type", "text/plain")],
+            None,
+            415,
+            "text/plain",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels",
+            vec![("content-type", "text/plain")],
+            Some(r#"{"name":"x"}"#),
+            415,
+            "Content-Type",
+        ),
+        // The finding: an array body created a channel.
+        (
+            M::POST,
+            "/api/v1/channels",
+            vec![json],
+            Some(r#"["x"]"#),
+            400,
+            "an array",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels/c1/move",
+            vec![json],
+            Some("[1]"),
+            400,
+            "JSON object",
+        ),
+        // DNS rebinding: reads and writes under a foreign name.
+        (
+            M::GET,
+            "/api/v1/channels",
+            vec![("host", "evil.example")],
+            None,
+            421,
+            "Host \"evil.example\" refused",
+        ),
+        (
+            M::GET,
+            "/readyz",
+            vec![("host", &wrong_port)],
+            None,
+            421,
+            "DNS rebinding",
+        ),
+        (
+            M::POST,
+            "/api/v1/channels",
+            vec![json, ("host", "evil.example:80")],
+            Some(r#"{"name":"x"}"#),
+            421,
+            "refused",
+        ),
+    ];
+    for (method, path, headers, body, want, says) in cases {
+        let (code, msg) = raw(&api, method.clone(), path, &headers, body).await?;
+        ensure!(
+            code == want,
+            "{method} {path} {headers:?}: got {code}, want {want}: {msg}"
+        );
+        ensure!(
+            msg.contains(says),
+            "{method} {path} {headers:?}: error {msg:?} does not say {says:?}"
+        );
+    }
+    ensure!(
+        store.range("chanwatch/channel/").await?.kvs.is_empty(),
+        "a refused request wrote something"
+    );
+
+    // The normal paths: the bound address, localhost with the port, a same-origin page,
+    // bodiless writes with the content type.
+    for (i, headers) in [
+        vec![json],
+        vec![json, ("host", localhost.as_str())],
+        vec![json, ("origin", same_origin.as_str())],
+        vec![("content-type", "application/json; charset=utf-8")],
+        vec![json, ("host", allowed_name.as_str())],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let body = format!(r#"{{"name":"ok{i}"}}"#);
+        let (code, msg) = raw(&api, M::POST, "/api/v1/channels", &headers, Some(&body)).await?;
+        ensure!(code == 201, "{headers:?}: {code} {msg}");
+    }
+    let (code, msg) = raw(&api, M::POST, "/api/v1/balance?dry_run=true", &[json], None).await?;
+    ensure!(code == 200, "{code} {msg}");
+    let (code, msg) = raw(&api, M::DELETE, "/api/v1/channels/ok0", &[json], None).await?;
+    ensure!(code == 200, "{code} {msg}");
+    let (code, _) = raw(
+        &api,
+        M::GET,
+        "/api/v1/channels",
+        &[("host", &localhost)],
+        None,
+    )
+    .await?;
+    ensure!(code == 200);
+    let (code, _) = raw(&api, M::GET, "/", &[], None).await?;
+    ensure!(code == 200, "the status page");
+    ensure!(store.range("chanwatch/channel/").await?.kvs.len() == 4);
     Ok(())
 }

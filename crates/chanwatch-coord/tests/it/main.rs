@@ -38,6 +38,7 @@ all_backends!(
     a_joining_node_gets_balanced_with_no_channel_run_by_two_nodes_at_once,
     a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is,
     a_failed_load_is_moved_to_another_node,
+    a_running_channel_that_breaks_is_stopped_before_it_moves,
     delete_during_a_load_cancels_it,
     a_broken_watch_after_compaction_forces_a_relist_with_no_lost_channel,
     a_killed_leader_is_replaced_by_the_standby_with_no_assignment_lost,

@@ -1,4 +1,7 @@
 //! The scenarios of the control plane, written once for every backend.
+//!
+//! Over 600 lines because it is a flat list of independent scenarios, each one test (run on
+//! the embedded store and on etcd by `main.rs`); split it by theme when it grows further.
 
 use std::time::Duration;
 
@@ -284,6 +287,54 @@ pub async fn a_failed_load_is_moved_to_another_node(c: Cluster) -> Result<()> {
     Ok(())
 }
 
+pub async fn a_running_channel_that_breaks_is_stopped_before_it_moves(c: Cluster) -> Result<()> {
+    let coord = c.spawn_coord("c1");
+    let a = c.spawn_node();
+    let b = c.spawn_node();
+    c.wait_node_id(&a).await?;
+    c.wait_node_id(&b).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.handler.set(
+        "brk",
+        Behaviour::BreakAfter {
+            after: Duration::from_secs(2),
+        },
+    );
+    retry_not_ready(|| {
+        coord.handle.add_channel(
+            ChannelName::new("brk").expect("valid"),
+            VChannelInfo::default(),
+        )
+    })
+    .await?;
+    // It loads, runs, breaks: its node stops it, then acks WatchFailed, and it moves.
+    c.wait_until(SETTLE, "brk moved after breaking", |v| {
+        v.channels.iter().any(|r| r.epoch >= 2)
+    })
+    .await?;
+    ensure!(
+        coord.metrics.reassignments_of("failed") >= 1,
+        "the move after a break counts as cause=failed"
+    );
+    let runs: Vec<_> = c
+        .handler
+        .intervals()
+        .into_iter()
+        .filter(|i| i.channel.as_str() == "brk")
+        .collect();
+    ensure!(
+        runs.first().is_some_and(|r| r.end_ms.is_some()),
+        "the broken run was stopped: {runs:?}"
+    );
+    let overlaps = c.handler.overlaps();
+    ensure!(
+        overlaps.is_empty(),
+        "a broken channel ran beside its next owner: {overlaps:#?}"
+    );
+    Ok(())
+}
+
 pub async fn delete_during_a_load_cancels_it(c: Cluster) -> Result<()> {
     c.handler.set("doomed", Behaviour::Hang);
     let coord = c.spawn_coord("c1");
@@ -450,8 +501,23 @@ pub async fn a_corrupt_value_is_reported_and_left_alone_while_the_rest_works(
         c.keys.owner_prefix(chanwatch_core::ChannelOwner::Node(id)),
         "broken"
     );
+    // A value that decodes but names another channel than its key (DESIGN.md §2).
+    let mismatched_key = format!(
+        "{}{}",
+        c.keys.owner_prefix(chanwatch_core::ChannelOwner::Node(id)),
+        "bad2"
+    );
+    let other = chanwatch_core::ChannelInfo::new(
+        ChannelName::new("other").expect("valid"),
+        chanwatch_core::Epoch(1),
+        0,
+        VChannelInfo::default(),
+    );
     c.store
-        .txn(Txn::new().and_then([TxnOp::put(&bad_key, b"{not json".to_vec())]))
+        .txn(Txn::new().and_then([
+            TxnOp::put(&bad_key, b"{not json".to_vec()),
+            TxnOp::put(&mismatched_key, other.encode()),
+        ]))
         .await?;
     c.add_channels(&coord, "ok", 3).await?;
     let view = c
@@ -459,7 +525,22 @@ pub async fn a_corrupt_value_is_reported_and_left_alone_while_the_rest_works(
             v.channels.len() == 3 && v.channels.iter().all(|r| r.state == ChannelState::Watched)
         })
         .await?;
-    ensure!(view.corrupt == [bad_key.clone()], "{:?}", view.corrupt);
+    ensure!(
+        view.corrupt == [mismatched_key.clone(), bad_key.clone()],
+        "{:?}",
+        view.corrupt
+    );
+    let ran: Vec<String> = c
+        .handler
+        .intervals()
+        .iter()
+        .map(|i| i.channel.to_string())
+        .filter(|ch| !ch.starts_with("ok"))
+        .collect();
+    ensure!(
+        ran.is_empty(),
+        "the node ran {ran:?} from a key whose value names another channel"
+    );
     let raw = c
         .store
         .get(&bad_key)
