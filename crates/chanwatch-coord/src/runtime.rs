@@ -335,6 +335,8 @@ impl<'a> Term<'a> {
     ) -> TermEnd {
         let mut lw = ListWatch::spawn(self.store.clone(), self.config.keys.all_prefix());
         let blind = lw.blind_since();
+        // Since when the list-watch has been failing, as seen by the last tick.
+        let mut away_since: Option<tokio::time::Instant> = None;
         let mut tick = tokio::time::interval(self.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reconcile = tokio::time::interval(self.config.reconcile_interval);
@@ -359,8 +361,24 @@ impl<'a> Term<'a> {
                 () = lost.cancelled() => return TermEnd::Lost("leader lease lost or not renewed in time".into()),
                 update = lw.next() => {
                     let Some(update) = update else { return TermEnd::Lost("list-watch ended".into()) };
+                    let relisted = matches!(update, Update::Reset { .. });
                     if let Err(why) = self.apply(update) {
                         return TermEnd::Lost(why);
+                    }
+                    // Timers stood still while the store was away; a new term starts with
+                    // one watch timeout of grace, knowing nothing of what came before.
+                    if relisted {
+                        let now_ms = self.clock.unix_ms();
+                        let away = match away_since.take() {
+                            Some(since) => self.clock.now().saturating_duration_since(since),
+                            None if !recovered => Duration::from_millis(self.config.planner.watch_timeout_ms),
+                            None => Duration::ZERO,
+                        };
+                        if !away.is_zero() {
+                            let ms = u64::try_from(away.as_millis()).unwrap_or(u64::MAX);
+                            debug!(away_ms = ms, "coord: the store was away; timeouts wait as long");
+                            self.state.store_was_away(now_ms, ms);
+                        }
                     }
                     dirty = true;
                 }
@@ -374,6 +392,7 @@ impl<'a> Term<'a> {
                     // renewals.
                     let since = *blind.borrow();
                     if let Some(since) = since {
+                        away_since.get_or_insert(since);
                         let for_ = self.clock.now().saturating_duration_since(since);
                         if for_ >= self.config.session_ttl {
                             return TermEnd::Lost(format!(
@@ -384,7 +403,7 @@ impl<'a> Term<'a> {
                         }
                     }
                 }
-                () = tokio::time::sleep_until(last_plan + plan_gap), if dirty => {}
+                () = tokio::time::sleep_until(last_plan + plan_gap), if dirty && blind.borrow().is_none() => {}
                 _ = reconcile.tick() => lw.relist(),
                 Some(req) = requests.recv() => {
                     let mut next = Some(req);
@@ -423,7 +442,10 @@ impl<'a> Term<'a> {
                 .watch_restarts
                 .inc_by(restarts - restarts_seen);
             restarts_seen = restarts;
-            if dirty && self.clock.now() >= last_plan + plan_gap {
+            // No plan from a view the list-watch cannot refresh (the store is away): its
+            // timers would fire on time that measured etcd's absence (see
+            // `CoordState::store_was_away`), and what it plans would be refused anyway.
+            if dirty && self.clock.now() >= last_plan + plan_gap && blind.borrow().is_none() {
                 last_plan = self.clock.now();
                 dirty = false;
                 let txns = self.state.plan(self.clock.unix_ms());

@@ -424,6 +424,9 @@ pub struct CoordState {
     /// `move_cooldown_ms`. Pruned once a second.
     moved_at: BTreeMap<ChannelName, u64>,
     next_prune_ms: u64,
+    /// No watch timeout fires before this: the store was away (or this leader just took
+    /// over), and a node could not have loaded or acknowledged meanwhile.
+    timeouts_after_ms: u64,
 }
 
 /// What this leader knows of a fence mark.
@@ -486,6 +489,7 @@ impl CoordState {
             disturbed: false,
             moved_at: BTreeMap::new(),
             next_prune_ms: 0,
+            timeouts_after_ms: 0,
         }
     }
 
@@ -690,6 +694,19 @@ impl CoordState {
                 *f = *known;
             }
         }
+    }
+
+    /// The store could not be reached for `away_ms` up to `now_ms` (or this leader has just
+    /// taken over, knowing nothing of the time before): the time measured etcd's absence,
+    /// not the nodes'. Releases in flight restart their clock by as much, and no watch
+    /// timeout fires for `away_ms` more, so an etcd outage does not end in forced moves
+    /// and reassignments when it is over (invariant 9; found by the simulation: a drain's
+    /// release, unanswerable during a 3.5 s outage, timed out the moment etcd came back).
+    pub fn store_was_away(&mut self, now_ms: u64, away_ms: u64) {
+        for m in self.moves.values_mut() {
+            m.since_ms = m.since_ms.saturating_add(away_ms).min(now_ms);
+        }
+        self.timeouts_after_ms = self.timeouts_after_ms.max(now_ms.saturating_add(away_ms));
     }
 
     /// Nodes whose session lease the runtime must revoke now: their fence mark has landed
@@ -1309,6 +1326,7 @@ impl CoordState {
                 continue;
             }
             let timed_out = match e.info.state {
+                ChannelState::ToWatch if now_ms < self.timeouts_after_ms => false,
                 ChannelState::ToWatch => {
                     let last = e.info.progress.as_ref().map_or(e.info.start_time_ms, |p| {
                         p.updated_at_ms.max(e.info.start_time_ms)

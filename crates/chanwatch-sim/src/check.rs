@@ -67,6 +67,15 @@ pub enum Scope {
     Node(NodeId),
 }
 
+/// What [`Checker::outage_began`] remembers.
+#[derive(Debug)]
+struct Outage {
+    until: Option<tokio::time::Instant>,
+    grace: std::time::Duration,
+    nodes: BTreeSet<NodeId>,
+    procs: BTreeSet<String>,
+}
+
 /// The checker. Feed it with [`Checker::poll`] after every step.
 #[derive(Debug)]
 pub struct Checker {
@@ -87,6 +96,9 @@ pub struct Checker {
     /// The planner's failing-node back-off: a channel must not be put back on a node that
     /// failed it within this long while another node could take it (invariant 7).
     pub failed_node_backoff: std::time::Duration,
+    /// A store-wide outage being watched (invariant 9): its start, its end once known, and
+    /// the nodes (IDs and process names) with a session when it began.
+    outage: Option<Outage>,
     /// When each node last wrote `WatchFailed` for each channel.
     failed: BTreeMap<(ChannelName, NodeId), tokio::time::Instant>,
     /// When the current leader took the leader key: back-offs live in the leader's memory,
@@ -111,6 +123,7 @@ impl Checker {
             revision: 0,
             failed_node_backoff: std::time::Duration::ZERO,
             failed: BTreeMap::new(),
+            outage: None,
             term_since: None,
         }
     }
@@ -135,7 +148,76 @@ impl Checker {
                 trace(at, format!("r{rev} {writer} {}", self.describe(e)));
             }
             self.check_churn(rev, at, &writer, &events);
+            self.check_static_stability(rev, at, &writer, &events);
             self.check_revision(rev, &writer, &events);
+        }
+    }
+
+    /// The whole store went away (no leader): from now until `grace` after it returns, no
+    /// node that has a session now may register again, and none of its channels may be
+    /// failed over (invariant 9, static stability).
+    pub fn outage_began(&mut self, grace: std::time::Duration) {
+        let mut nodes = BTreeSet::new();
+        let mut procs = BTreeSet::new();
+        for kv in self.kv.values() {
+            if let Ok(id) = self.keys.parse_session(&kv.key) {
+                nodes.insert(id);
+                if let Ok(s) = chanwatch_core::NodeSession::decode(&kv.value) {
+                    procs.insert(s.admin_addr);
+                }
+            }
+        }
+        self.outage = Some(Outage {
+            until: None,
+            grace,
+            nodes,
+            procs,
+        });
+    }
+
+    /// The store is back at `at`.
+    pub fn outage_ended(&mut self, at: tokio::time::Instant) {
+        if let Some(o) = &mut self.outage {
+            o.until = Some(at);
+        }
+    }
+
+    fn check_static_stability(
+        &mut self,
+        rev: Revision,
+        at: tokio::time::Instant,
+        writer: &Writer,
+        events: &[WatchEvent],
+    ) {
+        let Some(o) = &self.outage else { return };
+        if o.until.is_some_and(|u| at > u + o.grace) {
+            self.outage = None;
+            return;
+        }
+        let mut found = Vec::new();
+        for e in events.iter().filter(|e| e.kind == EventKind::Put) {
+            if self.keys.parse_session(&e.kv.key).is_ok() {
+                let proc = chanwatch_core::NodeSession::decode(&e.kv.value)
+                    .map(|s| s.admin_addr)
+                    .unwrap_or_default();
+                if o.procs.contains(&proc) {
+                    found.push(format!("static stability: {proc} registered again during or right after a store outage"));
+                }
+            }
+        }
+        if matches!(writer, Writer::Coord(_)) {
+            for e in events.iter().filter(|e| e.kind == EventKind::Delete) {
+                if let Ok(ck) = self.keys.parse_channel(&e.kv.key) {
+                    if let ChannelOwner::Node(n) = ck.owner {
+                        if o.nodes.contains(&n) && !self.session_alive(n) {
+                            found.push(format!("static stability: {} failed over from node {n} during or right after a store outage", ck.channel));
+                        }
+                    }
+                }
+            }
+        }
+        for f in found {
+            self.violation(rev, f);
         }
     }
 

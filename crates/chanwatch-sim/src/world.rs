@@ -486,7 +486,7 @@ impl World {
 
     /// One step: maybe one fault or request, chosen by the RNG.
     async fn step(&mut self) {
-        let roll = self.rng.random_range(0..120u32);
+        let roll = self.rng.random_range(0..126u32);
         match roll {
             0..=39 => {}
             40..=44 => {
@@ -721,6 +721,48 @@ impl World {
                     Box::new(move || sick.store(false, Ordering::SeqCst)),
                 );
             }
+            120..=121 => {
+                // The whole store goes away (etcd crash, restart, lost quorum): every call of
+                // every client fails, no lease expires, and on return every lease gets a
+                // whole TTL again. Channels pause; none may move and no node may register
+                // again (invariant 9). Other faults end first, so that what happens is
+                // the outage's doing.
+                let d = self.ms(1_000, 15_000);
+                self.run_due_undos(true);
+                self.checker.poll(&mut |_, _| {});
+                self.checker.outage_began(SESSION_TTL / 2);
+                self.store.set_outage(true);
+                self.fault("store-outage", &format!("for {d:?}"));
+                self.advance(d).await;
+                self.store.set_outage(false);
+                self.checker.outage_ended(Instant::now());
+                self.log("end store outage");
+            }
+            122..=123 => {
+                // NOSPACE: writes with a put and lease grants are refused, deletes pass.
+                let d = self.ms(1_000, 10_000);
+                self.store.set_nospace(true);
+                self.fault("nospace", &format!("for {d:?}"));
+                let store = self.store.clone();
+                self.schedule(
+                    d,
+                    "NOSPACE alarm".into(),
+                    Box::new(move || store.set_nospace(false)),
+                );
+            }
+            124..=125 => {
+                // An expired auth token: every call of one client but keepalives fails.
+                let (who, faults) = self.any_actor();
+                let Some(faults) = faults else { return };
+                let d = self.ms(500, 6_000);
+                faults.expire_auth(true);
+                self.fault("auth-expired", &format!("{who} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("expired token of {who}"),
+                    Box::new(move || faults.expire_auth(false)),
+                );
+            }
             _ => {
                 // Cut off from the store: every call fails and its watches end.
                 let Some(i) = self.pick(self.nodes.len()) else {
@@ -842,8 +884,22 @@ impl World {
         for o in &overlap {
             self.log(&format!("violation: {o}"));
         }
+        // Invariant 10: no process gives up because the store misbehaved.
+        let exited: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|n| n.task.is_finished())
+            .map(|n| format!("liveness: proc{} exited on its own", n.slot))
+            .chain(
+                self.coords
+                    .iter()
+                    .filter(|c| c.task.is_finished())
+                    .map(|c| format!("liveness: {} exited on its own", c.name)),
+            )
+            .collect();
         let mut report = self.report;
         let mut violations = std::mem::take(&mut self.checker.violations);
+        violations.extend(exited);
         violations.extend(overlap);
         violations.append(&mut report.violations);
         report.violations = violations;
