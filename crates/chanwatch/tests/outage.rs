@@ -322,6 +322,8 @@ struct Measured {
     reregistered: usize,
     /// From etcd's return until every channel runs (and keeps running); None: some never did.
     recovery_ms: Option<u64>,
+    /// From the fault until the first channel stopped or paused (None: none did).
+    first_stop_ms: Option<u64>,
     overlaps: Vec<String>,
     exits: Vec<String>,
 }
@@ -350,6 +352,12 @@ fn measure(
         reassigned: 0,
         reregistered: 0,
         recovery_ms: Some(0),
+        first_stop_ms: runs
+            .iter()
+            .filter_map(|r| r.to)
+            .filter(|&to| to >= t_fault)
+            .min()
+            .map(|to| to - t_fault),
         overlaps: Vec::new(),
         exits: Vec::new(),
     };
@@ -559,8 +567,12 @@ async fn run(s: Scenario) -> (String, Vec<String>) {
             verdict(recovered),
         ),
     };
+    let first_stop = m
+        .first_stop_ms
+        .map_or_else(|| "none".to_owned(), |f| format!("{:.1} s", secs(f)));
     let line = format!(
-        "outage {}: etcd away {:.1} s; not running {:.0} channel-s during the outage + {:.0} \
+        "outage {}: etcd away {:.1} s (unix ms {t_fault}..{t_return}); first channel stopped \
+         or paused {first_stop} after the fault; not running {:.0} channel-s during the outage + {:.0} \
          after etcd's return ({} of {CHANNELS} channels interrupted); {targets}; \
          (reassignments {}, re-registrations {}, all running after {recovery}); overlaps {}; \
          settled {:.1} s after return; process exits: {}; scenario took {:.0} s",
