@@ -641,3 +641,30 @@ fn the_handler_log_parser_treats_a_pause_as_not_running_and_rejects_unknown_kind
     assert!(parse_log("evict 1 a 1 100\n").is_err());
     assert!(parse_log("start 1 a x 100\n").is_err());
 }
+
+#[test]
+fn the_measurement_counts_paused_time_as_not_running_and_finds_overlaps() {
+    let snap = |owners: &[(&str, u64, u64)], sessions: &[u64]| Snapshot {
+        owners: owners
+            .iter()
+            .map(|&(c, n, e)| (c.to_owned(), (n, e)))
+            .collect(),
+        sessions: sessions.iter().copied().collect(),
+    };
+    let before = snap(&[("a", 1, 1), ("b", 2, 1)], &[1, 2]);
+    // `a` pauses 1000..3000 and resumes on node 1; `b` stops on node 2 at 1500 and starts on
+    // node 4 (a re-registration) at 2500 while node 2 runs it again 2000..2600: an overlap.
+    let log = "start 1 a 1 0\nstart 2 b 1 0\npause 1 a 1 1000\nstop 2 b 1 1500\n\
+               start 2 b 1 2000\nstart 4 b 2 2500\nstop 2 b 1 2600\nresume 1 a 1 3000\n";
+    let runs = parse_log(log).expect("parses");
+    let after = snap(&[("a", 1, 1), ("b", 4, 2)], &[1, 4]);
+    let m = measure(&runs, &before, &after, (500, 2000, 4000));
+    assert_eq!(m.not_running_during_ms, 1000 + 500);
+    assert_eq!(m.not_running_after_ms, 1000);
+    assert_eq!(m.interrupted, 2);
+    assert_eq!(m.reassigned, 1);
+    assert_eq!(m.reregistered, 1);
+    assert_eq!(m.recovery_ms, Some(1000));
+    assert_eq!(m.first_stop_ms, Some(500));
+    assert_eq!(m.overlaps.len(), 1, "{:?}", m.overlaps);
+}
