@@ -1,7 +1,9 @@
 //! Test fixtures shared by the integration tests of every crate.
 //!
 //! Owns: starting a real `etcd` process on free loopback ports with a temporary data dir,
-//! waiting until it serves, and killing it (and removing the dir) when the fixture drops.
+//! waiting until it serves, and killing it (and removing the dir) when the fixture drops;
+//! faults that keep the data: kill and start again, freeze and thaw (one fixture), kill and
+//! start again (members of a cluster).
 //!
 //! Must not: be used outside tests, or bind anything but 127.0.0.1.
 //!
@@ -460,6 +462,24 @@ impl EtcdFixture {
         self.wait_healthy(Duration::from_secs(20)).await
     }
 
+    /// Freezes etcd (`SIGSTOP`): its connections stay open and nothing answers, and its
+    /// clock-driven work (lease expiry) waits until [`EtcdFixture::thaw`].
+    ///
+    /// # Errors
+    /// [`FixtureError::Io`] when the signal cannot be sent.
+    pub fn freeze(&self) -> Result<(), FixtureError> {
+        signal(self.child.id(), "-STOP")
+    }
+
+    /// Wakes a frozen etcd (`SIGCONT`) and waits until it serves.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when the signal cannot be sent or etcd does not serve within 20 s.
+    pub async fn thaw(&self) -> Result<(), FixtureError> {
+        signal(self.child.id(), "-CONT")?;
+        self.wait_healthy(Duration::from_secs(20)).await
+    }
+
     /// The client URL, e.g. `http://127.0.0.1:41234`.
     pub fn endpoint(&self) -> &str {
         &self.client_url
@@ -487,6 +507,20 @@ fn spawn(command: &[String], dir: &Path) -> Result<Child, FixtureError> {
         .stdout(log.try_clone()?)
         .stderr(log)
         .spawn()?)
+}
+
+/// Sends a signal with the `kill` command (no libc binding needed for tests).
+fn signal(pid: u32, sig: &str) -> Result<(), FixtureError> {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(FixtureError::Io(std::io::Error::other(format!(
+            "`kill {sig} {pid}` failed: {status}"
+        ))))
+    }
 }
 
 impl Drop for EtcdFixture {
@@ -578,6 +612,28 @@ impl EtcdCluster {
             let _ = c.wait();
         }
         m.child = Some(spawn(&m.command, &m.dir)?);
+        self.wait_member(i, Duration::from_secs(30)).await
+    }
+
+    /// Kills member `i` (`SIGKILL`) and leaves it down, keeping its data; stopping a
+    /// majority this way loses quorum. [`EtcdCluster::start_member`] brings it back.
+    pub fn kill_member(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts a killed member again on its data and waits until it serves, which needs a
+    /// quorum: start members back one by one until a majority runs.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when it does not serve within 30 s.
+    pub async fn start_member(&mut self, i: usize) -> Result<(), FixtureError> {
+        let m = &mut self.members[i];
+        if m.child.is_none() {
+            m.child = Some(spawn(&m.command, &m.dir)?);
+        }
         self.wait_member(i, Duration::from_secs(30)).await
     }
 
