@@ -303,6 +303,10 @@ enum SessionEnd {
 struct Runner {
     generation: u64,
     cancel: CancellationToken,
+    /// The session's pause state, passed on by the event loop in channel order: one waiter
+    /// per channel (tokio's watch wakes several waiters in a random order, which would make
+    /// the simulation's runs differ).
+    pause: watch::Sender<Option<String>>,
     task: JoinHandle<()>,
 }
 
@@ -475,13 +479,14 @@ impl Session {
         // when it cannot see its assignments for as long: a node that kept renewing its lease
         // between short partitions, yet never saw a release request, must not run the
         // channel once the coordinator fences it (found by the simulation too).
-        let mut renewed = last_ok.clone();
+        let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
         let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
             AbortOnDrop(tokio::spawn(watchdog(
                 last_ok,
                 lw.blind_since(),
                 self.ttl.saturating_sub(self.margin),
                 self.pause.clone(),
+                renewed_tx,
             )))
         });
         let mut paused = self.pause.subscribe();
@@ -513,6 +518,9 @@ impl Session {
                         s.pauses += u64::from(why.is_some());
                         s.paused.clone_from(&why);
                     });
+                    for r in self.runners.values() {
+                        r.pause.send_replace(why.clone());
+                    }
                     match why {
                         Some(why) => {
                             self.metrics.pauses.inc();
@@ -527,10 +535,9 @@ impl Session {
                         }
                     }
                 }
-                Ok(()) = renewed.changed(), if self.pause.borrow().is_some() => {
+                Some(()) = renewed.recv() => {
                     // Renewed while paused: the store is back. Look again at once rather than
                     // after the list-watch's back-off, so channels resume within a second.
-                    renewed.borrow_and_update();
                     lw.relist();
                 }
                 _ = metrics_tick.tick() => {
@@ -723,7 +730,12 @@ impl Session {
         let max_bytes = self.store.limits().max_request_bytes / 2;
         let mut chunks: Vec<Vec<AckWrite>> = vec![Vec::new()];
         let mut bytes = 0;
-        for (info, expect) in std::mem::take(&mut self.ack_queue) {
+        // In channel order: runners woken together (a resume) queue their acks in whatever
+        // order the scheduler woke them (tokio's watch wakes its waiters through randomly
+        // chosen shards), and a simulation must replay the same txns.
+        let mut queue = std::mem::take(&mut self.ack_queue);
+        queue.sort_by(|a, b| a.0.channel.cmp(&b.0.channel));
+        for (info, expect) in queue {
             let key = self.key(&info.channel);
             let value = info.encode();
             let last = chunks.last().map_or(0, Vec::len);
@@ -831,12 +843,13 @@ impl Session {
         self.seen_at.insert(info.channel.clone(), self.clock.now());
         self.metrics.running.inc();
         let guard = RunningGuard(self.metrics.clone());
+        let (pause, paused) = watch::channel(self.pause.borrow().clone());
         let task = tokio::spawn(run_channel(
             guard,
             self.handler.clone(),
             ctx,
             cancel.clone(),
-            self.pause.subscribe(),
+            paused,
             generation,
         ));
         self.runners.insert(
@@ -844,6 +857,7 @@ impl Session {
             Runner {
                 generation,
                 cancel,
+                pause,
                 task,
             },
         );
@@ -1024,6 +1038,7 @@ async fn watchdog(
     mut blind: watch::Receiver<Option<tokio::time::Instant>>,
     limit: Duration,
     pause: watch::Sender<Option<String>>,
+    renewals: mpsc::UnboundedSender<()>,
 ) {
     loop {
         let renewed = *last_ok.borrow_and_update() + limit;
@@ -1058,7 +1073,10 @@ async fn watchdog(
             }
             tokio::select! {
                 biased;
-                changed = last_ok.changed() => if changed.is_err() { return },
+                changed = last_ok.changed() => {
+                    if changed.is_err() { return }
+                    let _ = renewals.send(());
+                }
                 changed = blind.changed() => if changed.is_err() { return },
             }
         }
