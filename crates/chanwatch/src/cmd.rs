@@ -115,6 +115,30 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
     let stop = shared_shutdown();
     let registry = prometheus::Registry::new();
     config.metrics.register(&registry)?;
+    // chanwatch_etcd_alarm on the coordinator too, with one log line when an alarm is
+    // raised or cleared (nodes export their own).
+    let alarm = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "chanwatch_etcd_alarm",
+            "1 while etcd has raised an alarm of this type (NOSPACE: writes refused).",
+        ),
+        &["type"],
+    )?;
+    for kind in chanwatch_store::AlarmKind::ALL {
+        alarm.with_label_values(&[kind.name()]).set(0);
+    }
+    registry.register(Box::new(alarm.clone()))?;
+    let _alarms = tokio::spawn(chanwatch_store::follow_alarms(
+        store.clone(),
+        std::time::Duration::from_secs(5),
+        move |raised| {
+            for kind in chanwatch_store::AlarmKind::ALL {
+                alarm
+                    .with_label_values(&[kind.name()])
+                    .set(i64::from(raised.contains(&kind)));
+            }
+        },
+    ));
     let api = chanwatch_coord::api::router(
         handle.clone(),
         chanwatch_coord::api::ApiOptions {
