@@ -486,7 +486,7 @@ impl World {
 
     /// One step: maybe one fault or request, chosen by the RNG.
     async fn step(&mut self) {
-        let roll = self.rng.random_range(0..126u32);
+        let roll = self.rng.random_range(0..128u32);
         match roll {
             0..=39 => {}
             40..=44 => {
@@ -761,6 +761,21 @@ impl World {
                     d,
                     format!("expired token of {who}"),
                     Box::new(move || faults.expire_auth(false)),
+                );
+            }
+            126..=127 => {
+                // A slow store for one process: every call takes up to 1.5 s (an etcd
+                // member under a compaction or a slow disk).
+                let (who, faults) = self.any_actor();
+                let Some(faults) = faults else { return };
+                let d = self.ms(2_000, 10_000);
+                let seed = self.seed ^ 0x5eed;
+                faults.latency(Duration::from_millis(1_500), seed);
+                self.fault("slow-store", &format!("{who} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("slow store of {who}"),
+                    Box::new(move || faults.latency(LATENCY, seed)),
                 );
             }
             _ => {

@@ -55,6 +55,7 @@ fn seeds_pass_and_inject_every_kind_of_fault() {
         "store-outage",
         "nospace",
         "auth-expired",
+        "slow-store",
         "coord-crash",
         "coord-pause",
         "keepalive-loss",
