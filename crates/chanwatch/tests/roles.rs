@@ -3,8 +3,7 @@
 //! user with its own role, and do their work; the node's user cannot write the leader key or
 //! drain marks, and `ctl`'s user cannot write at all.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, StoreError, Txn, TxnOp};
@@ -35,31 +34,8 @@ const ROLES: &[(&str, &[(&str, &str)])] = &[
     ("chanwatch-ctl", &[("read", "cw/")]),
 ];
 
-/// A process of the binary, killed on drop.
-struct Proc {
-    child: Child,
-    out: PathBuf,
-}
-
-impl Proc {
-    fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-    fn output(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
-}
+mod procs;
+use procs::{bin, spawn};
 
 fn common(fixture: &EtcdFixture, user: &str) -> Vec<String> {
     vec![
@@ -68,20 +44,6 @@ fn common(fixture: &EtcdFixture, user: &str) -> Vec<String> {
         format!("--etcd-user={user}"),
         format!("--etcd-password={user}-pw"),
     ]
-}
-
-fn spawn(dir: &std::path::Path, name: &str, args: &[String]) -> Proc {
-    let out = dir.join(format!("{name}.out"));
-    let file = std::fs::File::create(&out).expect("output file");
-    let child = Command::new(bin())
-        .args(args)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().expect("dup"))
-        .stderr(file)
-        .spawn()
-        .expect("spawn chanwatch");
-    Proc { child, out }
 }
 
 fn ctl(fixture: &EtcdFixture, args: &[&str]) -> Output {

@@ -2,50 +2,13 @@
 //! and a node started before etcd serves keep running, say why, and do their work once it
 //! does.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use chanwatch_testkit::EtcdFixture;
 
-struct Proc {
-    child: Child,
-    out: PathBuf,
-}
-
-impl Proc {
-    fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-    fn output(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
-}
-
-fn spawn(dir: &std::path::Path, name: &str, args: &[String]) -> Proc {
-    let out = dir.join(format!("{name}.out"));
-    let file = std::fs::File::create(&out).expect("output file");
-    let child = Command::new(bin())
-        .args(args)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().expect("dup"))
-        .stderr(file)
-        .spawn()
-        .expect("spawn chanwatch");
-    Proc { child, out }
-}
+mod procs;
+use procs::{bin, spawn};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_and_a_node_started_while_etcd_is_down_wait_for_it() {

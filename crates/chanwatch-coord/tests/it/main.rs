@@ -10,24 +10,32 @@ mod cluster;
 mod leader;
 mod scenarios;
 
+/// One test per case on one backend; each calls `$module::$case(cluster)`.
 macro_rules! scenarios {
-    ($backend:ident, $make:path, #[$runtime:meta], [$($case:ident),* $(,)?]) => {
+    ($backend:ident, $make:path, #[$runtime:meta], $module:ident, [$($case:ident),* $(,)?]) => {
         mod $backend {
             $(
                 #[$runtime]
                 async fn $case() -> anyhow::Result<()> {
                     let cluster = $make().await?;
-                    crate::scenarios::$case(cluster).await
+                    crate::$module::$case(cluster).await
                 }
             )*
         }
     };
 }
 
+/// Every case of `$module` on the embedded store (paused clock) and on real etcd.
+macro_rules! on_both_backends {
+    ($module:ident, $($case:ident),* $(,)?) => {
+        scenarios!(embedded, crate::cluster::Cluster::embedded, #[tokio::test(start_paused = true)], $module, [$($case),*]);
+        scenarios!(etcd, crate::cluster::Cluster::etcd, #[tokio::test(flavor = "multi_thread", worker_threads = 2)], $module, [$($case),*]);
+    };
+}
+
 macro_rules! all_backends {
     ($($case:ident),* $(,)?) => {
-        scenarios!(embedded, crate::cluster::Cluster::embedded, #[tokio::test(start_paused = true)], [$($case),*]);
-        scenarios!(etcd, crate::cluster::Cluster::etcd, #[tokio::test(flavor = "multi_thread", worker_threads = 2)], [$($case),*]);
+        on_both_backends!(scenarios, $($case),*);
     };
 }
 
@@ -51,26 +59,8 @@ all_backends!(
 
 /// Leader honesty (issue 11 finding 6), on both backends.
 mod leader_key {
-    macro_rules! on_both {
-        ($($case:ident),* $(,)?) => {
-            scenarios!(embedded, crate::cluster::Cluster::embedded, #[tokio::test(start_paused = true)], [$($case),*]);
-            scenarios!(etcd, crate::cluster::Cluster::etcd, #[tokio::test(flavor = "multi_thread", worker_threads = 2)], [$($case),*]);
-        };
-    }
-    macro_rules! scenarios {
-        ($backend:ident, $make:path, #[$runtime:meta], [$($case:ident),* $(,)?]) => {
-            mod $backend {
-                $(
-                    #[$runtime]
-                    async fn $case() -> anyhow::Result<()> {
-                        let cluster = $make().await?;
-                        crate::leader::$case(cluster).await
-                    }
-                )*
-            }
-        };
-    }
-    on_both!(
+    on_both_backends!(
+        leader,
         a_leader_whose_key_is_deleted_steps_down_at_once_and_one_leader_remains,
         a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election,
     );

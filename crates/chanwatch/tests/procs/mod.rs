@@ -1,0 +1,50 @@
+//! Helpers shared by the integration tests that run the real binary: a child process whose
+//! stdout and stderr go to a file, killed when dropped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// A process of the binary, killed on drop.
+pub struct Proc {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Proc {
+    /// Whether it still runs.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// What it printed so far (stdout and stderr).
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The binary under test.
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
+}
+
+/// Starts `chanwatch ARGS` with `RUST_LOG=info`, its output in `DIR/NAME.out`.
+pub fn spawn(dir: &Path, name: &str, args: &[String]) -> Proc {
+    let out = dir.join(format!("{name}.out"));
+    let file = std::fs::File::create(&out).expect("output file");
+    let child = Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("dup"))
+        .stderr(file)
+        .spawn()
+        .expect("spawn chanwatch");
+    Proc { child, out }
+}
