@@ -296,6 +296,12 @@ pub(crate) struct Term<'a> {
     status: &'a watch::Sender<CoordStatus>,
     /// Sessions seen gone, with the channels they held, until those are all Watched again.
     failovers: Vec<(tokio::time::Instant, NodeId, Vec<ChannelName>)>,
+    /// A request (drain, balance) wants a plan round; the loop runs it when its view is
+    /// fresh (found by the simulation: a balance request right after an etcd outage planned
+    /// from the stale view and fenced a node that was releasing).
+    replan: bool,
+    /// Since when etcd has refused our writes for lack of space (NOSPACE).
+    writes_refused_since: Option<tokio::time::Instant>,
 }
 
 impl<'a> Term<'a> {
@@ -317,6 +323,8 @@ impl<'a> Term<'a> {
             state: CoordState::new(config.keys.clone(), config.planner.clone()),
             status,
             failovers: Vec::new(),
+            replan: false,
+            writes_refused_since: None,
         }
     }
 
@@ -419,6 +427,11 @@ impl<'a> Term<'a> {
                             next = requests.try_recv().ok();
                         }
                     }
+                    if std::mem::take(&mut self.replan) {
+                        // Plan now (not after `plan_gap`), unless the view is stale.
+                        dirty = true;
+                        last_plan = self.clock.now() - plan_gap;
+                    }
                 }
             }
             // Whatever this turn served, what the watch delivered meanwhile is applied now.
@@ -448,6 +461,15 @@ impl<'a> Term<'a> {
             if dirty && self.clock.now() >= last_plan + plan_gap && blind.borrow().is_none() {
                 last_plan = self.clock.now();
                 dirty = false;
+                // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand
+                // still, round by round, as they do while the store is away.
+                if let Some(since) = self.writes_refused_since {
+                    let now = self.clock.now();
+                    let ms = u64::try_from(now.saturating_duration_since(since).as_millis())
+                        .unwrap_or(u64::MAX);
+                    self.state.store_was_away(self.clock.unix_ms(), ms);
+                    self.writes_refused_since = Some(now);
+                }
                 let txns = self.state.plan(self.clock.unix_ms());
                 plan_gap =
                     PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
@@ -642,16 +664,12 @@ impl<'a> Term<'a> {
                     Err(_) => Err(ApiError::Store("drain request dropped".into())),
                 };
                 drop(reply.send(result));
-                let txns = self.state.plan(now);
-                self.execute(txns).await?;
+                self.replan = true;
             }
             Request::Balance { dry_run, reply } => {
                 let plan = self.state.balance_plan();
                 drop(reply.send(Ok(plan)));
-                if !dry_run {
-                    let txns = self.state.plan(now);
-                    self.execute(txns).await?;
-                }
+                self.replan |= !dry_run;
             }
         }
         Ok(())
@@ -866,12 +884,23 @@ impl<'a> Term<'a> {
                 Ok(resp) if resp.succeeded => {
                     self.state.applied(&t, resp.revision);
                     self.log_transitions(&t);
+                    if let Some(since) = self.writes_refused_since.take() {
+                        // Nodes could not ack either while etcd refused writes: that time
+                        // does not count against their releases and loads.
+                        let away = self.clock.now().saturating_duration_since(since);
+                        let ms = u64::try_from(away.as_millis()).unwrap_or(u64::MAX);
+                        info!(refused_ms = ms, "coord: etcd takes writes again; timeouts wait as long as it refused them");
+                        self.state.store_was_away(self.clock.unix_ms(), ms);
+                    }
                 }
                 Ok(resp) => {
                     refused += 1;
                     self.refresh(&t, &resp)?;
                 }
                 Err(e) => {
+                    if matches!(e, StoreError::NoSpace) {
+                        self.writes_refused_since.get_or_insert(started);
+                    }
                     warn!(error = %e, channels = t.transitions.len(), "coord: txn failed; the next plan retries")
                 }
             }

@@ -687,7 +687,10 @@ impl CoordState {
         }
         let channels = &self.channels;
         self.moves.retain(|c, _| channels.contains_key(c));
-        self.avoid.retain(|c, _| channels.contains_key(c));
+        // `avoid` stays: a list can be older than our own last txn (a relist after a broken
+        // watch, read before the txn committed, handed over after it), so a channel that just
+        // moved may be missing from it, and forgetting its back-offs let it bounce straight
+        // back (found by the simulation's ping-pong check). `prune` forgets old back-offs.
         self.disturbed = disturbed || !self.nodes.keys().copied().eq(before);
         for (node, f) in &mut self.fences {
             if let Some(known) = fences.get(node) {
@@ -1105,13 +1108,40 @@ impl CoordState {
         let cooldown = self.config.move_cooldown_ms;
         self.moved_at.retain(|_, t| *t + cooldown > now_ms);
         self.troubled.retain(|_, until| *until > now_ms);
+        // A back-off is kept for one more back-off after it ends: `plan_timeouts` retries a
+        // channel that failed everywhere on its node once that node's own back-off is over.
+        let backoff = self.config.failed_node_backoff_ms;
+        self.avoid.retain(|_, nodes| {
+            nodes.retain(|_, until| until.saturating_add(backoff) > now_ms);
+            !nodes.is_empty()
+        });
     }
 
     /// Dates the fenced nodes seen gone, asks again for revokes that did not take, and
     /// removes the marks of nodes that are gone, held long enough and own nothing.
     fn plan_fences(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
         let wait = self.config.fence_wait_ms;
+        // Live nodes that still hold a channel asked to release: the reason for a fence.
+        let releasing: BTreeSet<NodeId> = self
+            .unsettled()
+            .flat_map(|(_, o)| o.values())
+            .filter(|e| e.info.state == ChannelState::ToRelease)
+            .filter_map(|e| match e.owner {
+                ChannelOwner::Node(n) => Some(n),
+                ChannelOwner::Remaining => None,
+            })
+            .collect();
         for (node, f) in &mut self.fences {
+            if self.nodes.contains_key(node) && !releasing.contains(node) {
+                // It released after all (it could see again, or etcd was away): a fence
+                // no longer has a reason; lift it rather than revoke a node that works.
+                changes.push(Change {
+                    guards: Vec::new(),
+                    ops: vec![Op::Unfence { node: *node }],
+                    transition: None,
+                });
+                continue;
+            }
             if self.nodes.contains_key(node) {
                 f.gone_ms = None;
                 let retry = f

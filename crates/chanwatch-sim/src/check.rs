@@ -159,8 +159,18 @@ impl Checker {
     pub fn outage_began(&mut self, grace: std::time::Duration) {
         let mut nodes = BTreeSet::new();
         let mut procs = BTreeSet::new();
+        // A node already being fenced (it did not release in time, before the outage) is
+        // the fence's doing when it registers again, not the outage's.
+        let fenced: BTreeSet<NodeId> = self
+            .kv
+            .keys()
+            .filter_map(|k| self.keys.parse_fence(k).ok())
+            .collect();
         for kv in self.kv.values() {
             if let Ok(id) = self.keys.parse_session(&kv.key) {
+                if fenced.contains(&id) {
+                    continue;
+                }
                 nodes.insert(id);
                 if let Ok(s) = chanwatch_core::NodeSession::decode(&kv.value) {
                     procs.insert(s.admin_addr);
