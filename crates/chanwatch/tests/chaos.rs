@@ -1,9 +1,19 @@
 //! Process-level chaos against real etcd: a 3-member etcd cluster, 2 coordinator and 5 node
 //! processes of the real binary, 500 channels. For `CHANWATCH_CHAOS_SECS` (default 120) it
 //! injects at random: `kill -9` of a node or of the leader, `SIGSTOP`/`SIGCONT` of a node past
-//! its TTL, a restart of one etcd member, compaction. After each fault it measures the time
-//! until every channel is `Watched` on a live node again; at the end it checks the store's
-//! invariants and single ownership from the nodes' handler logs (`--handler-log`).
+//! its TTL, a restart of one etcd member, compaction, an etcd-wide outage (every member
+//! `kill -9`ed for 5-20 s, then restarted on its data), a full quota (junk outside the root
+//! until NOSPACE, held 5-10 s, then deleted, compacted, defragmented, alarm disarmed) and a
+//! network partition of one node (the node runs in a network namespace, see `chaos/netns.rs`;
+//! iptables drops its etcd traffic for 5-15 s; without root, `ip` or `iptables` the run says
+//! why and goes on without this kind, unless `CHANWATCH_CHAOS_NETNS=require`).
+//!
+//! After each fault it measures the time until every channel is `Watched` on a live node and
+//! that node's handler log says it runs it (same epoch, started, not stopped or paused); for
+//! the outage and the quota the time counts from etcd's return (the restart, the disarm). Any
+//! chanwatch process that exits by itself is a violation (its output's tail is printed; it is
+//! replaced). At the end it checks single ownership from the nodes' handler logs
+//! (`--handler-log`).
 //!
 //! Ignored by `cargo test`: `.ci/run` runs it on its own (it takes minutes), as
 //! `cargo test -p chanwatch --test chaos -- --ignored --nocapture`.
@@ -16,12 +26,21 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, CoordSession, Keys, NodeId};
 use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore};
-use chanwatch_testkit::EtcdCluster;
+use chanwatch_testkit::{ClusterOptions, EtcdCluster};
+
+#[path = "chaos/netns.rs"]
+mod netns;
+use netns::Netns;
 
 const NODES: usize = 5;
 const CHANNELS: usize = 500;
 const TTL_SECS: u64 = 4;
 const SETTLE: Duration = Duration::from_secs(60);
+/// The chaos cluster's `--quota-backend-bytes`: small enough to fill in about a second with
+/// 1 MiB junk values, large enough that chanwatch's own data never reaches it.
+const QUOTA_BYTES: u64 = 32 << 20;
+/// Where the quota fault writes its junk: outside chanwatch's root.
+const JUNK_PREFIX: &str = "chaos-junk/";
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -29,12 +48,30 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// One OS process of the binary.
+/// One OS process of the binary; killed on drop (also when the test panics).
 struct Proc {
     child: Child,
     log: Option<PathBuf>,
+    /// Its stdout and stderr.
+    out: PathBuf,
     /// The admin address (coordinators).
     admin: String,
+    /// Runs in the network namespace.
+    in_netns: bool,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The last `n` lines of a file.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 impl Proc {
@@ -49,6 +86,8 @@ struct Chaos {
     bin: PathBuf,
     dir: tempfile::TempDir,
     endpoints: String,
+    /// `ip netns exec NAME` and the endpoints seen from inside the namespace, when there is one.
+    netns: Option<(Vec<String>, String)>,
     store: Arc<dyn MetaStore>,
     keys: Keys,
     coords: Vec<Proc>,
@@ -71,13 +110,20 @@ impl Chaos {
         self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n.max(1)
     }
 
-    fn spawn(&mut self, args: &[&str], log: Option<PathBuf>) -> Proc {
+    fn spawn(&mut self, args: &[&str], log: Option<PathBuf>, in_netns: bool) -> Proc {
         self.spawned += 1;
-        let out = std::fs::File::create(self.dir.path().join(format!("proc{}.out", self.spawned)))
-            .expect("process output file");
-        let mut cmd = Command::new(&self.bin);
+        let out_path = self.dir.path().join(format!("proc{}.out", self.spawned));
+        let out = std::fs::File::create(&out_path).expect("process output file");
+        let (mut cmd, endpoints) = match (&self.netns, in_netns) {
+            (Some((prefix, endpoints)), true) => {
+                let mut cmd = Command::new(&prefix[0]);
+                cmd.args(&prefix[1..]).arg(&self.bin);
+                (cmd, endpoints.clone())
+            }
+            _ => (Command::new(&self.bin), self.endpoints.clone()),
+        };
         cmd.args(args)
-            .arg(format!("--endpoints={}", self.endpoints))
+            .arg(format!("--endpoints={endpoints}"))
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(out.try_clone().expect("dup"))
@@ -88,8 +134,45 @@ impl Chaos {
         Proc {
             child: cmd.spawn().expect("spawn chanwatch"),
             log,
+            out: out_path,
             admin: String::new(),
+            in_netns: in_netns && self.netns.is_some(),
         }
+    }
+
+    /// Replaces every chanwatch process that exited by itself; says which, how and why (the
+    /// tail of its output). Processes the test kills are removed from the lists first.
+    fn reap(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        for coord in [true, false] {
+            let list = if coord {
+                &mut self.coords
+            } else {
+                &mut self.nodes
+            };
+            let mut exited = Vec::new();
+            let mut k = 0;
+            while k < list.len() {
+                match list[k].child.try_wait() {
+                    Ok(Some(status)) => exited.push((list.remove(k), status)),
+                    _ => k += 1,
+                }
+            }
+            for (p, status) in exited {
+                out.push(format!(
+                    "a {} process (pid {}) exited by itself ({status}); the tail of its output:\n{}",
+                    if coord { "coordinator" } else { "node" },
+                    p.child.id(),
+                    tail(&p.out, 15)
+                ));
+                if coord {
+                    self.spawn_coord();
+                } else {
+                    self.spawn_node();
+                }
+            }
+        }
+        out
     }
 
     fn spawn_coord(&mut self) {
@@ -110,6 +193,7 @@ impl Chaos {
                 "--reconcile-interval=5s",
             ],
             None,
+            false,
         );
         p.admin = admin;
         self.coords.push(p);
@@ -121,9 +205,12 @@ impl Chaos {
             .path()
             .join(format!("node{}.log", self.spawned + 1));
         let ttl = format!("--session-ttl={TTL_SECS}s");
+        // One node at a time lives in the network namespace (if there is one).
+        let in_netns = !self.nodes.iter().any(|p| p.in_netns);
         let p = self.spawn(
             &["node", &ttl, "--load-delay=200ms", "--progress-interval=1s"],
             Some(log),
+            in_netns,
         );
         self.nodes.push(p);
     }
@@ -156,6 +243,7 @@ impl Chaos {
                 other => return Some(format!("no new leader yet ({other:?})")),
             },
         }
+        let running = self.running();
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
         let mut loads: BTreeMap<NodeId, usize> = live.iter().map(|n| (*n, 0)).collect();
         for kv in &list.kvs {
@@ -163,11 +251,20 @@ impl Chaos {
                 continue;
             };
             *seen.entry(ck.channel.to_string()).or_default() += 1;
-            let state = ChannelInfo::decode(&kv.value).map(|i| i.state).ok();
+            let info = ChannelInfo::decode(&kv.value).ok();
+            let state = info.as_ref().map(|i| i.state);
             match ck.owner {
                 ChannelOwner::Node(n)
                     if live.contains(&n) && state == Some(ChannelState::Watched) =>
                 {
+                    let epoch = info.map_or(0, |i| i.epoch.0);
+                    if !running.contains(&(n.0, ck.channel.to_string(), epoch)) {
+                        return Some(format!(
+                            "{} is Watched on node {n} (epoch {epoch}) but its handler log \
+                             does not say it runs there",
+                            ck.channel
+                        ));
+                    }
                     *loads.entry(n).or_default() += 1;
                 }
                 other => return Some(format!("{} is {state:?} under {other}", ck.channel)),
@@ -184,6 +281,36 @@ impl Chaos {
             return Some(format!("unbalanced: {loads:?}"));
         }
         None
+    }
+
+    /// (node, channel, epoch) that run now according to the handler logs of processes not
+    /// killed by the test.
+    fn running(&self) -> BTreeSet<(u64, String, u64)> {
+        let mut out = BTreeSet::new();
+        for log in self
+            .coords
+            .iter()
+            .chain(&self.nodes)
+            .filter_map(|p| p.log.as_ref())
+        {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            for line in text.lines() {
+                let Some((what, node, channel, epoch)) = parse_line(line) else {
+                    continue;
+                };
+                let key = (node, channel.to_owned(), epoch);
+                match what {
+                    "start" | "resume" => {
+                        out.insert(key);
+                    }
+                    "stop" | "pause" => {
+                        out.remove(&key);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        out
     }
 
     /// Waits until settled; returns the time since `since`.
@@ -223,6 +350,15 @@ fn last_node_id(log: &Path) -> Option<NodeId> {
         .find_map(|l| l.split(' ').nth(1)?.parse().ok().map(NodeId))
 }
 
+/// A handler log line `KIND NODE CHANNEL EPOCH UNIX_MS` without the time.
+fn parse_line(line: &str) -> Option<(&str, u64, &str, u64)> {
+    let f: Vec<&str> = line.split(' ').collect();
+    let [what, node, channel, epoch, _ms] = f[..] else {
+        return None;
+    };
+    Some((what, node.parse().ok()?, channel, epoch.parse().ok()?))
+}
+
 /// One run of a channel: node, channel, epoch, start ms, end ms, the process's log.
 type Run = (u64, String, u64, u64, u64, PathBuf);
 
@@ -242,11 +378,12 @@ fn intervals(logs: &[PathBuf], killed: &[(PathBuf, u64)], end: u64) -> Vec<Run> 
                 continue;
             };
             let key = (node, channel.to_owned(), epoch);
+            // A paused channel does not run: `pause` ends a run, `resume` starts one.
             match what {
-                "start" => {
+                "start" | "resume" => {
                     open.insert(key, ms);
                 }
-                "stop" => {
+                "stop" | "pause" => {
                     if let Some(s) = open.remove(&key) {
                         out.push((node, key.1, epoch, s, ms, log.clone()));
                     }
@@ -268,7 +405,30 @@ async fn chaos_against_real_etcd() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(120);
-    let mut cluster = EtcdCluster::start(3).await.expect("3-member etcd cluster");
+    // The namespace first: etcd must listen on its veth's host end from the start. Declared
+    // before the cluster and the processes, so dropped after them.
+    let mut netns = match Netns::create() {
+        Ok(ns) => Some(ns),
+        Err(why) => {
+            assert!(
+                std::env::var("CHANWATCH_CHAOS_NETNS").as_deref() != Ok("require"),
+                "CHANWATCH_CHAOS_NETNS=require but no network namespace: {why}"
+            );
+            println!(
+                "chaos: NO network partitions in this run: cannot make a network namespace: {why}"
+            );
+            None
+        }
+    };
+    let mut cluster = EtcdCluster::start_with(
+        3,
+        ClusterOptions {
+            extra_args: vec![format!("--quota-backend-bytes={QUOTA_BYTES}")],
+            extra_client_hosts: netns.iter().map(|n| n.host_ip.clone()).collect(),
+        },
+    )
+    .await
+    .expect("3-member etcd cluster");
     let endpoints = cluster.endpoints();
     let store: Arc<dyn MetaStore> = Arc::new(
         EtcdStore::connect(EtcdConfig {
@@ -283,6 +443,12 @@ async fn chaos_against_real_etcd() {
         bin: PathBuf::from(env!("CARGO_BIN_EXE_chanwatch")),
         dir: tempfile::tempdir().expect("tempdir"),
         endpoints: endpoints.join(","),
+        netns: netns.as_ref().map(|n| {
+            (
+                n.exec_prefix().map(str::to_owned).to_vec(),
+                cluster.endpoints_on(&n.host_ip).join(","),
+            )
+        }),
         store,
         keys: Keys::default(),
         coords: Vec::new(),
@@ -335,11 +501,25 @@ async fn chaos_against_real_etcd() {
     let deadline = Instant::now() + Duration::from_secs(secs);
     let mut settle: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
     let mut violations = Vec::new();
+    let mut kinds = vec![
+        "kill-node",
+        "kill-leader",
+        "stop-node",
+        "restart-etcd",
+        "compact",
+        "etcd-outage",
+        "nospace",
+    ];
+    if netns.is_some() {
+        kinds.push("partition");
+    }
     while Instant::now() < deadline {
-        let t0 = Instant::now();
+        let mut t0 = Instant::now();
         let mut after = After::Nothing;
-        let kind = match c.rand(5) {
-            0 => {
+        let mut what = String::new();
+        let kind = kinds[c.rand(kinds.len() as u64) as usize];
+        match kind {
+            "kill-node" => {
                 let i = c.rand(c.nodes.len() as u64) as usize;
                 let mut p = c.nodes.remove(i);
                 let _ = p.child.kill();
@@ -350,9 +530,8 @@ async fn chaos_against_real_etcd() {
                 }
                 c.killed.push((log, unix_ms()));
                 c.spawn_node();
-                "kill-node"
             }
-            1 => {
+            "kill-leader" => {
                 let addr = c.leader_addr().await;
                 let i = c
                     .coords
@@ -364,9 +543,8 @@ async fn chaos_against_real_etcd() {
                 let _ = p.child.wait();
                 after = After::NewLeader(p.admin.clone());
                 c.spawn_coord();
-                "kill-leader"
             }
-            2 => {
+            "stop-node" => {
                 let i = c.rand(c.nodes.len() as u64) as usize;
                 let from = unix_ms();
                 if let Some(id) = c.nodes[i].log.as_deref().and_then(last_node_id) {
@@ -378,26 +556,86 @@ async fn chaos_against_real_etcd() {
                 let log = c.nodes[i].log.clone().expect("node log");
                 // The frozen process may run until it notices: a few seconds of slack.
                 c.frozen.push((log, from, unix_ms() + 2_000));
-                "stop-node"
             }
-            3 => {
+            "restart-etcd" => {
                 let i = c.rand(3) as usize;
                 cluster
                     .restart_member(i)
                     .await
                     .expect("etcd member restarts");
-                "restart-etcd"
+            }
+            "etcd-outage" => {
+                let down = Duration::from_millis(5_000 + c.rand(15_001));
+                cluster.kill_all_members();
+                tokio::time::sleep(down).await;
+                t0 = Instant::now();
+                cluster
+                    .start_all_members()
+                    .await
+                    .expect("etcd members restart after the outage");
+                what = format!("down {:.1} s", down.as_secs_f64());
+            }
+            "nospace" => {
+                let hold = Duration::from_millis(5_000 + c.rand(5_001));
+                let filled = Instant::now();
+                let bytes = cluster
+                    .fill_quota(JUNK_PREFIX)
+                    .await
+                    .expect("fill the quota");
+                let fill = filled.elapsed();
+                tokio::time::sleep(hold).await;
+                let mut tries = 0;
+                while let Err(e) = cluster.clear_quota(JUNK_PREFIX).await {
+                    tries += 1;
+                    assert!(tries < 20, "cannot clear the quota: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                t0 = Instant::now();
+                what = format!(
+                    "{} MiB junk in {:.2} s, held {:.1} s",
+                    bytes >> 20,
+                    fill.as_secs_f64(),
+                    hold.as_secs_f64()
+                );
+            }
+            "partition" => {
+                let ns = netns.as_mut().expect("partition needs the namespace");
+                let cut = Duration::from_millis(5_000 + c.rand(10_001));
+                if let Some(id) = c
+                    .nodes
+                    .iter()
+                    .find(|p| p.in_netns)
+                    .and_then(|p| p.log.as_deref())
+                    .and_then(last_node_id)
+                {
+                    after = After::NodeGone(id);
+                }
+                ns.cut().expect("iptables cuts the namespace off");
+                tokio::time::sleep(cut).await;
+                ns.heal().expect("iptables heals the namespace");
+                what = format!("cut {:.1} s", cut.as_secs_f64());
             }
             _ => {
                 if let Ok(l) = c.store.range(&c.keys.leader()).await {
                     let _ = c.store.compact(l.revision).await;
                 }
-                "compact"
             }
-        };
-        match c.wait_settled(false, &after, t0, SETTLE).await {
+        }
+        let result = c.wait_settled(false, &after, t0, SETTLE).await;
+        println!(
+            "chaos: {kind:<13} {what:<32} settled: {}",
+            match &result {
+                Ok(d) => format!("{:.2} s", d.as_secs_f64()),
+                Err(why) => format!("NO: {why}"),
+            }
+        );
+        match result {
             Ok(d) => settle.entry(kind).or_default().push(d),
             Err(why) => violations.push(format!("{kind}: not settled in {SETTLE:?}: {why}")),
+        }
+        for exit in c.reap() {
+            println!("chaos: after {kind}: {exit}");
+            violations.push(format!("after {kind}: {exit}"));
         }
         tokio::time::sleep(Duration::from_millis(500 + c.rand(1500))).await;
     }
@@ -408,6 +646,9 @@ async fn chaos_against_real_etcd() {
         violations.push(format!(
             "final: not settled and balanced in {SETTLE:?}: {why}"
         ));
+    }
+    for exit in c.reap() {
+        violations.push(format!("at the end: {exit}"));
     }
     // Single ownership from the handler logs.
     let end = unix_ms();
