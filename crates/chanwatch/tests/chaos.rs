@@ -16,7 +16,10 @@
 //! (`--handler-log`).
 //!
 //! Ignored by `cargo test`: `.ci/run` runs it on its own (it takes minutes), as
-//! `cargo test -p chanwatch --test chaos -- --ignored --nocapture`.
+//! `cargo test -p chanwatch --test chaos -- --ignored --nocapture`. To reproduce one kind:
+//! `CHANWATCH_CHAOS_KINDS=partition` (comma-separated names as printed) and
+//! `CHANWATCH_CHAOS_VERBOSE=1` (prints why the cluster is not settled whenever that changes).
+//! On a violation the logs are kept and their directory printed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -223,6 +226,7 @@ impl Chaos {
     /// Why the cluster is not settled (None: every channel Watched once on a live node; with
     /// `balanced`, also loads within one).
     async fn unsettled(&self, balanced: bool, after: &After) -> Option<String> {
+        let before = &mut self.running();
         let list = match self.store.range(self.keys.root()).await {
             Ok(l) => l,
             Err(e) => return Some(format!("cannot list: {e}")),
@@ -243,7 +247,11 @@ impl Chaos {
                 other => return Some(format!("no new leader yet ({other:?})")),
             },
         }
-        let running = self.running();
+        // Logs read before and after the list: a channel Watched in the list runs if either
+        // read says so (a move may stop it just after the list; a start may be newer than the
+        // first read). Neither saying so is a real mismatch.
+        let mut running = std::mem::take(&mut *before);
+        running.extend(self.running());
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
         let mut loads: BTreeMap<NodeId, usize> = live.iter().map(|n| (*n, 0)).collect();
         for kv in &list.kvs {
@@ -261,8 +269,9 @@ impl Chaos {
                     if !running.contains(&(n.0, ck.channel.to_string(), epoch)) {
                         return Some(format!(
                             "{} is Watched on node {n} (epoch {epoch}) but its handler log \
-                             does not say it runs there",
-                            ck.channel
+                             does not say it runs there; the channel's handler log lines:\n{}",
+                            ck.channel,
+                            self.history(ck.channel.as_str())
                         ));
                     }
                     *loads.entry(n).or_default() += 1;
@@ -313,6 +322,29 @@ impl Chaos {
         out
     }
 
+    /// Every handler log line about `channel`, with its file's name.
+    fn history(&self, channel: &str) -> String {
+        let mut out = Vec::new();
+        let Ok(dir) = std::fs::read_dir(self.dir.path()) else {
+            return String::new();
+        };
+        let mut logs: Vec<PathBuf> = dir.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        logs.sort();
+        for log in logs
+            .iter()
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let name = log.file_name().unwrap_or_default().to_string_lossy();
+            out.extend(
+                text.lines()
+                    .filter(|l| parse_line(l).is_some_and(|(_, _, c, _)| c == channel))
+                    .map(|l| format!("  {name}: {l}")),
+            );
+        }
+        out.join("\n")
+    }
+
     /// Waits until settled; returns the time since `since`.
     async fn wait_settled(
         &self,
@@ -322,8 +354,18 @@ impl Chaos {
         limit: Duration,
     ) -> Result<Duration, String> {
         let started = since;
+        let verbose = std::env::var_os("CHANWATCH_CHAOS_VERBOSE").is_some();
+        let mut last = String::new();
         loop {
             let why = self.unsettled(balanced, after).await;
+            if let Some(w) = why.as_ref().filter(|w| verbose && **w != last) {
+                let first = w.lines().next().unwrap_or_default();
+                println!(
+                    "chaos:   {:>6.2} s {first}",
+                    started.elapsed().as_secs_f64()
+                );
+                last.clone_from(w);
+            }
             match why {
                 None => return Ok(started.elapsed()),
                 Some(w) if started.elapsed() > limit => return Err(w),
@@ -513,10 +555,20 @@ async fn chaos_against_real_etcd() {
     if netns.is_some() {
         kinds.push("partition");
     }
+    // `CHANWATCH_CHAOS_KINDS=partition,nospace` injects only these (to reproduce one).
+    if let Ok(only) = std::env::var("CHANWATCH_CHAOS_KINDS") {
+        kinds.retain(|k| only.split(',').any(|o| o.trim() == *k));
+        assert!(
+            !kinds.is_empty(),
+            "CHANWATCH_CHAOS_KINDS={only} names no fault kind"
+        );
+    }
     while Instant::now() < deadline {
         let mut t0 = Instant::now();
         let mut after = After::Nothing;
         let mut what = String::new();
+        // The settle time when it is measured inside the fault (partition).
+        let mut settled_while: Option<Duration> = None;
         let kind = kinds[c.rand(kinds.len() as u64) as usize];
         match kind {
             "kill-node" => {
@@ -599,7 +651,6 @@ async fn chaos_against_real_etcd() {
                 );
             }
             "partition" => {
-                let ns = netns.as_mut().expect("partition needs the namespace");
                 let cut = Duration::from_millis(5_000 + c.rand(10_001));
                 if let Some(id) = c
                     .nodes
@@ -610,10 +661,31 @@ async fn chaos_against_real_etcd() {
                 {
                     after = After::NodeGone(id);
                 }
-                ns.cut().expect("iptables cuts the namespace off");
-                tokio::time::sleep(cut).await;
-                ns.heal().expect("iptables heals the namespace");
-                what = format!("cut {:.1} s", cut.as_secs_f64());
+                netns
+                    .as_mut()
+                    .expect("partition needs the namespace")
+                    .cut()
+                    .expect("iptables cuts the namespace off");
+                // Measured while the node is still cut off: its session expires and its
+                // channels run elsewhere without its help. Then heal, and the wait below
+                // checks that the node's return disturbs nothing.
+                let during = c.wait_settled(false, &after, t0, cut).await;
+                tokio::time::sleep(cut.saturating_sub(t0.elapsed())).await;
+                netns
+                    .as_mut()
+                    .expect("partition needs the namespace")
+                    .heal()
+                    .expect("iptables heals the namespace");
+                what = format!(
+                    "cut {:.1} s, {}",
+                    cut.as_secs_f64(),
+                    if during.is_ok() {
+                        "settled while cut"
+                    } else {
+                        "NOT settled while cut"
+                    }
+                );
+                settled_while = during.ok();
             }
             _ => {
                 if let Ok(l) = c.store.range(&c.keys.leader()).await {
@@ -621,7 +693,10 @@ async fn chaos_against_real_etcd() {
                 }
             }
         }
-        let result = c.wait_settled(false, &after, t0, SETTLE).await;
+        let result = c
+            .wait_settled(false, &after, t0, SETTLE)
+            .await
+            .map(|d| settled_while.unwrap_or(d));
         println!(
             "chaos: {kind:<13} {what:<32} settled: {}",
             match &result {
@@ -705,6 +780,10 @@ async fn chaos_against_real_etcd() {
     for p in c.coords.iter_mut().chain(c.nodes.iter_mut()) {
         let _ = p.child.kill();
         let _ = p.child.wait();
+    }
+    if !violations.is_empty() {
+        c.dir.disable_cleanup(true);
+        println!("chaos: kept the logs in {}", c.dir.path().display());
     }
     assert!(
         violations.is_empty(),
