@@ -27,7 +27,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, CoordSession, Keys, NodeId};
+use chanwatch_core::{
+    ChannelInfo, ChannelOwner, ChannelState, CoordSession, Keys, NodeId, NodeSession,
+};
 use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore};
 use chanwatch_testkit::{ClusterOptions, EtcdCluster};
 
@@ -44,6 +46,13 @@ const SETTLE: Duration = Duration::from_secs(60);
 const QUOTA_BYTES: u64 = 32 << 20;
 /// Where the quota fault writes its junk: outside chanwatch's root.
 const JUNK_PREFIX: &str = "chaos-junk/";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -181,11 +190,7 @@ impl Chaos {
     fn spawn_coord(&mut self) {
         let ttl = format!("--session-ttl={TTL_SECS}s");
         // A known port, so the leader key tells which process leads.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let admin = format!("127.0.0.1:{port}");
+        let admin = format!("127.0.0.1:{}", free_port());
         let flag = format!("--admin={admin}");
         let mut p = self.spawn(
             &[
@@ -210,12 +215,51 @@ impl Chaos {
         let ttl = format!("--session-ttl={TTL_SECS}s");
         // One node at a time lives in the network namespace (if there is one).
         let in_netns = !self.nodes.iter().any(|p| p.in_netns);
-        let p = self.spawn(
-            &["node", &ttl, "--load-delay=200ms", "--progress-interval=1s"],
+        // A known admin address: the session in the store names it, so the test can tell
+        // which node ID a process has now (`node_id`).
+        let admin = format!("127.0.0.1:{}", free_port());
+        let flag = format!("--admin={admin}");
+        let mut p = self.spawn(
+            &[
+                "node",
+                &ttl,
+                &flag,
+                "--load-delay=200ms",
+                "--progress-interval=1s",
+            ],
             Some(log),
             in_netns,
         );
+        p.admin = admin;
         self.nodes.push(p);
+    }
+
+    /// The node ID node process `p` has now: the session naming its admin address, else
+    /// the last ID in its handler log.
+    async fn node_id(&self, p: &Proc) -> Option<NodeId> {
+        let from_store = async {
+            let list = self.store.range(&self.keys.sessions_prefix()).await.ok()?;
+            list.kvs.iter().find_map(|kv| {
+                let s = NodeSession::decode(&kv.value).ok()?;
+                (s.admin_addr == p.admin).then_some(s.id)
+            })
+        };
+        match from_store.await {
+            Some(id) => Some(id),
+            None => p.log.as_deref().and_then(last_node_id),
+        }
+    }
+
+    /// How many channel keys are under node `id`.
+    async fn load_of(&self, id: NodeId) -> usize {
+        let Ok(list) = self.store.range(self.keys.root()).await else {
+            return 0;
+        };
+        list.kvs
+            .iter()
+            .filter_map(|kv| self.keys.parse_channel(&kv.key).ok())
+            .filter(|ck| ck.owner == ChannelOwner::Node(id))
+            .count()
     }
 
     async fn leader_addr(&self) -> Option<String> {
@@ -573,13 +617,14 @@ async fn chaos_against_real_etcd() {
         match kind {
             "kill-node" => {
                 let i = c.rand(c.nodes.len() as u64) as usize;
+                if let Some(id) = c.node_id(&c.nodes[i]).await {
+                    after = After::NodeGone(id);
+                    what = format!("node {id}");
+                }
                 let mut p = c.nodes.remove(i);
                 let _ = p.child.kill();
                 let _ = p.child.wait();
                 let log = p.log.clone().expect("node log");
-                if let Some(id) = last_node_id(&log) {
-                    after = After::NodeGone(id);
-                }
                 c.killed.push((log, unix_ms()));
                 c.spawn_node();
             }
@@ -599,8 +644,9 @@ async fn chaos_against_real_etcd() {
             "stop-node" => {
                 let i = c.rand(c.nodes.len() as u64) as usize;
                 let from = unix_ms();
-                if let Some(id) = c.nodes[i].log.as_deref().and_then(last_node_id) {
+                if let Some(id) = c.node_id(&c.nodes[i]).await {
                     after = After::NodeGone(id);
+                    what = format!("node {id}");
                 }
                 c.nodes[i].signal("-STOP");
                 tokio::time::sleep(Duration::from_secs(TTL_SECS + 2)).await;
@@ -652,13 +698,17 @@ async fn chaos_against_real_etcd() {
             }
             "partition" => {
                 let cut = Duration::from_millis(5_000 + c.rand(10_001));
-                if let Some(id) = c
+                let p = c
                     .nodes
                     .iter()
                     .find(|p| p.in_netns)
-                    .and_then(|p| p.log.as_deref())
-                    .and_then(last_node_id)
-                {
+                    .expect("a node in the namespace");
+                let id = c.node_id(p).await;
+                let load = match id {
+                    Some(id) => c.load_of(id).await,
+                    None => 0,
+                };
+                if let Some(id) = id {
                     after = After::NodeGone(id);
                 }
                 netns
@@ -677,7 +727,8 @@ async fn chaos_against_real_etcd() {
                     .heal()
                     .expect("iptables heals the namespace");
                 what = format!(
-                    "cut {:.1} s, {}",
+                    "node {} ({load} ch) cut {:.1} s, {}",
+                    id.map_or("?".to_owned(), |i| i.to_string()),
                     cut.as_secs_f64(),
                     if during.is_ok() {
                         "settled while cut"
@@ -698,7 +749,7 @@ async fn chaos_against_real_etcd() {
             .await
             .map(|d| settled_while.unwrap_or(d));
         println!(
-            "chaos: {kind:<13} {what:<32} settled: {}",
+            "chaos: {kind:<13} {what:<44} settled: {}",
             match &result {
                 Ok(d) => format!("{:.2} s", d.as_secs_f64()),
                 Err(why) => format!("NO: {why}"),
