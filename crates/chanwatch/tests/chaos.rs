@@ -250,6 +250,25 @@ impl Chaos {
         }
     }
 
+    /// Live sessions and the owner of every channel, to count what a fault changed.
+    async fn snapshot(&self) -> (BTreeSet<NodeId>, BTreeMap<String, NodeId>) {
+        let Ok(list) = self.store.range(self.keys.root()).await else {
+            return Default::default();
+        };
+        let mut sessions = BTreeSet::new();
+        let mut owners = BTreeMap::new();
+        for kv in &list.kvs {
+            if let Ok(id) = self.keys.parse_session(&kv.key) {
+                sessions.insert(id);
+            } else if let Ok(ck) = self.keys.parse_channel(&kv.key) {
+                if let ChannelOwner::Node(n) = ck.owner {
+                    owners.insert(ck.channel.to_string(), n);
+                }
+            }
+        }
+        (sessions, owners)
+    }
+
     /// How many channel keys are under node `id`.
     async fn load_of(&self, id: NodeId) -> usize {
         let Ok(list) = self.store.range(self.keys.root()).await else {
@@ -614,6 +633,7 @@ async fn chaos_against_real_etcd() {
         // The settle time when it is measured inside the fault (partition).
         let mut settled_while: Option<Duration> = None;
         let kind = kinds[c.rand(kinds.len() as u64) as usize];
+        let (sessions0, owners0) = c.snapshot().await;
         match kind {
             "kill-node" => {
                 let i = c.rand(c.nodes.len() as u64) as usize;
@@ -681,7 +701,29 @@ async fn chaos_against_real_etcd() {
                     .await
                     .expect("fill the quota");
                 let fill = filled.elapsed();
-                tokio::time::sleep(hold).await;
+                // A node dies during the alarm: its channels cannot move (no puts) and its
+                // replacement cannot get a lease until the disarm; nobody may exit.
+                tokio::time::sleep(hold / 2).await;
+                // The busiest node, so that channels must move.
+                let mut i = 0;
+                let mut id = None;
+                let mut most = 0;
+                for (k, p) in c.nodes.iter().enumerate() {
+                    let n = c.node_id(p).await;
+                    let load = owners0.values().filter(|o| Some(**o) == n).count();
+                    if id.is_none() || load > most {
+                        (i, id, most) = (k, n, load);
+                    }
+                }
+                if let Some(id) = id {
+                    after = After::NodeGone(id);
+                }
+                let mut p = c.nodes.remove(i);
+                let _ = p.child.kill();
+                let _ = p.child.wait();
+                c.killed.push((p.log.clone().expect("node log"), unix_ms()));
+                c.spawn_node();
+                tokio::time::sleep(hold - hold / 2).await;
                 let mut tries = 0;
                 while let Err(e) = cluster.clear_quota(JUNK_PREFIX).await {
                     tries += 1;
@@ -690,10 +732,11 @@ async fn chaos_against_real_etcd() {
                 }
                 t0 = Instant::now();
                 what = format!(
-                    "{} MiB junk in {:.2} s, held {:.1} s",
+                    "{} MiB in {:.2} s, held {:.1} s, node {} ({most} ch) killed",
                     bytes >> 20,
                     fill.as_secs_f64(),
-                    hold.as_secs_f64()
+                    hold.as_secs_f64(),
+                    id.map_or("?".to_owned(), |i| i.to_string()),
                 );
             }
             "partition" => {
@@ -748,8 +791,16 @@ async fn chaos_against_real_etcd() {
             .wait_settled(false, &after, t0, SETTLE)
             .await
             .map(|d| settled_while.unwrap_or(d));
+        // What the fault cost: sessions that ended (re-registrations, deaths) and channels
+        // now owned by another node than before.
+        let (sessions1, owners1) = c.snapshot().await;
+        let ended = sessions0.difference(&sessions1).count();
+        let moved = owners0
+            .iter()
+            .filter(|(ch, n)| owners1.get(*ch).is_some_and(|m| m != *n))
+            .count();
         println!(
-            "chaos: {kind:<13} {what:<44} settled: {}",
+            "chaos: {kind:<13} {what:<44} settled: {}, {ended} sessions ended, {moved} channels moved",
             match &result {
                 Ok(d) => format!("{:.2} s", d.as_secs_f64()),
                 Err(why) => format!("NO: {why}"),
