@@ -794,17 +794,21 @@ async fn chaos_against_real_etcd() {
         // What the fault cost: sessions that ended (re-registrations, deaths) and channels
         // now owned by another node than before.
         let (sessions1, owners1) = c.snapshot().await;
-        let ended = sessions0.difference(&sessions1).count();
+        let ended: Vec<String> = sessions0
+            .difference(&sessions1)
+            .map(ToString::to_string)
+            .collect();
         let moved = owners0
             .iter()
             .filter(|(ch, n)| owners1.get(*ch).is_some_and(|m| m != *n))
             .count();
         println!(
-            "chaos: {kind:<13} {what:<44} settled: {}, {ended} sessions ended, {moved} channels moved",
+            "chaos: {kind:<13} {what:<44} settled: {}, sessions ended: [{}], {moved} channels moved",
             match &result {
                 Ok(d) => format!("{:.2} s", d.as_secs_f64()),
                 Err(why) => format!("NO: {why}"),
-            }
+            },
+            ended.join(" ")
         );
         match result {
             Ok(d) => settle.entry(kind).or_default().push(d),
@@ -877,6 +881,21 @@ async fn chaos_against_real_etcd() {
             p(0.5).as_secs_f64(),
             p(0.99).as_secs_f64()
         );
+    }
+    // Why nodes fenced themselves (their warnings), as evidence for what the faults cost.
+    let mut fences: BTreeMap<String, usize> = BTreeMap::new();
+    for entry in std::fs::read_dir(c.dir.path()).expect("logs").flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|x| x == "out") {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            for line in text.lines().filter(|l| l.contains("fenced itself")) {
+                let reason = line.split("reason=").nth(1).unwrap_or(line);
+                *fences.entry(reason.to_owned()).or_default() += 1;
+            }
+        }
+    }
+    for (reason, n) in &fences {
+        println!("chaos: {n:>3} × a node fenced itself: {reason}");
     }
     println!("chaos: violations: {}", violations.len());
     for p in c.coords.iter_mut().chain(c.nodes.iter_mut()) {
