@@ -19,7 +19,9 @@
 //! `cargo test -p chanwatch --test chaos -- --ignored --nocapture`. To reproduce one kind:
 //! `CHANWATCH_CHAOS_KINDS=partition` (comma-separated names as printed) and
 //! `CHANWATCH_CHAOS_VERBOSE=1` (prints why the cluster is not settled whenever that changes).
-//! On a violation the logs are kept and their directory printed.
+//! On a violation the logs are kept and their directory printed. A node the fault did not aim
+//! at that loses its session within the fault plus a TTL is a violation (DESIGN §6 invariant
+//! 9); `CHANWATCH_CHAOS_ALLOW_REREGISTER=1` only prints it.
 //!
 //! Over 600 lines because the fault schedule, with each kind's check, reads best as one
 //! story; what reads the handler logs is in `chaos/audit.rs`, the network namespace in
@@ -533,6 +535,9 @@ async fn chaos_against_real_etcd() {
             "CHANWATCH_CHAOS_KINDS={only} names no fault kind"
         );
     }
+    // Until fencing pauses instead of re-registering (DESIGN §3 v2), every etcd outage breaks
+    // invariant 9; this turns those violations into printed lines.
+    let allow_reregister = std::env::var_os("CHANWATCH_CHAOS_ALLOW_REREGISTER").is_some();
     while Instant::now() < deadline {
         let mut t0 = Instant::now();
         let mut after = After::Nothing;
@@ -722,11 +727,16 @@ async fn chaos_against_real_etcd() {
             .map(ToString::to_string)
             .collect();
         if !unexpected.is_empty() {
-            violations.push(format!(
+            let v = format!(
                 "{kind} {what}: sessions of nodes it did not aim at ended (they fenced \
-                 themselves and registered again): [{}]",
+                 themselves and registered again; DESIGN invariant 9): [{}]",
                 unexpected.join(" ")
-            ));
+            );
+            if allow_reregister {
+                println!("chaos: ALLOWED by CHANWATCH_CHAOS_ALLOW_REREGISTER: {v}");
+            } else {
+                violations.push(v);
+            }
             // Let the cluster settle again before the next fault.
             let _ = c
                 .wait_settled(false, &After::Nothing, Instant::now(), SETTLE)
