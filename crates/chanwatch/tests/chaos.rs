@@ -545,6 +545,8 @@ async fn chaos_against_real_etcd() {
         // The settle time when it is measured inside the fault (partition).
         let mut settled_while: Option<Duration> = None;
         let kind = kinds[c.rand(kinds.len() as u64) as usize];
+        // When the fault began (unix ms), to match the processes' logs.
+        let started_ms = unix_ms();
         let (sessions0, owners0) = c.snapshot().await;
         match kind {
             "kill-node" => {
@@ -747,7 +749,8 @@ async fn chaos_against_real_etcd() {
             .filter(|(ch, n)| owners1.get(*ch).is_some_and(|m| m != *n))
             .count();
         println!(
-            "chaos: {kind:<13} {what:<44} settled: {}, sessions ended: [{}], {moved} channels moved",
+            "chaos: {started_ms} {kind:<13} {what:<44} settled: {}, sessions ended: [{}], \
+             {moved} channels moved",
             match &result {
                 Ok(d) => format!("{:.2} s", d.as_secs_f64()),
                 Err(why) => format!("NO: {why}"),
