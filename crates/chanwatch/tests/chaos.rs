@@ -43,7 +43,7 @@ use chanwatch_testkit::{ClusterOptions, EtcdCluster};
 mod audit;
 #[path = "chaos/netns.rs"]
 mod netns;
-use audit::{intervals, last_node_id, tail};
+use audit::{intervals, tail};
 use netns::Netns;
 
 const NODES: usize = 5;
@@ -236,19 +236,28 @@ impl Chaos {
         self.nodes.push(p);
     }
 
-    /// The node ID node process `p` has now: the session naming its admin address, else
-    /// the last ID in its handler log.
+    /// The node ID node process `p` has now: the session naming its admin address (None
+    /// while it has none, e.g. registering again after a fence).
     async fn node_id(&self, p: &Proc) -> Option<NodeId> {
-        let from_store = async {
-            let list = self.store.range(&self.keys.sessions_prefix()).await.ok()?;
-            list.kvs.iter().find_map(|kv| {
-                let s = NodeSession::decode(&kv.value).ok()?;
-                (s.admin_addr == p.admin).then_some(s.id)
-            })
-        };
-        match from_store.await {
-            Some(id) => Some(id),
-            None => p.log.as_deref().and_then(last_node_id),
+        let list = self.store.range(&self.keys.sessions_prefix()).await.ok()?;
+        list.kvs.iter().find_map(|kv| {
+            let s = NodeSession::decode(&kv.value).ok()?;
+            (s.admin_addr == p.admin).then_some(s.id)
+        })
+    }
+
+    /// A random node process, one with a session if any has.
+    async fn pick_node(&mut self) -> usize {
+        let mut with_session = Vec::new();
+        for (i, p) in self.nodes.iter().enumerate() {
+            if self.node_id(p).await.is_some() {
+                with_session.push(i);
+            }
+        }
+        if with_session.is_empty() {
+            self.rand(self.nodes.len() as u64) as usize
+        } else {
+            with_session[self.rand(with_session.len() as u64) as usize]
         }
     }
 
@@ -550,7 +559,7 @@ async fn chaos_against_real_etcd() {
         let (sessions0, owners0) = c.snapshot().await;
         match kind {
             "kill-node" => {
-                let i = c.rand(c.nodes.len() as u64) as usize;
+                let i = c.pick_node().await;
                 if let Some(id) = c.node_id(&c.nodes[i]).await {
                     after = After::NodeGone(id);
                     what = format!("node {id}");
@@ -576,7 +585,7 @@ async fn chaos_against_real_etcd() {
                 c.spawn_coord();
             }
             "stop-node" => {
-                let i = c.rand(c.nodes.len() as u64) as usize;
+                let i = c.pick_node().await;
                 let from = unix_ms();
                 if let Some(id) = c.node_id(&c.nodes[i]).await {
                     after = After::NodeGone(id);

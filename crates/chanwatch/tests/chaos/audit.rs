@@ -5,21 +5,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use chanwatch_core::NodeId;
-
 /// The last `n` lines of a file.
 pub fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-/// The node ID a process used last, from its handler log.
-pub fn last_node_id(log: &Path) -> Option<NodeId> {
-    let text = std::fs::read_to_string(log).ok()?;
-    text.lines()
-        .rev()
-        .find_map(|l| l.split(' ').nth(1)?.parse().ok().map(NodeId))
 }
 
 /// A handler log line `KIND NODE CHANNEL EPOCH UNIX_MS` without the time.
