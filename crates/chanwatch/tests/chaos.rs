@@ -664,12 +664,22 @@ async fn chaos_against_real_etcd() {
             }
             "partition" => {
                 let cut = Duration::from_millis(5_000 + c.rand(10_001));
-                let p = c
-                    .nodes
-                    .iter()
-                    .find(|p| p.in_netns)
-                    .expect("a node in the namespace");
-                let id = c.node_id(p).await;
+                // Wait (up to 2 TTLs) until the node in the namespace has a session: cutting
+                // off a node that is still registering tests little.
+                let mut id = None;
+                let waited = Instant::now();
+                while id.is_none() && waited.elapsed() < Duration::from_secs(2 * TTL_SECS) {
+                    let p = c
+                        .nodes
+                        .iter()
+                        .find(|p| p.in_netns)
+                        .expect("a node in the namespace");
+                    id = c.node_id(p).await;
+                    if id.is_none() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                t0 = Instant::now();
                 let load = match id {
                     Some(id) => c.load_of(id).await,
                     None => 0,
