@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
+mod cluster_faults;
+pub use cluster_faults::ClusterOptions;
+
 /// Why an etcd fixture could not start.
 #[derive(Debug, Error)]
 pub enum FixtureError {
@@ -551,6 +554,14 @@ impl EtcdCluster {
     /// # Errors
     /// [`FixtureError`] when the binary is missing or a member does not come up within 30 s.
     pub async fn start(n: usize) -> Result<Self, FixtureError> {
+        Self::start_with(n, ClusterOptions::default()).await
+    }
+
+    /// Starts `n` members with `options` and waits until every one serves.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when the binary is missing or a member does not come up within 30 s.
+    pub async fn start_with(n: usize, options: ClusterOptions) -> Result<Self, FixtureError> {
         let bin = etcd_binary()?;
         let dir = data_tempdir("chanwatch-etcd-cluster-")?;
         let mut ports = Vec::new();
@@ -568,11 +579,19 @@ impl EtcdCluster {
             std::fs::create_dir_all(&mdir)?;
             let client_url = format!("http://127.0.0.1:{client}");
             let peer_url = format!("http://127.0.0.1:{peer}");
-            let command = vec![
+            let listen: Vec<String> = std::iter::once(client_url.clone())
+                .chain(
+                    options
+                        .extra_client_hosts
+                        .iter()
+                        .map(|h| format!("http://{h}:{client}")),
+                )
+                .collect();
+            let mut command = vec![
                 bin.display().to_string(),
                 format!("--name=m{i}"),
                 format!("--data-dir={}", mdir.join("data").display()),
-                format!("--listen-client-urls={client_url}"),
+                format!("--listen-client-urls={}", listen.join(",")),
                 format!("--advertise-client-urls={client_url}"),
                 format!("--listen-peer-urls={peer_url}"),
                 format!("--initial-advertise-peer-urls={peer_url}"),
@@ -581,6 +600,7 @@ impl EtcdCluster {
                 "--initial-cluster-token=chanwatch-test".to_owned(),
                 "--log-level=warn".to_owned(),
             ];
+            command.extend(options.extra_args.iter().cloned());
             let child = spawn(&command, &mdir)?;
             members.push(Member {
                 child: Some(child),
