@@ -378,7 +378,9 @@ impl<'a> Term<'a> {
                     if relisted {
                         let now_ms = self.clock.unix_ms();
                         let away = match away_since.take() {
-                            Some(since) => self.clock.now().saturating_duration_since(since),
+                            // Plus one TTL: nodes need a moment to see their assignments again
+                            // (their list-watch may be in back-off) before a release is late.
+                            Some(since) => self.clock.now().saturating_duration_since(since) + self.config.session_ttl,
                             None if !recovered => Duration::from_millis(self.config.planner.watch_timeout_ms),
                             None => Duration::ZERO,
                         };

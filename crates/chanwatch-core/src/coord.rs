@@ -1121,27 +1121,7 @@ impl CoordState {
     /// removes the marks of nodes that are gone, held long enough and own nothing.
     fn plan_fences(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
         let wait = self.config.fence_wait_ms;
-        // Live nodes that still hold a channel asked to release: the reason for a fence.
-        let releasing: BTreeSet<NodeId> = self
-            .unsettled()
-            .flat_map(|(_, o)| o.values())
-            .filter(|e| e.info.state == ChannelState::ToRelease)
-            .filter_map(|e| match e.owner {
-                ChannelOwner::Node(n) => Some(n),
-                ChannelOwner::Remaining => None,
-            })
-            .collect();
         for (node, f) in &mut self.fences {
-            if self.nodes.contains_key(node) && !releasing.contains(node) {
-                // It released after all (it could see again, or etcd was away): a fence
-                // no longer has a reason; lift it rather than revoke a node that works.
-                changes.push(Change {
-                    guards: Vec::new(),
-                    ops: vec![Op::Unfence { node: *node }],
-                    transition: None,
-                });
-                continue;
-            }
             if self.nodes.contains_key(node) {
                 f.gone_ms = None;
                 let retry = f

@@ -458,6 +458,7 @@ impl Session {
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
         status: &watch::Sender<NodeStatus>,
     ) -> SessionEnd {
+        let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
         let (last_ok_tx, last_ok) = watch::channel(self.clock.now());
         let lost = CancellationToken::new();
         let _keepalive = AbortOnDrop(tokio::spawn(keepalive(
@@ -468,6 +469,7 @@ impl Session {
             last_ok_tx,
             lost.clone(),
             self.fence.clone(),
+            renewed_tx.clone(),
         )));
         let prefix = self
             .keys
@@ -479,7 +481,6 @@ impl Session {
         // when it cannot see its assignments for as long: a node that kept renewing its lease
         // between short partitions, yet never saw a release request, must not run the
         // channel once the coordinator fences it (found by the simulation too).
-        let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
         let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
             AbortOnDrop(tokio::spawn(watchdog(
                 last_ok,
@@ -989,6 +990,7 @@ async fn keepalive(
     last_ok: watch::Sender<tokio::time::Instant>,
     lost: CancellationToken,
     fence: CancellationToken,
+    recovered: mpsc::UnboundedSender<()>,
 ) {
     const RETRY: Duration = Duration::from_millis(500);
     let period = ttl / 3;
@@ -1007,6 +1009,9 @@ async fn keepalive(
             Ok(Ok(())) => {
                 if failing > 0 {
                     info!(lease, failures = failing, "node: keepalive succeeds again");
+                    // The store is back: look at the assignments now, not after the
+                    // list-watch's back-off (up to 5 s).
+                    let _ = recovered.send(());
                 }
                 failing = 0;
                 let _ = last_ok.send(sent);
