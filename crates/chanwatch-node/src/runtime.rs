@@ -982,6 +982,8 @@ async fn unpaused(pause: &mut watch::Receiver<Option<String>>, cancel: &Cancella
 /// (the lease runs from when the store got it, which is no earlier). After a failure it
 /// tries again every half second, so that a paused node learns within a second that the
 /// store is back. Cancels `lost` and `fence` when the store says the lease no longer exists.
+// Each argument is a different input or output of this one task; a struct would only wrap them.
+#[allow(clippy::too_many_arguments)]
 async fn keepalive(
     store: Arc<dyn MetaStore>,
     lease: i64,
