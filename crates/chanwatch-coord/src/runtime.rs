@@ -465,12 +465,14 @@ impl<'a> Term<'a> {
                 dirty = false;
                 // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand
                 // still, round by round, as they do while the store is away.
-                if let Some(since) = self.writes_refused_since {
+                // Until the next refusal: a round that writes nothing must not keep the
+                // timers (and forgotten moves) frozen forever (found by the simulation: 16
+                // balance moves whose txns NOSPACE refused blocked balance for good).
+                if let Some(since) = self.writes_refused_since.take() {
                     let now = self.clock.now();
                     let ms = u64::try_from(now.saturating_duration_since(since).as_millis())
                         .unwrap_or(u64::MAX);
                     self.state.store_was_away(self.clock.unix_ms(), ms);
-                    self.writes_refused_since = Some(now);
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
                 plan_gap =

@@ -1469,14 +1469,17 @@ impl CoordState {
                 continue;
             }
             if e.info.state == ChannelState::Released || stuck {
-                // The target may have died or started draining meanwhile.
+                // The target may have died, started draining or failed the channel
+                // meanwhile: then the least loaded node not in a back-off for it.
                 let to = if self.nodes.contains_key(&pending.to)
                     && !self.draining.contains(&pending.to)
+                    && !self.avoided(channel, pending.to, now_ms)
                 {
                     pending.to
                 } else {
                     match self
-                        .least_loaded(&loads, Some(from))
+                        .least_loaded_for(&loads, channel, Some(from), now_ms)
+                        .or_else(|| self.least_loaded(&loads, Some(from)))
                         .or_else(|| self.least_loaded(&loads, None))
                     {
                         Some(t) => t,
