@@ -375,6 +375,29 @@ impl NodeMachine {
                 }
                 phase
             }
+            // We reported this epoch failed: never run it again, whatever a relist shows
+            // (the coordinator moves a failed channel at once, without a release, so a
+            // restart here would run beside the next owner; found by the simulation: a
+            // relist after a slow keepalive restarted a failed load that then succeeded).
+            // Acknowledge the failure again in case that ack did not land.
+            ChannelState::ToWatch | ChannelState::Watched
+                if same_epoch && phase == Some(Phase::Failed) =>
+            {
+                if info.state == ChannelState::ToWatch {
+                    let mut ack = info.clone();
+                    ack.state = ChannelState::WatchFailed;
+                    ack.progress = None;
+                    ack.reason = prev
+                        .as_ref()
+                        .and_then(|p| p.info.reason.clone())
+                        .or_else(|| Some("the load failed".to_owned()));
+                    out.push(NodeCommand::Ack {
+                        info: ack,
+                        expect_mod_revision: mod_revision,
+                    });
+                }
+                Phase::Failed
+            }
             ChannelState::ToWatch | ChannelState::Watched => {
                 if active || matches!(phase, Some(Phase::Stopping { .. })) {
                     out.push(NodeCommand::Stop {
@@ -732,6 +755,39 @@ mod tests {
             }),
             vec![]
         );
+    }
+
+    #[test]
+    fn a_relist_never_restarts_an_epoch_this_node_reported_failed() {
+        let mut m = NodeMachine::new();
+        let a = info("a", ChannelState::ToWatch, 3);
+        m.step(NodeEvent::Put {
+            info: a.clone(),
+            mod_revision: 10,
+        });
+        let out = m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(3),
+            result: Err("disk".into()),
+        });
+        assert!(
+            matches!(&out[..], [NodeCommand::Ack { info, .. }] if info.state == ChannelState::WatchFailed)
+        );
+        // The ack is slow; a relist still shows ToWatch at epoch 3: no restart, ack again.
+        let out = m.reset(vec![(a.clone(), 10)]);
+        assert!(
+            !out.iter().any(|c| matches!(c, NodeCommand::Start { .. })),
+            "{out:?}"
+        );
+        assert!(
+            matches!(&out[..], [NodeCommand::Ack { info, .. }] if info.state == ChannelState::WatchFailed)
+        );
+        // A new epoch (a retry here after the back-off) starts again.
+        let out = m.step(NodeEvent::Put {
+            info: info("a", ChannelState::ToWatch, 4),
+            mod_revision: 12,
+        });
+        assert!(matches!(&out[..], [NodeCommand::Start { .. }]), "{out:?}");
     }
 
     #[test]

@@ -231,6 +231,8 @@ struct Registered {
     /// Create revision of the session key: acks compare it, so a node whose session is gone
     /// can never ack.
     session_revision: i64,
+    /// When the lease was asked for: it cannot expire before `granted_at + ttl`.
+    granted_at: tokio::time::Instant,
 }
 
 /// Allocates a fresh ID by compare-and-swap on the counter, then puts the session.
@@ -266,6 +268,10 @@ async fn register(
             break NodeId(next);
         }
     };
+    // The lease runs from when etcd granted it, which is no earlier than this: the watchdog
+    // counts from here, not from when the session began serving (a slow registration
+    // otherwise gave the node more time than its lease had; found by the simulation).
+    let granted_at = clock.now();
     let lease = store.grant(config.session_ttl).await?;
     let session = NodeSession {
         id,
@@ -292,6 +298,7 @@ async fn register(
         id,
         lease: lease.id,
         session_revision: resp.revision,
+        granted_at,
     })
 }
 
@@ -459,7 +466,7 @@ impl Session {
         status: &watch::Sender<NodeStatus>,
     ) -> SessionEnd {
         let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
-        let (last_ok_tx, last_ok) = watch::channel(self.clock.now());
+        let (last_ok_tx, last_ok) = watch::channel(self.reg.granted_at);
         let lost = CancellationToken::new();
         let _keepalive = AbortOnDrop(tokio::spawn(keepalive(
             self.store.clone(),
