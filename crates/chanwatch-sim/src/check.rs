@@ -253,10 +253,11 @@ impl Checker {
         writer: &Writer,
         events: &[WatchEvent],
     ) {
-        // The planner dates a back-off when it plans, a little before its txn commits.
+        // The planner dates a back-off when it plans, before its txn commits: up to the
+        // slowest store call of the simulation (the slow-store fault, 1.5 s) earlier.
         let backoff = self
             .failed_node_backoff
-            .saturating_sub(std::time::Duration::from_millis(100));
+            .saturating_sub(std::time::Duration::from_millis(1_600));
         let leader = self.keys.leader();
         if events
             .iter()

@@ -139,8 +139,9 @@ fn the_checker_catches_balance_ignoring_failure_back_offs() {
         planner_bug: Some(PlannerBug::BalanceIgnoresBackoff),
         ..options(300)
     };
-    let (count, examples) = caught_with(opts, 6);
-    assert!(count >= 3, "only {count} of 6 seeds caught it");
+    // 30 of seeds 0-49 catch it (the check allows the slowest store call as slack).
+    let (count, examples) = caught_with(opts, 12);
+    assert!(count >= 4, "only {count} of 12 seeds caught it");
     assert!(
         examples.iter().any(|v| v.contains("ping-pong")),
         "expected a channel put back on the node that failed it: {examples:?}"
