@@ -385,7 +385,7 @@ impl<'a> Term<'a> {
                             None => Duration::ZERO,
                         };
                         if !away.is_zero() {
-                            let ms = u64::try_from(away.as_millis()).unwrap_or(u64::MAX);
+                            let ms = millis(away);
                             debug!(away_ms = ms, "coord: the store was away; timeouts wait as long");
                             self.state.store_was_away(now_ms, ms);
                         }
@@ -470,8 +470,7 @@ impl<'a> Term<'a> {
                 // balance moves whose txns NOSPACE refused blocked balance for good).
                 if let Some(since) = self.writes_refused_since.take() {
                     let now = self.clock.now();
-                    let ms = u64::try_from(now.saturating_duration_since(since).as_millis())
-                        .unwrap_or(u64::MAX);
+                    let ms = millis(now.saturating_duration_since(since));
                     self.state.store_was_away(self.clock.unix_ms(), ms);
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
@@ -892,7 +891,7 @@ impl<'a> Term<'a> {
                         // Nodes could not ack either while etcd refused writes: that time
                         // does not count against their releases and loads.
                         let away = self.clock.now().saturating_duration_since(since);
-                        let ms = u64::try_from(away.as_millis()).unwrap_or(u64::MAX);
+                        let ms = millis(away);
                         info!(refused_ms = ms, "coord: etcd takes writes again; timeouts wait as long as it refused them");
                         self.state.store_was_away(self.clock.unix_ms(), ms);
                     }
@@ -996,6 +995,11 @@ impl Term<'_> {
             );
         }
     }
+}
+
+/// Whole milliseconds of `d`, for the planner's `*_ms` inputs (saturating).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
