@@ -500,31 +500,29 @@ impl MetaStore for EtcdStore {
             map.entry(lease).or_default().clone()
         };
         let mut slot = slot.lock().await;
-        if let Some((keeper, stream)) = slot.as_mut() {
+        // The stream is taken out for the round trip and put back only once its answer has
+        // been read: a caller that gives up (a timeout around this call) drops the stream
+        // with the future, so an answer that comes late is never read as the answer to the
+        // next renewal — which would date that renewal later than etcd did it.
+        if let Some((mut keeper, mut stream)) = slot.take() {
             let renewed = async {
                 keeper.keep_alive().await?;
                 stream.message().await
             }
             .await;
             return match renewed {
-                Ok(Some(resp)) if resp.ttl() > 0 => Ok(()),
-                Ok(Some(_)) => {
-                    *slot = None;
-                    Err(StoreError::LeaseNotFound(lease))
+                Ok(Some(resp)) if resp.ttl() > 0 => {
+                    *slot = Some((keeper, stream));
+                    Ok(())
                 }
+                Ok(Some(_)) => Err(StoreError::LeaseNotFound(lease)),
                 // The stream ended (etcd restarted, the connection broke): that says nothing
                 // about the lease. The next renewal opens a new stream, which checks it.
-                Ok(None) => {
-                    *slot = None;
-                    Err(StoreError::Unavailable {
-                        endpoints: self.endpoints.clone(),
-                        message: "the keepalive stream ended".into(),
-                    })
-                }
-                Err(e) => {
-                    *slot = None;
-                    Err(fix_lease(self.err(e, "").await, lease))
-                }
+                Ok(None) => Err(StoreError::Unavailable {
+                    endpoints: self.endpoints.clone(),
+                    message: "the keepalive stream ended".into(),
+                }),
+                Err(e) => Err(fix_lease(self.err(e, "").await, lease)),
             };
         }
         // Opening the stream sends the first renewal and checks the lease exists.

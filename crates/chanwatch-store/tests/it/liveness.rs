@@ -277,3 +277,28 @@ async fn an_expired_token_can_be_injected_and_spares_keepalives() -> Result<()> 
         .await?;
     Ok(())
 }
+
+/// A renewal whose caller gave up (a timeout around `keepalive`, as the node's keepalive task
+/// has) must not leave its answer behind for the next renewal to read: that answer is about an
+/// older renewal, so the node would believe its lease renewed later than etcd did — the cause
+/// of a double ownership seen in the chaos run while a quota fill slowed etcd down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_given_up_on_does_not_answer_the_next_one() -> Result<()> {
+    let fixture = EtcdFixture::start().await?;
+    let store = EtcdStore::connect(config(&fixture, None, None)).await?;
+    let other = EtcdStore::connect(config(&fixture, None, None)).await?;
+    let lease = store.grant(Duration::from_secs(30)).await?.id;
+    store.keepalive(lease).await?;
+    // Sends a renewal and gives up before its answer is read; the answer arrives later.
+    let gave_up = futures_util::FutureExt::now_or_never(store.keepalive(lease));
+    ensure!(
+        gave_up.is_none(),
+        "the renewal was answered at once: {gave_up:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    other.revoke(lease).await?;
+    match store.keepalive(lease).await {
+        Err(StoreError::LeaseNotFound(id)) if id == lease => Ok(()),
+        other => bail!("a renewal after the lease was revoked must say LeaseNotFound: {other:?}"),
+    }
+}
