@@ -367,7 +367,7 @@ async fn keepalive(
         // The lease runs from when the store got the renewal, which is no earlier than this.
         let sent = clock.now();
         match tokio::time::timeout(period, store.keepalive(lease)).await {
-            Ok(Ok(())) => last_ok = sent,
+            Ok(Ok(_)) => last_ok = sent,
             Ok(Err(StoreError::LeaseNotFound(_))) => {
                 lost.cancel();
                 return;

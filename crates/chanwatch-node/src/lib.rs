@@ -13,6 +13,7 @@
 pub mod handler;
 pub mod metrics;
 pub mod runtime;
+mod watchdog;
 
 pub use handler::{
     AuditLog, Behaviour, ChannelContext, ChannelHandler, Interval, NamePatterns, RecordingHandler,

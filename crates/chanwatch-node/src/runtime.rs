@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
+use crate::watchdog::{watchdog, Renewal};
 
 /// Settings of a node.
 #[derive(Debug, Clone)]
@@ -57,6 +58,9 @@ pub enum PlantedBug {
     NoFencing,
     /// Acknowledge without comparing the key's mod revision or the session.
     UnguardedAck,
+    /// Ignore watch progress: a watch that stalls silently while keepalives succeed goes
+    /// unnoticed (the node still pauses when keepalives or the list-watch fail).
+    NoWatchProgress,
 }
 
 impl Default for NodeConfig {
@@ -466,7 +470,10 @@ impl Session {
         status: &watch::Sender<NodeStatus>,
     ) -> SessionEnd {
         let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
-        let (last_ok_tx, last_ok) = watch::channel(self.reg.granted_at);
+        let (last_ok_tx, last_ok) = watch::channel(Renewal {
+            sent: self.reg.granted_at,
+            revision: 0,
+        });
         let lost = CancellationToken::new();
         let _keepalive = AbortOnDrop(tokio::spawn(keepalive(
             self.store.clone(),
@@ -492,6 +499,12 @@ impl Session {
             AbortOnDrop(tokio::spawn(watchdog(
                 last_ok,
                 lw.blind_since(),
+                if self.planted_bug == Some(PlantedBug::NoWatchProgress) {
+                    // A watch that always looks caught up.
+                    watch::channel(chanwatch_store::Revision::MAX).1
+                } else {
+                    lw.reached()
+                },
                 self.ttl.saturating_sub(self.margin),
                 self.pause.clone(),
                 renewed_tx,
@@ -996,7 +1009,7 @@ async fn keepalive(
     lease: i64,
     ttl: Duration,
     clock: Clock,
-    last_ok: watch::Sender<tokio::time::Instant>,
+    last_ok: watch::Sender<Renewal>,
     lost: CancellationToken,
     fence: CancellationToken,
     recovered: mpsc::UnboundedSender<()>,
@@ -1015,7 +1028,7 @@ async fn keepalive(
         let sent = clock.now();
         let attempt = tokio::time::timeout(period, store.keepalive(lease)).await;
         let error = match attempt {
-            Ok(Ok(())) => {
+            Ok(Ok(revision)) => {
                 if failing > 0 {
                     info!(lease, failures = failing, "node: keepalive succeeds again");
                     // The store is back: look at the assignments now, not after the
@@ -1023,7 +1036,7 @@ async fn keepalive(
                     let _ = recovered.send(());
                 }
                 failing = 0;
-                let _ = last_ok.send(sent);
+                let _ = last_ok.send(Renewal { sent, revision });
                 continue;
             }
             Ok(Err(StoreError::LeaseNotFound(_))) => {
@@ -1038,61 +1051,6 @@ async fn keepalive(
         // One line when the trouble starts, then one every 20 attempts (~10 s).
         if failing % 20 == 1 {
             warn!(lease, failures = failing, error = %error, "node: keepalive failed; retrying every 500 ms");
-        }
-    }
-}
-
-/// Pauses every channel (sets `pause`) when no renewal was sent successfully for `limit`
-/// (ttl − margin): the lease may expire soon, and a channel must stop its effects before
-/// anyone else can own it; or when the node has not seen its assignments for `limit` (see
-/// the list-watch's `blind_since`). Resumes (clears `pause`) when a renewal succeeds again
-/// and the view is back: the lease is then alive, so nobody else can own the channels.
-async fn watchdog(
-    mut last_ok: watch::Receiver<tokio::time::Instant>,
-    mut blind: watch::Receiver<Option<tokio::time::Instant>>,
-    limit: Duration,
-    pause: watch::Sender<Option<String>>,
-    renewals: mpsc::UnboundedSender<()>,
-) {
-    loop {
-        let renewed = *last_ok.borrow_and_update() + limit;
-        let blind_since = *blind.borrow_and_update();
-        let now = tokio::time::Instant::now();
-        if pause.borrow().is_none() {
-            let deadline = match blind_since {
-                Some(since) => renewed.min(since + limit),
-                None => renewed,
-            };
-            if now >= deadline {
-                let why = if now >= renewed {
-                    format!(
-                        "no keepalive succeeded for {limit:?}: the store is down or out of reach"
-                    )
-                } else {
-                    format!("its watch has failed for {limit:?}: it cannot see its assignments")
-                };
-                pause.send_replace(Some(why));
-                continue;
-            }
-            tokio::select! {
-                biased;
-                changed = last_ok.changed() => if changed.is_err() { return },
-                changed = blind.changed() => if changed.is_err() { return },
-                () = tokio::time::sleep_until(deadline) => {}
-            }
-        } else {
-            if now < renewed && blind_since.is_none() {
-                pause.send_replace(None);
-                continue;
-            }
-            tokio::select! {
-                biased;
-                changed = last_ok.changed() => {
-                    if changed.is_err() { return }
-                    let _ = renewals.send(());
-                }
-                changed = blind.changed() => if changed.is_err() { return },
-            }
         }
     }
 }

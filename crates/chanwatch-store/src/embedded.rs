@@ -94,6 +94,8 @@ struct Watcher {
     prefix: String,
     /// Events below this revision are not sent (a watch from a future revision).
     start_revision: Revision,
+    /// Every event of the prefix up to this revision has been sent (events or progress).
+    delivered: Revision,
     tx: mpsc::UnboundedSender<StoreResult<WatchBatch>>,
 }
 
@@ -316,6 +318,19 @@ impl State {
         self.commit(changes, shared);
     }
 
+    /// Sends a progress notification at the current revision to every watch that has not been
+    /// told about it yet (etcd answers a progress request likewise). Called on each lease
+    /// renewal, so a node's watch hears of every revision its keepalive answers name.
+    fn progress_all(&mut self) {
+        let rev = self.revision;
+        for w in &mut self.watchers {
+            if w.delivered < rev && rev >= w.start_revision {
+                w.delivered = rev;
+                let _ = w.tx.send(Ok(WatchBatch::progress(rev)));
+            }
+        }
+    }
+
     /// Advances the revision if anything changed, records history and notifies watchers.
     fn commit(&mut self, changes: Vec<Change>, shared: &Shared) {
         if changes.is_empty() {
@@ -331,7 +346,7 @@ impl State {
                 prev_kv: c.prev,
             })
             .collect();
-        self.watchers.retain(|w| {
+        self.watchers.retain_mut(|w| {
             if w.tx.is_closed() {
                 return false;
             }
@@ -343,7 +358,11 @@ impl State {
                 .filter(|e| e.kv.key.starts_with(&w.prefix))
                 .cloned()
                 .collect();
-            matching.is_empty() || w.tx.send(Ok(WatchBatch { events: matching })).is_ok()
+            if matching.is_empty() {
+                return true;
+            }
+            w.delivered = rev;
+            w.tx.send(Ok(WatchBatch::of_events(matching))).is_ok()
         });
         let at = Instant::now();
         self.observers.retain(|o| {
@@ -609,9 +628,7 @@ impl MetaStore for EmbeddedStore {
                     continue;
                 }
                 if batch.len() >= REPLAY_BATCH_EVENTS {
-                    let _ = tx.send(Ok(WatchBatch {
-                        events: std::mem::take(&mut batch),
-                    }));
+                    let _ = tx.send(Ok(WatchBatch::of_events(std::mem::take(&mut batch))));
                 }
                 batch.extend(
                     events
@@ -621,11 +638,13 @@ impl MetaStore for EmbeddedStore {
                 );
             }
             if !batch.is_empty() {
-                let _ = tx.send(Ok(WatchBatch { events: batch }));
+                let _ = tx.send(Ok(WatchBatch::of_events(batch)));
             }
+            let delivered = state.revision;
             state.watchers.push(Watcher {
                 prefix: prefix.to_owned(),
                 start_revision: start,
+                delivered,
                 tx,
             });
         }
@@ -664,7 +683,7 @@ impl MetaStore for EmbeddedStore {
         Ok(Lease { id, ttl })
     }
 
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
         let now = Instant::now();
         let mut state = self.lock();
         state.available()?;
@@ -677,7 +696,9 @@ impl MetaStore for EmbeddedStore {
         let new = l.deadline;
         state.deadlines.remove(&(old, lease));
         state.deadlines.insert((new, lease));
-        Ok(())
+        let revision = state.revision;
+        state.progress_all();
+        Ok(revision)
     }
 
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {

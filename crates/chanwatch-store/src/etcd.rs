@@ -70,6 +70,10 @@ pub struct EtcdConfig {
     /// `{root}/id/node`). `None` checks with etcd's status call instead, which reads no key
     /// (and, with auth on, does not prove that credentials were given).
     pub probe_key: Option<String>,
+    /// How often each watch asks etcd how far it has got (a progress request). A node
+    /// compares the answer with its keepalive's revision to notice a watch that stalled
+    /// silently; keep it well under the session TTL.
+    pub watch_progress_interval: Duration,
 }
 
 impl Default for EtcdConfig {
@@ -82,6 +86,7 @@ impl Default for EtcdConfig {
             tls: None,
             limits: Limits::default(),
             probe_key: None,
+            watch_progress_interval: Duration::from_secs(1),
         }
     }
 }
@@ -95,6 +100,7 @@ pub struct EtcdStore {
     /// The etcd user, for errors that name it (empty: none).
     user: String,
     request_timeout: Duration,
+    watch_progress_interval: Duration,
     limits: Limits,
     /// One open keepalive stream per lease, so a renewal is one round trip. The map's lock is
     /// held only to find an entry; each entry has its own lock for the round trip, so leases
@@ -172,6 +178,9 @@ impl EtcdStore {
             endpoints,
             user,
             request_timeout: config.request_timeout,
+            watch_progress_interval: config
+                .watch_progress_interval
+                .max(Duration::from_millis(10)),
             limits: config.limits,
             keepers: std::sync::Mutex::new(HashMap::new()),
         })
@@ -398,79 +407,106 @@ impl MetaStore for EtcdStore {
         let key = prefix.to_owned();
         let client = self.client.clone();
         let request_timeout = self.request_timeout;
-        // State: the etcd stream (its request half must stay alive, or etcd ends the watch)
-        // and the creation answer not yet looked at; `None` once a terminal error was yielded.
-        let out = futures_util::stream::unfold(Some((stream, Some(first))), move |state| {
-            let endpoints = endpoints.clone();
-            let user = user.clone();
-            let key = key.clone();
-            let client = client.clone();
-            async move {
-                let (mut stream, mut pending) = state?;
-                loop {
-                    let next = match pending.take() {
-                        Some(first) => Some(Ok(first)),
-                        None => stream.next().await,
-                    };
-                    match next {
-                        None => {
-                            return Some((
-                                Err(StoreError::WatchClosed(
-                                    "etcd ended the watch stream".into(),
-                                )),
-                                None,
-                            ))
-                        }
-                        Some(Err(e)) => {
-                            return Some((Err(map_err(&endpoints, &user, &key, e)), None))
-                        }
-                        Some(Ok(resp)) => {
-                            if resp.compact_revision() > 0 {
-                                return Some((
-                                    Err(StoreError::Compacted {
-                                        compact_revision: resp.compact_revision(),
-                                    }),
-                                    None,
-                                ));
-                            }
-                            if resp.canceled() {
-                                let err =
-                                    cancel_error(&endpoints, &user, &key, resp.cancel_reason());
-                                if matches!(err, StoreError::AuthTokenExpired(_)) {
-                                    // So that the caller's next watch goes with a fresh token.
-                                    let _ = tokio::time::timeout(
-                                        request_timeout,
-                                        client.refresh_token(),
-                                    )
-                                    .await;
+        // A progress request now and then: its answer says how far the watch has got, so a
+        // consumer can tell a quiet prefix from a stalled stream.
+        let mut progress = tokio::time::interval(self.watch_progress_interval);
+        progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        progress.reset();
+        // State: the etcd stream (its request half must stay alive, or etcd ends the watch),
+        // the creation answer not yet looked at and the progress timer; `None` once a terminal
+        // error was yielded.
+        let out =
+            futures_util::stream::unfold(Some((stream, Some(first), progress)), move |state| {
+                let endpoints = endpoints.clone();
+                let user = user.clone();
+                let key = key.clone();
+                let client = client.clone();
+                async move {
+                    let (mut stream, mut pending, mut progress) = state?;
+                    loop {
+                        let next = match pending.take() {
+                            Some(first) => Some(Ok(first)),
+                            None => tokio::select! {
+                                next = stream.next() => next,
+                                _ = progress.tick() => {
+                                    // A failed send means the stream is ending: its next answer
+                                    // says so.
+                                    let _ = stream.request_progress().await;
+                                    continue;
                                 }
-                                return Some((Err(err), None));
+                            },
+                        };
+                        match next {
+                            None => {
+                                return Some((
+                                    Err(StoreError::WatchClosed(
+                                        "etcd ended the watch stream".into(),
+                                    )),
+                                    None,
+                                ))
                             }
-                            let events: Vec<WatchEvent> = resp
-                                .events()
-                                .iter()
-                                .filter_map(|ev| {
-                                    let kv = from_pb(ev.kv()?);
-                                    let kind = match ev.event_type() {
-                                        etcd_client::EventType::Put => EventKind::Put,
-                                        etcd_client::EventType::Delete => EventKind::Delete,
-                                    };
-                                    Some(WatchEvent {
-                                        kind,
-                                        kv,
-                                        prev_kv: ev.prev_kv().map(from_pb),
+                            Some(Err(e)) => {
+                                return Some((Err(map_err(&endpoints, &user, &key, e)), None))
+                            }
+                            Some(Ok(resp)) => {
+                                if resp.compact_revision() > 0 {
+                                    return Some((
+                                        Err(StoreError::Compacted {
+                                            compact_revision: resp.compact_revision(),
+                                        }),
+                                        None,
+                                    ));
+                                }
+                                if resp.canceled() {
+                                    let err =
+                                        cancel_error(&endpoints, &user, &key, resp.cancel_reason());
+                                    if matches!(err, StoreError::AuthTokenExpired(_)) {
+                                        // So that the caller's next watch goes with a fresh token.
+                                        let _ = tokio::time::timeout(
+                                            request_timeout,
+                                            client.refresh_token(),
+                                        )
+                                        .await;
+                                    }
+                                    return Some((Err(err), None));
+                                }
+                                let events: Vec<WatchEvent> = resp
+                                    .events()
+                                    .iter()
+                                    .filter_map(|ev| {
+                                        let kv = from_pb(ev.kv()?);
+                                        let kind = match ev.event_type() {
+                                            etcd_client::EventType::Put => EventKind::Put,
+                                            etcd_client::EventType::Delete => EventKind::Delete,
+                                        };
+                                        Some(WatchEvent {
+                                            kind,
+                                            kv,
+                                            prev_kv: ev.prev_kv().map(from_pb),
+                                        })
                                     })
-                                })
-                                .collect();
-                            // The "created" ack and progress notifications carry no events.
-                            if !events.is_empty() {
-                                return Some((Ok(WatchBatch { events }), Some((stream, None))));
+                                    .collect();
+                                if !events.is_empty() {
+                                    let batch = WatchBatch::of_events(events);
+                                    return Some((Ok(batch), Some((stream, None, progress))));
+                                }
+                                // The "created" answer carries the revision the watch was made
+                                // at, not one it has delivered up to (it may replay history).
+                                if resp.created() {
+                                    continue;
+                                }
+                                // A progress notification (etcd 3.4 answers a progress request
+                                // with the member's revision; see the README on its caveat).
+                                let revision = resp.header().map_or(0, |h| h.revision());
+                                if revision > 0 {
+                                    let batch = WatchBatch::progress(revision);
+                                    return Some((Ok(batch), Some((stream, None, progress))));
+                                }
                             }
                         }
                     }
                 }
-            }
-        });
+            });
         Ok(Box::pin(out))
     }
 
@@ -491,7 +527,7 @@ impl MetaStore for EtcdStore {
         })
     }
 
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
         let slot = {
             let mut map = self
                 .keepers
@@ -512,8 +548,9 @@ impl MetaStore for EtcdStore {
             .await;
             return match renewed {
                 Ok(Some(resp)) if resp.ttl() > 0 => {
+                    let revision = resp.header().map_or(0, |h| h.revision());
                     *slot = Some((keeper, stream));
-                    Ok(())
+                    Ok(revision)
                 }
                 Ok(Some(_)) => Err(StoreError::LeaseNotFound(lease)),
                 // The stream ended (etcd restarted, the connection broke): that says nothing
@@ -527,9 +564,10 @@ impl MetaStore for EtcdStore {
         }
         // Opening the stream sends the first renewal and checks the lease exists.
         match self.client.lease_client().keep_alive(lease).await {
+            // etcd-client reads the first answer itself: its revision is not known here.
             Ok(pair) => {
                 *slot = Some(pair);
-                Ok(())
+                Ok(0)
             }
             Err(e) => Err(fix_lease(self.err(e, "").await, lease)),
         }

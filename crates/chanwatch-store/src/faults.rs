@@ -259,7 +259,7 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         self.faults.auth()?;
         self.inner.grant(ttl).await
     }
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
         let delay = self.faults.keepalive_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;

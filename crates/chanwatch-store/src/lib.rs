@@ -100,7 +100,10 @@ pub trait MetaStore: Send + Sync + 'static {
     /// Watches every key starting with `prefix`, from `from_revision` (inclusive) on.
     ///
     /// A `from_revision` below the compaction revision yields `Compacted` as the stream's only
-    /// item. `0` means "from the next revision".
+    /// item. `0` means "from the next revision". Besides event batches the stream yields
+    /// progress notifications (batches without events, see [`WatchBatch::revision`]): etcd's
+    /// answer to a progress request sent every [`EtcdConfig::watch_progress_interval`]; the
+    /// embedded store sends one to every watch that is behind whenever it renews a lease.
     ///
     /// # Errors
     /// `Unavailable` when the watch cannot be created.
@@ -112,12 +115,13 @@ pub trait MetaStore: Send + Sync + 'static {
     /// `Unavailable` (retryable).
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease>;
 
-    /// Renews a lease to its full TTL.
+    /// Renews a lease to its full TTL. Returns the store's revision in the answer (`0` when
+    /// the answer carries none): a watch that has not reached it is behind.
     ///
     /// # Errors
     /// `LeaseNotFound` (fatal for the lease) when it expired or was revoked; `Unavailable`
     /// (retryable).
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<()>;
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision>;
 
     /// Revokes a lease, deleting every key attached to it in one revision.
     ///

@@ -62,7 +62,12 @@ pub struct ListWatch {
     task: tokio::task::JoinHandle<()>,
     restarts: Arc<std::sync::atomic::AtomicU64>,
     blind: Blind,
+    reached: Reached,
 }
+
+/// The revision up to which the consumer has been handed every change (lists, events and the
+/// watch's progress notifications), never going back.
+type Reached = Arc<tokio::sync::watch::Sender<Revision>>;
 
 /// Since when the consumer's view may be stale (`None`: watching, up to date).
 type Blind = Arc<tokio::sync::watch::Sender<Option<tokio::time::Instant>>>;
@@ -82,13 +87,17 @@ impl ListWatch {
         // Blind until the first list has arrived.
         let blind: Blind =
             Arc::new(tokio::sync::watch::channel(Some(tokio::time::Instant::now())).0);
+        let reached: Reached = Arc::new(tokio::sync::watch::channel(0).0);
         let task = tokio::spawn(run(
             store,
             prefix,
             tx,
             relist.clone(),
             restarts.clone(),
-            blind.clone(),
+            Marks {
+                blind: blind.clone(),
+                reached: reached.clone(),
+            },
         ));
         ListWatch {
             rx,
@@ -96,6 +105,7 @@ impl ListWatch {
             task,
             restarts,
             blind,
+            reached,
         }
     }
 
@@ -120,6 +130,14 @@ impl ListWatch {
     /// will eventually move its channels without its answer.
     pub fn blind_since(&self) -> tokio::sync::watch::Receiver<Option<tokio::time::Instant>> {
         self.blind.subscribe()
+    }
+
+    /// The revision up to which every change under the prefix has been handed over (or is
+    /// queued for the consumer): the list's revision, then each batch's and each progress
+    /// notification's. A watch that stalls silently stops it; a node compares it with the
+    /// revision its keepalives are answered at.
+    pub fn reached(&self) -> tokio::sync::watch::Receiver<Revision> {
+        self.reached.subscribe()
     }
 
     /// How many times the loop had to relist after an error (for metrics).
@@ -148,8 +166,18 @@ async fn run(
     tx: mpsc::Sender<Update>,
     relist: Arc<Notify>,
     restarts: Arc<std::sync::atomic::AtomicU64>,
-    blind: Blind,
+    marks: Marks,
 ) {
+    let Marks { blind, reached } = marks;
+    let reach = |revision: Revision| {
+        reached.send_if_modified(|r| {
+            let ahead = revision > *r;
+            if ahead {
+                *r = revision;
+            }
+            ahead
+        });
+    };
     let mut phase = Phase::List { attempt: 0 };
     let failed =
         |prefix: &str, e: &StoreError, attempt: u32, restarts: &std::sync::atomic::AtomicU64| {
@@ -177,6 +205,7 @@ async fn run(
                             return;
                         }
                         blind.send_if_modified(|b| b.take().is_some());
+                        reach(revision);
                         Phase::Watch {
                             stream,
                             next_revision: revision + 1,
@@ -204,14 +233,20 @@ async fn run(
                     biased;
                     () = relist.notified() => Phase::List { attempt: 0 },
                     item = stream.next() => match item {
+                        Some(Ok(batch)) if batch.is_progress() => {
+                            reach(batch.revision);
+                            Phase::Watch { stream, next_revision }
+                        }
                         Some(Ok(batch)) => {
                             let next = batch
                                 .events
                                 .last()
                                 .map_or(next_revision, |e| e.kv.mod_revision + 1);
+                            let revision = batch.revision;
                             if tx.send(Update::Events(batch.events)).await.is_err() {
                                 return;
                             }
+                            reach(revision);
                             Phase::Watch { stream, next_revision: next }
                         }
                         Some(Err(e)) => failed(&prefix, &e, 0, &restarts),
@@ -221,6 +256,12 @@ async fn run(
             }
         };
     }
+}
+
+/// What the loop reports besides updates.
+struct Marks {
+    blind: Blind,
+    reached: Reached,
 }
 
 fn failed(
@@ -276,5 +317,41 @@ mod tests {
             other => panic!("expected reset, got {other:?}"),
         }
         assert_eq!(lw.restarts(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reached_follows_progress_and_stands_still_while_the_watch_stalls() {
+        let store = EmbeddedStore::new();
+        let (faulty, faults) = crate::FaultyStore::new(store.clone());
+        let lw = ListWatch::spawn(Arc::new(faulty), "p/".into());
+        let mut reached = lw.reached();
+        let lease = store
+            .grant(Duration::from_secs(30))
+            .await
+            .map(|l| l.id)
+            .unwrap_or_default();
+        let quiet_for_the_watch = put(&store, "q/elsewhere").await;
+        let answered = store.keepalive(lease).await.unwrap_or_default();
+        assert_eq!(answered, quiet_for_the_watch);
+        let ok = tokio::time::timeout(Duration::from_secs(1), async {
+            reached.wait_for(|r| *r >= answered).await.is_ok()
+        })
+        .await;
+        assert_eq!(ok, Ok(true), "progress reaches the keepalive's revision");
+
+        faults.stall_watches(true);
+        put(&store, "q/more").await;
+        let answered = store.keepalive(lease).await.unwrap_or_default();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            *reached.borrow_and_update() < answered,
+            "a stalled watch does not reach the keepalive's revision"
+        );
+        faults.stall_watches(false);
+        let ok = tokio::time::timeout(Duration::from_secs(1), async {
+            reached.wait_for(|r| *r >= answered).await.is_ok()
+        })
+        .await;
+        assert_eq!(ok, Ok(true), "held progress arrives after the stall");
     }
 }

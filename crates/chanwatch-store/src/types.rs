@@ -336,12 +336,42 @@ pub struct WatchEvent {
     pub prev_kv: Option<KeyValue>,
 }
 
-/// Events of one or more whole revisions, in revision order.
+/// Events of one or more whole revisions, in revision order — or, with no events, a progress
+/// notification.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WatchBatch {
     /// The events, ordered by `kv.mod_revision`; a revision's events are never split across
-    /// batches.
+    /// batches. Empty in a progress notification.
     pub events: Vec<WatchEvent>,
+    /// The watch has delivered every event of its prefix up to this revision: the last event's
+    /// revision, or, in a progress notification, the store's revision when it was sent. A
+    /// consumer that compares it with the revision of a keepalive answer learns whether its
+    /// watch is keeping up (a silently stalled watch never reaches it).
+    pub revision: Revision,
+}
+
+impl WatchBatch {
+    /// A batch of events; its revision is the last event's.
+    #[must_use]
+    pub fn of_events(events: Vec<WatchEvent>) -> Self {
+        let revision = events.last().map_or(0, |e| e.kv.mod_revision);
+        WatchBatch { events, revision }
+    }
+
+    /// A progress notification: nothing changed under the prefix up to `revision`.
+    #[must_use]
+    pub fn progress(revision: Revision) -> Self {
+        WatchBatch {
+            events: Vec::new(),
+            revision,
+        }
+    }
+
+    /// Whether this is a progress notification (no events).
+    #[must_use]
+    pub fn is_progress(&self) -> bool {
+        self.events.is_empty()
+    }
 }
 
 /// Request limits, defaulting to etcd's server defaults.

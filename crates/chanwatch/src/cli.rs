@@ -216,7 +216,8 @@ pub enum PlantArg {
     NoFencing,
     /// Acks do not compare the mod revision or the session.
     UnguardedAck,
-    /// The coordinator moves a channel stuck in ToRelease beside its live owner.
+    /// The coordinator moves a channel stuck in ToRelease beside its live owner, and nodes
+    /// ignore watch progress (either defence alone keeps one owner).
     ForceWithoutFence,
     /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
     BalanceIgnoresBackoff,

@@ -20,6 +20,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
     let planted_bug = args.plant.and_then(|p| match p {
         PlantArg::NoFencing => Some(PlantedBug::NoFencing),
         PlantArg::UnguardedAck => Some(PlantedBug::UnguardedAck),
+        PlantArg::ForceWithoutFence => Some(PlantedBug::NoWatchProgress),
         _ => None,
     });
     let planner_bug = args.plant.and_then(|p| match p {

@@ -177,10 +177,21 @@ impl Cluster {
 
     /// A node talking to the store through `store` (a `FaultyStore` of its own, say).
     pub fn spawn_node_on(&self, store: Arc<dyn MetaStore>) -> Node {
+        self.spawn_node_with(store, None)
+    }
+
+    /// A node on `store` with a planted bug (e.g. `NoFencing`: a node that never pauses by
+    /// itself, so that only the coordinator's fence keeps one owner).
+    pub fn spawn_node_with(
+        &self,
+        store: Arc<dyn MetaStore>,
+        planted_bug: Option<chanwatch_node::PlantedBug>,
+    ) -> Node {
         let config = NodeConfig {
             keys: self.keys.clone(),
             session_ttl: TTL,
             progress_interval: Duration::from_millis(300),
+            planted_bug,
             ..NodeConfig::default()
         };
         let (status_tx, status) = watch::channel(NodeStatus::default());

@@ -198,7 +198,7 @@ impl MetaStore for FailingGrants {
         }
         self.inner.grant(ttl).await
     }
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<()> {
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<chanwatch_store::Revision> {
         self.inner.keepalive(lease).await
     }
     async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {

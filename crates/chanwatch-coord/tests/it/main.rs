@@ -69,6 +69,11 @@ mod leader_key {
 /// Scenarios that need exact simulated time run on the embedded store only.
 mod embedded_only {
     #[tokio::test(start_paused = true)]
+    async fn a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves() -> anyhow::Result<()> {
+        crate::scenarios::a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves().await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_etcd_outage_pauses_channels_and_they_resume_in_place() -> anyhow::Result<()> {
         crate::scenarios::an_etcd_outage_pauses_channels_and_they_resume_in_place().await
     }

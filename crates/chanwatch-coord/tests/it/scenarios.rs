@@ -742,7 +742,13 @@ pub async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_m
     );
     let coord = c.spawn_coord("c1");
     let (faulty, faults) = FaultyStore::new(inner);
-    let blind = c.spawn_node_on(Arc::new(faulty));
+    // A node that never notices by itself (no watchdog: since watch progress, a node with a
+    // stalled watch pauses and relists on its own, see the test above): only the
+    // coordinator's fence stands between its channels and a second owner.
+    let blind = c.spawn_node_with(
+        Arc::new(faulty),
+        Some(chanwatch_node::PlantedBug::NoFencing),
+    );
     let blind_id = c.wait_node_id(&blind).await?;
     let healthy = c.spawn_node();
     c.wait_node_id(&healthy).await?;
@@ -798,6 +804,65 @@ pub async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_m
             "{ch} still runs on the blind node"
         );
     }
+    no_double_ownership(&c)
+}
+
+/// Embedded only (paused clock): a node whose watch stalls silently while its keepalives
+/// succeed notices by itself (issue 11, "blindness by watch progress"): its watch does not
+/// reach the revision its keepalive answers name, so within `ttl − margin` it pauses its
+/// channels, relists (a fresh watch) and resumes. Nothing moves and it never registers again.
+pub async fn a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves() -> Result<()> {
+    use chanwatch_store::{EmbeddedStore, FaultyStore, MetaStore, Txn, TxnOp};
+    use std::sync::Arc;
+    let inner = EmbeddedStore::new();
+    let c = Cluster::with_stores(
+        Backend::Embedded(inner.clone()),
+        Arc::new(inner.clone()) as Arc<dyn MetaStore>,
+    );
+    let coord = c.spawn_coord("c1");
+    let (faulty, faults) = FaultyStore::new(inner);
+    let blind = c.spawn_node_on(Arc::new(faulty));
+    let blind_id = c.wait_node_id(&blind).await?;
+    let healthy = c.spawn_node();
+    c.wait_node_id(&healthy).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.add_channels(&coord, "ch", 6).await?;
+    let before = c
+        .wait_until(SETTLE, "6 Watched on both nodes", |v| {
+            v.all_watched_on_live_nodes(6) && !v.on(blind_id).is_empty()
+        })
+        .await?;
+    ensure!(blind.proc.status.borrow().pauses == 0, "no pause yet");
+    faults.stall_watches(true);
+    // Something changes elsewhere: the keepalives' revision moves on, the watch cannot.
+    c.store
+        .txn(Txn::new().and_then([TxnOp::put("elsewhere/x", "1")]))
+        .await?;
+    let deadline = tokio::time::Instant::now() + TTL * 2;
+    while blind.proc.status.borrow().pauses == 0 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the node with a stalled watch never paused"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(TTL * 2).await;
+    faults.stall_watches(false);
+    let after = c
+        .wait_until(SETTLE, "6 Watched", |v| v.all_watched_on_live_nodes(6))
+        .await?;
+    ensure!(
+        after.on(blind_id) == before.on(blind_id),
+        "nothing moved: {:?} -> {:?}",
+        before.on(blind_id),
+        after.on(blind_id)
+    );
+    let s = blind.proc.status.borrow().clone();
+    ensure!(
+        s.sessions == 1 && s.paused.is_none() && s.id == Some(blind_id),
+        "one session, running again: {s:?}"
+    );
     no_double_ownership(&c)
 }
 

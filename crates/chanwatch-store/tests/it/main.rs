@@ -78,4 +78,5 @@ all_backends!(
     put_on_a_dead_lease_is_refused,
     txn_over_the_op_limit_is_refused,
     concurrent_cas_increments_are_unique,
+    a_quiet_watch_reports_progress_up_to_a_keepalive_revision,
 );

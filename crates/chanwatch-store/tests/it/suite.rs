@@ -18,12 +18,16 @@ type Store = Arc<dyn MetaStore>;
 /// Long enough for etcd on a loaded 2-core machine; under a paused clock it costs nothing.
 const EVENT_WAIT: Duration = Duration::from_secs(10);
 
+/// The next batch of events (progress notifications are skipped).
 async fn next_batch(stream: &mut WatchStream) -> Result<WatchBatch> {
-    match tokio::time::timeout(EVENT_WAIT, stream.next()).await {
-        Ok(Some(Ok(batch))) => Ok(batch),
-        Ok(Some(Err(e))) => bail!("watch failed: {e}"),
-        Ok(None) => bail!("watch ended"),
-        Err(_) => bail!("no watch event within {EVENT_WAIT:?}"),
+    loop {
+        match tokio::time::timeout(EVENT_WAIT, stream.next()).await {
+            Ok(Some(Ok(batch))) if batch.is_progress() => {}
+            Ok(Some(Ok(batch))) => return Ok(batch),
+            Ok(Some(Err(e))) => bail!("watch failed: {e}"),
+            Ok(None) => bail!("watch ended"),
+            Err(_) => bail!("no watch event within {EVENT_WAIT:?}"),
+        }
     }
 }
 
@@ -536,4 +540,33 @@ pub async fn concurrent_cas_increments_are_unique(store: Store) -> Result<()> {
         "values are not 1..={total}"
     );
     Ok(())
+}
+
+/// A watch of a quiet prefix still tells how far it has got: after a keepalive answered at
+/// revision R (writes elsewhere moved the store on), a progress notification at R or later
+/// arrives, without events. A node relies on it to tell a quiet prefix from a stalled watch.
+pub async fn a_quiet_watch_reports_progress_up_to_a_keepalive_revision(store: Store) -> Result<()> {
+    let mut stream = store.watch("quiet/", 0).await?;
+    put(&store, "busy/a", "1").await?;
+    let last = put(&store, "busy/b", "2").await?;
+    let lease = store.grant(Duration::from_secs(30)).await?.id;
+    store.keepalive(lease).await?;
+    let answered = store.keepalive(lease).await?;
+    ensure!(
+        answered >= last,
+        "a keepalive answers at the store's revision ({answered} < {last})"
+    );
+    loop {
+        match tokio::time::timeout(EVENT_WAIT, stream.next()).await {
+            Ok(Some(Ok(batch))) => {
+                ensure!(batch.is_progress(), "no event under quiet/: {batch:?}");
+                if batch.revision >= answered {
+                    return Ok(());
+                }
+            }
+            Ok(Some(Err(e))) => bail!("watch failed: {e}"),
+            Ok(None) => bail!("watch ended"),
+            Err(_) => bail!("no progress up to {answered} within {EVENT_WAIT:?}"),
+        }
+    }
 }
