@@ -392,13 +392,15 @@ pub struct CtlArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum CtlCommand {
-    /// List channels: channel, node (or remaining), state, epoch, age.
+    /// List channels: channel, node (or remaining), state, epoch, age, and whether the node
+    /// says it has paused them (asked over its admin HTTP; etcd cannot know).
     Channels {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
-    /// List live nodes and their channel counts.
+    /// List live nodes, their channel counts and status (running, PAUSED, ? when the node
+    /// did not answer its `/status`).
     Nodes {
         /// Print JSON instead of a table.
         #[arg(long)]

@@ -4,6 +4,7 @@
 //! Owns: presentation (tables, `--json`) and the HTTP calls.
 //! Must not: write to etcd: only the coordinator writes assignments.
 
+use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -12,6 +13,8 @@ use chanwatch_core::{ChannelName, CoordSession, Keys, VChannelInfo};
 use serde_json::{json, Value};
 
 use crate::cli::{CtlArgs, CtlCommand};
+
+mod live;
 
 pub async fn run(args: CtlArgs) -> Result<()> {
     let keys = crate::cmd::keys(&args.root)?;
@@ -40,20 +43,26 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         CtlCommand::Channels { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.channel_rows();
+            let live = live::ask(&state.node_rows()).await;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                let out = live::channels_json(&rows, &live);
+                println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
-                print_channels(&rows);
+                print_channels(&rows, &live);
             }
             report_corrupt(&state);
         }
         CtlCommand::Nodes { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.node_rows();
+            let live = live::ask(&rows).await;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&live::nodes_json(&rows, &live))?
+                );
             } else {
-                print_nodes(&rows);
+                print_nodes(&rows, &live);
             }
         }
         CtlCommand::AddChannel { name, vchannel } => {
@@ -232,43 +241,62 @@ fn age(ms: u64) -> String {
     }
 }
 
-fn print_channels(rows: &[ChannelRow]) {
+fn print_channels(rows: &[ChannelRow], live: &BTreeMap<u64, live::Live>) {
     println!(
-        "{:<32} {:>10} {:<12} {:>6} {:>6}",
-        "CHANNEL", "NODE", "STATE", "EPOCH", "AGE"
+        "{:<32} {:>10} {:<12} {:>6} {:>6} {:<8}",
+        "CHANNEL", "NODE", "STATE", "EPOCH", "AGE", "NODE SAYS"
     );
     for r in rows {
         let node = r
             .node
             .map_or_else(|| "remaining".to_owned(), |n| n.to_string());
+        let says = r
+            .node
+            .and_then(|n| live.get(&n))
+            .map_or("", live::Live::cell);
         println!(
-            "{:<32} {:>10} {:<12} {:>6} {:>6}",
+            "{:<32} {:>10} {:<12} {:>6} {:>6} {:<8}",
             r.channel.as_str(),
             node,
             r.state.as_str(),
             r.epoch,
-            age(r.start_time_ms)
+            age(r.start_time_ms),
+            says
         );
     }
     println!("{} channel(s)", rows.len());
+    print_paused(live);
 }
 
-fn print_nodes(rows: &[NodeRow]) {
+fn print_nodes(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>) {
     println!(
-        "{:>8} {:<24} {:>8} {:>8} {:<8}",
-        "ID", "ADMIN", "CHANNELS", "AGE", ""
+        "{:>8} {:<24} {:>8} {:>8} {:<8} {:<8}",
+        "ID", "ADMIN", "CHANNELS", "AGE", "STATUS", ""
     );
     for r in rows {
         println!(
-            "{:>8} {:<24} {:>8} {:>8} {:<8}",
+            "{:>8} {:<24} {:>8} {:>8} {:<8} {:<8}",
             r.id,
             r.admin_addr,
             r.channels,
             age(r.started_at_ms),
+            live.get(&r.id).map_or("", live::Live::cell),
             if r.draining { "draining" } else { "" }
         );
     }
     println!("{} node(s)", rows.len());
+    print_paused(live);
+}
+
+/// One line per node that is paused or did not say, with why (the table has no room).
+fn print_paused(live: &BTreeMap<u64, live::Live>) {
+    for (id, l) in live {
+        match l {
+            live::Live::Paused(why) => println!("node {id} has paused its channels: {why}"),
+            live::Live::Unknown(why) => println!("node {id}: status unknown ({why})"),
+            live::Live::Running => {}
+        }
+    }
 }
 
 #[cfg(test)]
