@@ -10,14 +10,24 @@
 //! Must not: decide assignments (that is the coordinator's job) or write any key but its own
 //! session, the ID counter, and acknowledgements of its own channels.
 
+mod acks;
+pub mod admin;
+mod config;
+mod embed;
 pub mod handler;
+mod keepalive;
 pub mod metrics;
-pub mod runtime;
+mod register;
+mod runner;
+mod runtime;
+mod session;
 mod watchdog;
 
+pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug};
+pub use embed::{Node, NodeBuilder, NodeHandle};
 pub use handler::{
     AuditLog, Behaviour, ChannelContext, ChannelHandler, Interval, NamePatterns, RecordingHandler,
     SimulatedLoad,
 };
 pub use metrics::NodeMetrics;
-pub use runtime::{run, NodeConfig, NodeError, NodeStatus, PlantedBug};
+pub use runtime::run;

@@ -9,7 +9,6 @@ use anyhow::{Context, Result};
 use chanwatch_coord::{CoordHandle, CoordinatorConfig};
 use chanwatch_core::coord::CoordConfig;
 use chanwatch_core::Keys;
-use chanwatch_node::{NodeConfig, NodeStatus};
 use chanwatch_store::Clock;
 use tokio::sync::watch;
 use tracing::info;
@@ -169,45 +168,7 @@ pub async fn node(args: NodeArgs) -> Result<()> {
     let keys = keys(&args.root)?;
     let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
-    let (status_tx, status) = watch::channel(NodeStatus::default());
     let stop = shared_shutdown();
-    let metrics = Arc::new(chanwatch_node::NodeMetrics::new());
-    let registry = prometheus::Registry::new();
-    metrics.register(&registry)?;
-    let router = axum::Router::new()
-        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
-        .route(
-            "/metrics",
-            axum::routing::get(move || {
-                let text = chanwatch_coord::metrics::render(&registry);
-                async move { text }
-            }),
-        )
-        .route(
-            "/status",
-            axum::routing::get(move || {
-                let s = status.borrow().clone();
-                async move {
-                    axum::Json(serde_json::json!({
-                        "id": s.id.map(|i| i.0), "sessions": s.sessions, "fences": s.fences,
-                        "paused": s.paused.is_some(), "paused_reason": s.paused, "pauses": s.pauses
-                    }))
-                }
-            }),
-        );
-    let server = tokio::spawn(chanwatch_coord::api::serve(
-        listener,
-        router,
-        wait_true(stop.clone()),
-    ));
-    let config = NodeConfig {
-        keys,
-        session_ttl: args.session_ttl,
-        progress_interval: args.progress_interval,
-        admin_addr: admin_addr.clone(),
-        metrics,
-        ..NodeConfig::default()
-    };
     info!(admin = %admin_addr, store = %store.describe(), "node starting");
     let load = args.test_load.simulated_load(args.load_delay);
     let handler: Arc<dyn chanwatch_node::ChannelHandler> = match &args.handler_log {
@@ -217,15 +178,30 @@ pub async fn node(args: NodeArgs) -> Result<()> {
                 .with_context(|| format!("cannot append to --handler-log {}", path.display()))?,
         ),
     };
-    chanwatch_node::run(
-        store,
-        handler,
-        config,
-        Clock::system(),
-        status_tx,
-        wait_true(stop),
-    )
-    .await?;
+    let node = chanwatch_node::Node::builder(store)
+        .handler(handler)
+        .keys(keys)
+        .session_ttl(args.session_ttl)
+        .progress_interval(args.progress_interval)
+        .admin_addr(admin_addr)
+        .spawn()?;
+    let router = chanwatch_node::admin::router(node.watch_status(), node.registry().clone());
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        router,
+        wait_true(stop.clone()),
+    ));
+    let mut node = node;
+    // The node ends by itself only for a configuration error at start-up.
+    let ended = tokio::select! {
+        () = wait_true(stop.clone()) => None,
+        r = node.wait() => Some(r),
+    };
+    match ended {
+        None => node.stop().await?,
+        // The admin server goes with the process.
+        Some(r) => return r.map_err(Into::into),
+    }
     server.await??;
     Ok(())
 }

@@ -1,0 +1,76 @@
+//! The node's admin HTTP: `GET /healthz`, `GET /metrics` (Prometheus text) and `GET /status`
+//! (JSON: id, sessions, fences, paused, paused_reason, pauses) — what `ctl` and monitoring read.
+//!
+//! Owns: the routes and the status JSON's shape. Must not: change the node (read-only), or
+//! bind sockets (the caller serves the router where it wants).
+
+use axum::routing::get;
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::config::NodeStatus;
+
+/// The status as `GET /status` shows it.
+#[must_use]
+pub fn status_json(s: &NodeStatus) -> serde_json::Value {
+    json!({
+        "id": s.id.map(|i| i.0),
+        "sessions": s.sessions,
+        "fences": s.fences,
+        "paused": s.paused.is_some(),
+        "paused_reason": s.paused,
+        "pauses": s.pauses,
+    })
+}
+
+/// Renders a registry as Prometheus text.
+#[must_use]
+pub fn render(registry: &prometheus::Registry) -> String {
+    let mut out = String::new();
+    if let Err(e) = prometheus::TextEncoder::new().encode_utf8(&registry.gather(), &mut out) {
+        out = format!("# error encoding metrics: {e}\n");
+    }
+    out
+}
+
+/// The routes, for a node's status and its metrics registry (see
+/// [`NodeHandle`](crate::NodeHandle)).
+pub fn router(status: watch::Receiver<NodeStatus>, registry: prometheus::Registry) -> axum::Router {
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let text = render(&registry);
+                async move { text }
+            }),
+        )
+        .route(
+            "/status",
+            get(move || {
+                let body = status_json(&status.borrow());
+                async move { axum::Json(body) }
+            }),
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_json_names_the_pause_and_why() {
+        let s = NodeStatus {
+            id: Some(chanwatch_core::NodeId(4)),
+            sessions: 1,
+            fences: 0,
+            paused: Some("no keepalive succeeded for 3s".into()),
+            pauses: 2,
+        };
+        let v = status_json(&s);
+        assert_eq!(v["id"], json!(4));
+        assert_eq!(v["paused"], json!(true));
+        assert_eq!(v["paused_reason"], json!("no keepalive succeeded for 3s"));
+        assert_eq!(v["pauses"], json!(2));
+    }
+}

@@ -1,0 +1,100 @@
+//! A node's settings, its status as others see it, and the errors that end it.
+//!
+//! Owns: [`NodeConfig`] (with the fence margin's default), [`NodeStatus`], [`NodeError`] and
+//! the test-only [`PlantedBug`]. Must not: hold behaviour — the runtime reads these.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chanwatch_core::{Keys, NodeId};
+use chanwatch_store::StoreError;
+
+/// Settings of a node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Key layout.
+    pub keys: Keys,
+    /// Lease TTL of the session (minimum 2 s).
+    pub session_ttl: Duration,
+    /// How early, before the lease could expire, a node that cannot renew it stops its
+    /// channels: `max(1 s, ttl / 5)` unless set.
+    pub fence_margin: Option<Duration>,
+    /// Least time between two progress writes of one load.
+    pub progress_interval: Duration,
+    /// Written into the session for operators.
+    pub admin_addr: String,
+    /// Relative capacity written into the session.
+    pub capacity: u32,
+    /// Where the node's metrics go (shared by the nodes of one process).
+    pub metrics: Arc<crate::metrics::NodeMetrics>,
+    /// Test-only: a safety mechanism switched off, so the simulation can prove that its
+    /// invariant checker notices. Never set outside tests; no flag reaches it.
+    #[doc(hidden)]
+    pub planted_bug: Option<PlantedBug>,
+}
+
+/// Safety mechanisms a test can switch off (see [`NodeConfig::planted_bug`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlantedBug {
+    /// Keep running channels while keepalives fail, until the store says the lease is gone
+    /// (no self-fencing at `ttl - margin`).
+    NoFencing,
+    /// Acknowledge without comparing the key's mod revision or the session.
+    UnguardedAck,
+    /// Ignore watch progress: a watch that stalls silently while keepalives succeed goes
+    /// unnoticed (the node still pauses when keepalives or the list-watch fail).
+    NoWatchProgress,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            keys: Keys::default(),
+            session_ttl: Duration::from_secs(10),
+            fence_margin: None,
+            progress_interval: Duration::from_secs(5),
+            admin_addr: String::new(),
+            capacity: 0,
+            metrics: Arc::new(crate::metrics::NodeMetrics::new()),
+            planted_bug: None,
+        }
+    }
+}
+
+impl NodeConfig {
+    pub(crate) fn margin(&self) -> Duration {
+        self.fence_margin
+            .unwrap_or_else(|| (self.session_ttl / 5).max(Duration::from_secs(1)))
+    }
+}
+
+/// Why a node stopped for good.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration cannot work (fatal).
+    #[error("bad node configuration: {0}")]
+    Config(String),
+    /// At start-up, the store refused the node's credentials or role (a configuration
+    /// error; see [`StoreError::is_config`]). Every other store error is retried.
+    #[error("store refused the node: {0}")]
+    Store(#[source] StoreError),
+    /// The node's task panicked or was cancelled (a bug: please report it with the log).
+    #[error("the node's task ended abnormally: {0}")]
+    Task(String),
+}
+
+/// What a node shows to the outside (tests, admin API).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// The current session's node ID (`None` between sessions).
+    pub id: Option<NodeId>,
+    /// Sessions started so far (a re-registration after fencing makes a new one).
+    pub sessions: u64,
+    /// Times the node fenced itself.
+    pub fences: u64,
+    /// Why every channel is paused, while it is (the store is out of reach).
+    pub paused: Option<String>,
+    /// Times the node paused its channels.
+    pub pauses: u64,
+}

@@ -1,0 +1,104 @@
+//! Registration: a fresh node ID by compare-and-swap on the counter, a lease, and the leased
+//! session key.
+//!
+//! Owns: the ID allocation and the session value. Must not: serve the session (see
+//! `session.rs`) or retry by itself (the runtime's loop retries with [`register_backoff`]).
+
+use chanwatch_core::{NodeId, NodeSession};
+use chanwatch_store::{Clock, Compare, MetaStore, StoreError, Txn, TxnOp};
+use std::time::Duration;
+
+use crate::config::NodeConfig;
+
+/// The wait before registration attempt `attempt` (from 1): 100 ms doubling to 5 s, less a
+/// jitter of up to half, picked from `seed` (the clock) so that nodes that failed together
+/// (an etcd restart, a NOSPACE alarm disarmed) do not retry together, and a simulation with a
+/// paused clock still replays the same waits.
+pub(crate) fn register_backoff(attempt: u32, seed: u64) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let full = Duration::from_millis(100)
+        .saturating_mul(1u32 << attempt.saturating_sub(1).min(6))
+        .min(Duration::from_secs(5));
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (seed, attempt).hash(&mut h);
+    full.saturating_sub(full.mul_f64((h.finish() % 500) as f64 / 1000.0))
+}
+
+/// A registered session.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Registered {
+    pub(crate) id: NodeId,
+    pub(crate) lease: i64,
+    /// Create revision of the session key: acks compare it, so a node whose session is gone
+    /// can never ack.
+    pub(crate) session_revision: i64,
+    /// When the lease was asked for: it cannot expire before `granted_at + ttl`.
+    pub(crate) granted_at: tokio::time::Instant,
+}
+
+/// Allocates a fresh ID by compare-and-swap on the counter, then puts the session.
+pub(crate) async fn register(
+    store: &dyn MetaStore,
+    config: &NodeConfig,
+    clock: &Clock,
+) -> Result<Registered, StoreError> {
+    let counter = config.keys.node_id_counter();
+    let id = loop {
+        let current = store.get(&counter).await?;
+        let (last, compare) = match &current {
+            Some(kv) => {
+                let text = String::from_utf8_lossy(&kv.value);
+                let last: NodeId = text.trim().parse().map_err(|_| {
+                    StoreError::InvalidArgument(format!(
+                        "{counter} holds {text:?}, not a node id; fix or delete the key"
+                    ))
+                })?;
+                (last.0, Compare::mod_revision(&counter, kv.mod_revision))
+            }
+            None => (0, Compare::absent(&counter)),
+        };
+        let next = last + 1;
+        let resp = store
+            .txn(
+                Txn::new()
+                    .when([compare])
+                    .and_then([TxnOp::put(&counter, next.to_string())]),
+            )
+            .await?;
+        if resp.succeeded {
+            break NodeId(next);
+        }
+    };
+    // The lease runs from when etcd granted it, which is no earlier than this: the watchdog
+    // counts from here, not from when the session began serving (a slow registration
+    // otherwise gave the node more time than its lease had; found by the simulation).
+    let granted_at = clock.now();
+    let lease = store.grant(config.session_ttl).await?;
+    let session = NodeSession {
+        id,
+        admin_addr: config.admin_addr.clone(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at_ms: clock.unix_ms(),
+        capacity: config.capacity,
+        extra: Default::default(),
+    };
+    let key = config.keys.session(id);
+    let resp = store
+        .txn(
+            Txn::new()
+                .when([Compare::absent(&key)])
+                .and_then([TxnOp::put_with_lease(&key, session.encode(), lease.id)]),
+        )
+        .await?;
+    if !resp.succeeded {
+        return Err(StoreError::InvalidArgument(format!(
+            "{key} already exists although the id was just allocated; someone else writes node ids"
+        )));
+    }
+    Ok(Registered {
+        id,
+        lease: lease.id,
+        session_revision: resp.revision,
+        granted_at,
+    })
+}

@@ -1,0 +1,453 @@
+//! One session of a node: the event loop over its list-watch, runner events, acks and the
+//! pause signal, from registration until it is fenced or shut down.
+//!
+//! Owns: the [`NodeMachine`] of the session, its runners (see `runner.rs`), the ack queue
+//! (see `acks.rs`), the keepalive task and the watchdog. Every task it starts is aborted when
+//! it ends, so a dropped session (a killed node) leaves nothing running.
+//!
+//! Must not: write any key but its own channels' acks (and revoke its lease on shutdown).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
+use chanwatch_core::{ChannelInfo, ChannelName, Keys};
+use chanwatch_store::{Clock, Compare, EventKind, ListWatch, MetaStore, Update};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, error, info, warn};
+
+use crate::acks::AckOutcome;
+use crate::config::{NodeConfig, NodeStatus, PlantedBug};
+use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
+use crate::keepalive::keepalive;
+use crate::register::Registered;
+use crate::runner::{run_channel, Runner, RunningGuard};
+use crate::watchdog::{watchdog, Renewal};
+
+pub(crate) enum SessionEnd {
+    Shutdown,
+    Fenced(String),
+}
+
+pub(crate) struct Session {
+    pub(crate) store: Arc<dyn MetaStore>,
+    pub(crate) handler: Arc<dyn ChannelHandler>,
+    pub(crate) keys: Keys,
+    pub(crate) ttl: Duration,
+    pub(crate) margin: Duration,
+    pub(crate) progress_interval: Duration,
+    pub(crate) clock: Clock,
+    pub(crate) reg: Registered,
+    pub(crate) machine: NodeMachine,
+    pub(crate) runners: BTreeMap<ChannelName, Runner>,
+    pub(crate) next_generation: u64,
+    pub(crate) events_tx: mpsc::UnboundedSender<RunnerEvent>,
+    pub(crate) events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
+    pub(crate) metrics: Arc<crate::metrics::NodeMetrics>,
+    pub(crate) planted_bug: Option<PlantedBug>,
+    /// Cancelled when the session must stop everything (the store says the lease is gone);
+    /// every runner's token is a child of it.
+    pub(crate) fence: CancellationToken,
+    /// Why every channel is paused (`None`: running). Set by the watchdog when no keepalive
+    /// succeeded, or the node could not see its assignments, for `ttl - margin`; cleared
+    /// when the same lease is renewed again and the view is back (DESIGN §3, invariant 9:
+    /// an etcd outage pauses channels, it does not stop them).
+    pub(crate) pause: watch::Sender<Option<String>>,
+    /// An ack failed for a store error (not a refusal): relist soon, which re-acks what is
+    /// loaded, instead of leaving the channel to the coordinator's watch timeout.
+    pub(crate) retry_acks: std::sync::atomic::AtomicBool,
+    /// When each loading channel's assignment was seen, for the ack latency.
+    pub(crate) seen_at: BTreeMap<ChannelName, tokio::time::Instant>,
+    /// Acks waiting for the write in flight to return.
+    pub(crate) ack_queue: Vec<(ChannelInfo, i64)>,
+    pub(crate) ack_in_flight: bool,
+    /// The write in flight; aborted with the session (its txn may still land: it is
+    /// guarded by the session and the key's revision, so that is harmless).
+    pub(crate) ack_task: Option<AbortOnDropHandle<()>>,
+    pub(crate) acks_done_tx: mpsc::UnboundedSender<Vec<(ChannelInfo, AckOutcome)>>,
+    pub(crate) acks_done_rx: mpsc::UnboundedReceiver<Vec<(ChannelInfo, AckOutcome)>>,
+}
+
+impl Session {
+    pub(crate) fn new(
+        store: Arc<dyn MetaStore>,
+        handler: Arc<dyn ChannelHandler>,
+        config: &NodeConfig,
+        clock: Clock,
+        reg: Registered,
+    ) -> Self {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (acks_done_tx, acks_done_rx) = mpsc::unbounded_channel();
+        Session {
+            store,
+            handler,
+            keys: config.keys.clone(),
+            ttl: config.session_ttl,
+            margin: config.margin(),
+            progress_interval: config.progress_interval,
+            clock,
+            reg,
+            machine: NodeMachine::new(),
+            runners: BTreeMap::new(),
+            next_generation: 0,
+            events_tx,
+            events_rx,
+            metrics: config.metrics.clone(),
+            planted_bug: config.planted_bug,
+            fence: CancellationToken::new(),
+            pause: watch::channel(None).0,
+            retry_acks: std::sync::atomic::AtomicBool::new(false),
+            seen_at: BTreeMap::new(),
+            ack_queue: Vec::new(),
+            ack_in_flight: false,
+            ack_task: None,
+            acks_done_tx,
+            acks_done_rx,
+        }
+    }
+
+    pub(crate) async fn serve(
+        mut self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        status: &watch::Sender<NodeStatus>,
+    ) -> SessionEnd {
+        let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
+        let (last_ok_tx, last_ok) = watch::channel(Renewal {
+            sent: self.reg.granted_at,
+            revision: 0,
+        });
+        let lost = CancellationToken::new();
+        let _keepalive = AbortOnDropHandle::new(tokio::spawn(keepalive(
+            self.store.clone(),
+            self.reg.lease,
+            self.ttl,
+            self.clock,
+            last_ok_tx,
+            lost.clone(),
+            self.fence.clone(),
+            renewed_tx.clone(),
+        )));
+        let prefix = self
+            .keys
+            .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));
+        let mut lw = ListWatch::spawn(self.store.clone(), prefix);
+        // Pausing runs beside the event loop, not in it: a store call that hangs in the loop
+        // (an ack on a stalled connection) must not keep channels running past the lease
+        // (found by the simulation). Runners follow `pause` themselves. A node also pauses
+        // when it cannot see its assignments for as long: a node that kept renewing its lease
+        // between short partitions, yet never saw a release request, must not run the
+        // channel once the coordinator fences it (found by the simulation too).
+        let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
+            AbortOnDropHandle::new(tokio::spawn(watchdog(
+                last_ok,
+                lw.blind_since(),
+                if self.planted_bug == Some(PlantedBug::NoWatchProgress) {
+                    // A watch that always looks caught up.
+                    watch::channel(chanwatch_store::Revision::MAX).1
+                } else {
+                    lw.reached()
+                },
+                self.ttl.saturating_sub(self.margin),
+                self.pause.clone(),
+                renewed_tx,
+            )))
+        });
+        let mut paused = self.pause.subscribe();
+        let mut metrics_tick = tokio::time::interval(Duration::from_millis(500));
+        let mut restarts_seen = 0;
+        metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => {
+                    info!(node = %self.reg.id, "node: shutting down; stopping channels and revoking the lease");
+                    self.stop_all().await;
+                    if let Err(e) = self.store.revoke(self.reg.lease).await {
+                        warn!(error = %e, "node: lease revoke failed; it will expire by itself");
+                    }
+                    return SessionEnd::Shutdown;
+                }
+                () = self.fence.cancelled() => {
+                    self.stop_all().await;
+                    return SessionEnd::Fenced(if lost.is_cancelled() {
+                        "the store says our lease is gone".into()
+                    } else {
+                        "the session ended".into()
+                    });
+                }
+                Ok(()) = paused.changed() => {
+                    let why = paused.borrow_and_update().clone();
+                    status.send_modify(|s| {
+                        s.pauses += u64::from(why.is_some());
+                        s.paused.clone_from(&why);
+                    });
+                    for r in self.runners.values() {
+                        r.pause.send_replace(why.clone());
+                    }
+                    match why {
+                        Some(why) => {
+                            self.metrics.pauses.inc();
+                            self.metrics.paused.set(1);
+                            warn!(node = %self.reg.id, reason = %why, channels = self.runners.len(), "node: paused every channel (no effects, no commits) until the store answers again with our session alive");
+                        }
+                        None => {
+                            self.metrics.paused.set(0);
+                            info!(node = %self.reg.id, channels = self.runners.len(), "node: session survived; resuming channels and relisting");
+                            lw.relist();
+                            self.send_acks();
+                        }
+                    }
+                }
+                Some(()) = renewed.recv() => {
+                    // Renewed while paused: the store is back. Look again at once rather than
+                    // after the list-watch's back-off, so channels resume within a second.
+                    lw.relist();
+                }
+                _ = metrics_tick.tick() => {
+                    if self.retry_acks.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                        debug!(node = %self.reg.id, "node: relisting to retry failed acks");
+                        lw.relist();
+                    }
+                    let restarts = lw.restarts();
+                    self.metrics.watch_restarts.inc_by(restarts - restarts_seen);
+                    restarts_seen = restarts;
+                }
+                Some(first) = self.events_rx.recv() => {
+                    // Drain what else is ready so that their acks share txns.
+                    let mut batch = vec![first];
+                    while batch.len() < 1024 {
+                        match self.events_rx.try_recv() {
+                            Ok(ev) => batch.push(ev),
+                            Err(_) => break,
+                        }
+                    }
+                    let mut cmds = Vec::new();
+                    for ev in batch {
+                        cmds.extend(self.on_runner_event(ev));
+                    }
+                    self.execute_or_fence(cmds).await;
+                }
+                Some(outcomes) = self.acks_done_rx.recv() => self.acks_done(outcomes).await,
+                update = lw.next() => match update {
+                    Some(Update::Reset { kvs, revision }) => {
+                        self.metrics.relists.inc();
+                        debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
+                        let list = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
+                        let cmds = self.machine.reset(list);
+                        self.execute_or_fence(cmds).await;
+                    }
+                    Some(Update::Events(events)) => {
+                        let mut cmds = Vec::new();
+                        for ev in events {
+                            let event = match ev.kind {
+                                EventKind::Put => match self.decode(&ev.kv.key, &ev.kv.value) {
+                                    Some(info) => NodeEvent::Put { info, mod_revision: ev.kv.mod_revision },
+                                    None => continue,
+                                },
+                                EventKind::Delete => match self.keys.parse_channel(&ev.kv.key) {
+                                    Ok(ck) => NodeEvent::Delete { channel: ck.channel },
+                                    Err(_) => continue,
+                                },
+                            };
+                            cmds.extend(self.machine.step(event));
+                        }
+                        self.execute_or_fence(cmds).await;
+                    }
+                    None => {
+                        error!("node: list-watch task ended unexpectedly; fencing");
+                        self.stop_all().await;
+                        return SessionEnd::Fenced("list-watch task ended".into());
+                    }
+                },
+            }
+        }
+    }
+
+    fn on_runner_event(&mut self, ev: RunnerEvent) -> Vec<NodeCommand> {
+        let event = match ev {
+            RunnerEvent::LoadDone {
+                channel,
+                epoch,
+                result,
+            } => {
+                match &result {
+                    Ok(()) => {
+                        info!(node = %self.reg.id, %channel, %epoch, "node: channel loaded; acknowledging Watched")
+                    }
+                    Err(reason) => {
+                        warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: load failed; acknowledging WatchFailed")
+                    }
+                }
+                NodeEvent::LoadDone {
+                    channel,
+                    epoch,
+                    result,
+                }
+            }
+            RunnerEvent::Progress {
+                channel,
+                epoch,
+                progress,
+            } => NodeEvent::Progress {
+                channel,
+                epoch,
+                progress,
+            },
+            RunnerEvent::Stopped {
+                channel,
+                generation,
+            } => {
+                if self
+                    .runners
+                    .get(&channel)
+                    .is_some_and(|r| r.generation == generation)
+                {
+                    self.runners.remove(&channel);
+                }
+                NodeEvent::Stopped { channel }
+            }
+            RunnerEvent::Broke {
+                channel,
+                epoch,
+                reason,
+                generation,
+            } => {
+                let current = self
+                    .runners
+                    .get(&channel)
+                    .is_some_and(|r| r.generation == generation);
+                if !current {
+                    return vec![]; // an earlier run of the channel: long stopped
+                }
+                warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: the handler reports the running channel broken; stopping it, then acknowledging WatchFailed");
+                NodeEvent::Broke {
+                    channel,
+                    epoch,
+                    reason,
+                }
+            }
+        };
+        self.machine.step(event)
+    }
+
+    /// The assignment under `key`, or `None` (logged naming the key, counted) when the key or
+    /// value is bad — a value naming another channel than its key included (DESIGN.md §2).
+    fn decode(&self, key: &str, value: &[u8]) -> Option<ChannelInfo> {
+        match chanwatch_core::node::decode_assignment(&self.keys, key, value) {
+            Ok((_, info)) => Some(info),
+            Err(e) => {
+                self.metrics.corrupt.inc();
+                error!(node = %self.reg.id, key, error = %e, "node: assignment does not decode; not running it, leaving the key alone");
+                None
+            }
+        }
+    }
+
+    /// Executes `cmds` unless the session is fenced meanwhile: then it gives up at once (an
+    /// ack it abandons could only be refused, the session being gone).
+    pub(crate) async fn execute_or_fence(&mut self, cmds: Vec<NodeCommand>) {
+        let fence = self.fence.clone();
+        tokio::select! {
+            biased;
+            () = fence.cancelled() => {}
+            () = self.execute(cmds) => {}
+        }
+    }
+
+    async fn execute(&mut self, cmds: Vec<NodeCommand>) {
+        let mut queue: std::collections::VecDeque<NodeCommand> = cmds.into();
+        while let Some(cmd) = queue.pop_front() {
+            match cmd {
+                NodeCommand::Start { info } => self.start(info).await,
+                NodeCommand::Stop { channel } => match self.runners.get(&channel) {
+                    Some(r) => {
+                        info!(node = %self.reg.id, %channel, "node: stopping channel");
+                        r.cancel.cancel();
+                    }
+                    None => queue.extend(self.machine.step(NodeEvent::Stopped { channel })),
+                },
+                NodeCommand::Ack {
+                    info,
+                    expect_mod_revision,
+                } => self.ack_queue.push((info, expect_mod_revision)),
+            }
+        }
+        self.send_acks();
+    }
+
+    pub(crate) fn key(&self, channel: &ChannelName) -> String {
+        self.keys
+            .channel(chanwatch_core::ChannelOwner::Node(self.reg.id), channel)
+    }
+
+    pub(crate) fn session_guard(&self) -> Compare {
+        Compare::create_revision(self.keys.session(self.reg.id), self.reg.session_revision)
+    }
+
+    async fn start(&mut self, info: ChannelInfo) {
+        // One runner per channel: a restart waits for the previous one to finish releasing.
+        if let Some(old) = self.runners.remove(&info.channel) {
+            old.cancel.cancel();
+            let _ = old.task.await;
+        }
+        info!(node = %self.reg.id, channel = %info.channel, epoch = %info.epoch, "node: starting channel");
+        self.next_generation += 1;
+        let generation = self.next_generation;
+        let cancel = self.fence.child_token();
+        let ctx = ChannelContext {
+            node: self.reg.id,
+            info: info.clone(),
+            clock: self.clock,
+            events: self.events_tx.clone(),
+            last_progress: Arc::new(Mutex::new(None)),
+            progress_interval: self.progress_interval,
+            generation,
+        };
+        self.seen_at.insert(info.channel.clone(), self.clock.now());
+        self.metrics.running.inc();
+        let guard = RunningGuard(self.metrics.clone());
+        let (pause, paused) = watch::channel(self.pause.borrow().clone());
+        let task = tokio::spawn(run_channel(
+            guard,
+            self.handler.clone(),
+            ctx,
+            cancel.clone(),
+            paused,
+            generation,
+        ));
+        self.runners.insert(
+            info.channel,
+            Runner {
+                generation,
+                cancel,
+                pause,
+                task,
+            },
+        );
+    }
+
+    /// Stops every runner and waits for each release.
+    async fn stop_all(&mut self) {
+        let runners: Vec<(ChannelName, Runner)> =
+            std::mem::take(&mut self.runners).into_iter().collect();
+        for (_, r) in &runners {
+            r.cancel.cancel();
+        }
+        for (_, r) in runners {
+            let _ = r.task.await;
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // A dropped session (killed node) must leave nothing running.
+        for r in self.runners.values() {
+            r.task.abort();
+        }
+    }
+}
