@@ -348,6 +348,33 @@ pub struct CoordArgs {
     /// Balance does not move a channel that moved (for any reason) within this long.
     #[arg(long, env = "CHANWATCH_MOVE_COOLDOWN", value_parser = humantime_secs, default_value = "60s")]
     pub move_cooldown: Duration,
+    /// FOR TESTS: switch one safety rule of the planner off, to prove a black-box test
+    /// catches it (tests/blackbox.rs). Never in production.
+    #[arg(long, value_enum, hide = true)]
+    pub plant: Option<CoordPlantArg>,
+}
+
+/// Planner bugs `coord --plant` can switch on (a subset of [`PlantArg`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CoordPlantArg {
+    /// A channel stuck in ToRelease is moved beside its live owner, without fencing it.
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
+}
+
+impl CoordPlantArg {
+    /// The planner's switch.
+    pub fn planner_bug(self) -> chanwatch_core::coord::PlannerBug {
+        match self {
+            CoordPlantArg::ForceWithoutFence => {
+                chanwatch_core::coord::PlannerBug::ForceWithoutFence
+            }
+            CoordPlantArg::BalanceIgnoresBackoff => {
+                chanwatch_core::coord::PlannerBug::BalanceIgnoresBackoff
+            }
+        }
+    }
 }
 
 #[derive(Debug, Args)]
