@@ -43,6 +43,15 @@ fn plant() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// At most the first 8 items of a list, for messages.
+fn few<T: std::fmt::Debug>(items: &[T]) -> String {
+    if items.len() <= 8 {
+        format!("{items:?}")
+    } else {
+        format!("{:?} and {} more", &items[..8], items.len() - 8)
+    }
+}
+
 fn keep(c: Cluster) {
     if std::env::var_os("CHANWATCH_BLACKBOX_KEEP").is_some() {
         println!("logs kept in {}", c.dir.keep().display());
@@ -299,18 +308,20 @@ async fn a_channel_failing_on_one_node_settles_elsewhere_without_ping_pong_or_ch
     let coord_metrics = c.metrics(&c.admin).await;
     println!(
         "ping-pong: nodes a={a} b={b} c={cc}; {X} failed on a at unix ms {t_fail}{}; its \
-         assignments (node, epoch) {x_epochs:?}; in the {} s after: {} move(s) of {X} ({} back \
-         onto a), {} move(s) of other channels {others:?}, {} onto a within the back-off; \
+         assignments (node, epoch) {}; in the {} s after: {} move(s) of {X} ({} back \
+         onto a), {} move(s) of other channels {}, {} onto a within the back-off; \
          reassignments by cause: failed {}, balance {}; overlaps {}; exits {}",
         if moved_by_hand {
             " (moved there by hand)"
         } else {
             ""
         },
+        few(&x_epochs),
         (window_end - t_fail) / 1000,
         x_moves.len(),
         x_back_on_a.len(),
         others.len(),
+        few(&others),
         onto_a_in_backoff.len(),
         Cluster::metric(
             &coord_metrics,
@@ -332,36 +343,42 @@ async fn a_channel_failing_on_one_node_settles_elsewhere_without_ping_pong_or_ch
     }
     if !x_back_on_a.is_empty() {
         violations.push(format!(
-            "{X} was put back on a (node {a}) within {} s of failing there: {x_back_on_a:?}",
-            (window_end - t_fail) / 1000
+            "{X} was put back on a (node {a}) within {} s of failing there: {}",
+            (window_end - t_fail) / 1000,
+            few(&x_back_on_a)
         ));
     }
     if x_moves.len() != 1 {
         violations.push(format!(
-            "{X} moved {} times after failing on a, expected once: {x_moves:?}",
-            x_moves.len()
+            "{X} moved {} times after failing on a, expected once: {}",
+            x_moves.len(),
+            few(&x_moves)
         ));
     }
     if !onto_a_in_backoff.is_empty() {
         violations.push(format!(
-            "channels assigned to a within its {BACKOFF} s back-off: {onto_a_in_backoff:?}"
+            "channels assigned to a within its {BACKOFF} s back-off: {}",
+            few(&onto_a_in_backoff)
         ));
     }
     // a is two behind after X left: balance may even it out with one move once a's
     // back-off is over; anything beyond that is churn.
     if others.len() > 1 {
         violations.push(format!(
-            "{} moves of other channels after {X} failed (at most 1 expected): {others:?}",
-            others.len()
+            "{} moves of other channels after {X} failed (at most 1 expected): {}",
+            others.len(),
+            few(&others)
         ));
     }
     if !violations.is_empty() {
         let dir = c.dir.keep();
+        let history = audit::history(&dir, X);
+        let lines: Vec<&str> = history.lines().take(20).collect();
         panic!(
-            "ping-pong (logs in {}):\n{}\n--- {X}:\n{}",
+            "ping-pong (logs in {}):\n{}\n--- {X} (first 20 handler log lines):\n{}",
             dir.display(),
             violations.join("\n"),
-            audit::history(&dir, X)
+            lines.join("\n")
         );
     }
     keep(c);
