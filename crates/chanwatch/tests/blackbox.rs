@@ -120,13 +120,16 @@ async fn stalled_drain(stay_blind: bool) {
     // and relists sees its ToRelease).
     let fence_by = Instant::now() + Duration::from_secs(RELEASE_TIMEOUT + TTL + 5);
     let mut b_gone_ms = None;
+    let mut acted = false;
     while Instant::now() < fence_by {
         let rows = c.node_rows().unwrap_or_default();
         if !rows.is_empty() && !rows.iter().any(|r| r.id == b) {
             b_gone_ms = Some(unix_ms() - t_drain);
+            acted = true;
             break;
         }
         if c.settled(20, |_, n| n != b).is_ok() {
+            acted = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -191,6 +194,13 @@ async fn stalled_drain(stay_blind: bool) {
     );
     let mut violations: Vec<String> = overlaps;
     violations.extend(exits);
+    if !acted {
+        violations.push(format!(
+            "within {} s of the drain, node {b} neither lost its session nor had its channels \
+             moved: nothing acted on a blind node",
+            RELEASE_TIMEOUT + TTL + 5
+        ));
+    }
     if let Err(why) = moved {
         violations.push(format!(
             "not every channel Watched and running off node {b} within {} s: {why}",
