@@ -720,4 +720,34 @@ mod tests {
         let load = args.test_load.simulated_load(Duration::ZERO);
         assert!(load.fail_load.is_empty() && load.hang_load.is_empty());
     }
+
+    /// What the planted bugs do is tested in the planner and in tests/blackbox.rs.
+    #[test]
+    fn coord_plant_reaches_the_planner_and_stays_out_of_help() {
+        use chanwatch_core::coord::PlannerBug;
+        for (flag, bug) in [
+            ("force-without-fence", PlannerBug::ForceWithoutFence),
+            ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
+        ] {
+            let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
+            let Command::Coord(args) = cli.command else {
+                panic!("not the coord command");
+            };
+            assert_eq!(args.plant.map(CoordPlantArg::planner_bug), Some(bug));
+        }
+        let cli = Cli::try_parse_from(["chanwatch", "coord"]).expect("parses");
+        let Command::Coord(args) = cli.command else {
+            panic!("not the coord command");
+        };
+        assert_eq!(args.plant, None, "no bug unless asked for");
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let coord = cmd.find_subcommand_mut("coord").expect("coord subcommand");
+        coord.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        assert!(
+            !help.contains("plant"),
+            "--plant must stay out of --help:\n{help}"
+        );
+    }
 }
