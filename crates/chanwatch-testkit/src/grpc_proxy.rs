@@ -56,7 +56,7 @@ impl Switch {
     /// True (and `waker` remembered) while watch responses are held.
     fn hold(&self, waker: &Waker) -> bool {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.0 {
+        if s.0 && !s.1.iter().any(|w| w.will_wake(waker)) {
             s.1.push(waker.clone());
         }
         s.0
