@@ -6,9 +6,12 @@
 //!
 //! - A drained node whose watch stalls silently (finding 1): the node reaches etcd through a
 //!   [`GrpcProxy`] that holds its watch responses while its keepalives pass, so it never sees
-//!   its `ToRelease`. Judged: no channel ever runs on two nodes at once, every channel ends on
-//!   the other node within a bound, no process exits. Which mechanism acted (the leader's
-//!   fence, the node pausing itself, a re-registration) is reported, not asserted.
+//!   its `ToRelease`. Judged: no channel ever runs on two nodes at once; the node's session
+//!   ends or its channels move within a bound; once the stream recovers every channel is
+//!   `Watched` and running off the drained session within a bound; no process exits. Which
+//!   mechanism acted (the leader's fence, the node pausing itself, a re-registration) is
+//!   reported, not asserted. An ignored variant keeps the node blind and shows a known bug:
+//!   its channels fail over to its own next session, again and again.
 //! - A channel that fails to load on one node (finding 5): it settles elsewhere and is not put
 //!   back on that node within the back-off or the move cool-down; nothing else churns.
 //!
