@@ -3,7 +3,8 @@
 //! Owns: starting a real `etcd` process on free loopback ports with a temporary data dir,
 //! waiting until it serves, and killing it (and removing the dir) when the fixture drops;
 //! faults that keep the data: kill and start again, freeze and thaw (one fixture), kill and
-//! start again (members of a cluster).
+//! start again (members of a cluster); an HTTP/2 proxy in front of a fixture that can stall
+//! its watch streams while every other call flows ([`GrpcProxy`]).
 //!
 //! Must not: be used outside tests, or bind anything but 127.0.0.1.
 //!
@@ -19,7 +20,9 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 mod cluster_faults;
+mod grpc_proxy;
 pub use cluster_faults::ClusterOptions;
+pub use grpc_proxy::{GrpcProxy, ProxyError, WATCH_PATH};
 
 /// Why an etcd fixture could not start.
 #[derive(Debug, Error)]

@@ -349,6 +349,33 @@ pub struct CoordArgs {
     /// Balance does not move a channel that moved (for any reason) within this long.
     #[arg(long, env = "CHANWATCH_MOVE_COOLDOWN", value_parser = humantime_secs, default_value = "60s")]
     pub move_cooldown: Duration,
+    /// FOR TESTS: switch one safety rule of the planner off, to prove a black-box test
+    /// catches it (tests/blackbox.rs). Never in production.
+    #[arg(long, value_enum, hide = true)]
+    pub plant: Option<CoordPlantArg>,
+}
+
+/// Planner bugs `coord --plant` can switch on (a subset of [`PlantArg`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CoordPlantArg {
+    /// A channel stuck in ToRelease is moved beside its live owner, without fencing it.
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
+}
+
+impl CoordPlantArg {
+    /// The planner's switch.
+    pub fn planner_bug(self) -> chanwatch_core::coord::PlannerBug {
+        match self {
+            CoordPlantArg::ForceWithoutFence => {
+                chanwatch_core::coord::PlannerBug::ForceWithoutFence
+            }
+            CoordPlantArg::BalanceIgnoresBackoff => {
+                chanwatch_core::coord::PlannerBug::BalanceIgnoresBackoff
+            }
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -695,5 +722,35 @@ mod tests {
         };
         let load = args.test_load.simulated_load(Duration::ZERO);
         assert!(load.fail_load.is_empty() && load.hang_load.is_empty());
+    }
+
+    /// What the planted bugs do is tested in the planner and in tests/blackbox.rs.
+    #[test]
+    fn coord_plant_reaches_the_planner_and_stays_out_of_help() {
+        use chanwatch_core::coord::PlannerBug;
+        for (flag, bug) in [
+            ("force-without-fence", PlannerBug::ForceWithoutFence),
+            ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
+        ] {
+            let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
+            let Command::Coord(args) = cli.command else {
+                panic!("not the coord command");
+            };
+            assert_eq!(args.plant.map(CoordPlantArg::planner_bug), Some(bug));
+        }
+        let cli = Cli::try_parse_from(["chanwatch", "coord"]).expect("parses");
+        let Command::Coord(args) = cli.command else {
+            panic!("not the coord command");
+        };
+        assert_eq!(args.plant, None, "no bug unless asked for");
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let coord = cmd.find_subcommand_mut("coord").expect("coord subcommand");
+        coord.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        assert!(
+            !help.contains("plant"),
+            "--plant must stay out of --help:\n{help}"
+        );
     }
 }

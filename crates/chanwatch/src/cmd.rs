@@ -101,6 +101,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
             failed_node_backoff_ms: args.watch_timeout.as_millis() as u64,
             max_txn_ops: args.max_txn_ops as usize,
             max_concurrent_moves: args.max_concurrent_moves,
+            planted_bug: args.plant.map(crate::cli::CoordPlantArg::planner_bug),
             ..CoordConfig::default()
         },
         session_ttl: args.session_ttl,

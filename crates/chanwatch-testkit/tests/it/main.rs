@@ -1,0 +1,3 @@
+//! Integration tests of the test fixtures themselves, against a real etcd.
+
+mod grpc_proxy;

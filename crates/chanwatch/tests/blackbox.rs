@@ -1,0 +1,398 @@
+//! Two faults of issue 11 driven against the real binary and judged only from outside: the
+//! keys in etcd (`chanwatch ctl ... --json` and a watch of the test's own), the nodes' handler
+//! logs (`--handler-log`) and the processes' `/metrics`. Each starts a real etcd from
+//! chanwatch-testkit (a missing binary fails the test with install instructions), runs in
+//! well under a minute, and is part of `cargo test`.
+//!
+//! - A drained node whose watch stalls silently (finding 1): the node reaches etcd through a
+//!   [`GrpcProxy`] that holds its watch responses while its keepalives pass, so it never sees
+//!   its `ToRelease`. Judged: no channel ever runs on two nodes at once; the node's session
+//!   ends or its channels move within a bound; once the stream recovers every channel is
+//!   `Watched` and running off the drained session within a bound; no process exits. Which
+//!   mechanism acted (the leader's fence, the node pausing itself, a re-registration) is
+//!   reported, not asserted. An ignored variant keeps the node blind and shows a known bug:
+//!   its channels fail over to its own next session, again and again.
+//! - A channel that fails to load on one node (finding 5): it settles elsewhere and is not put
+//!   back on that node within the back-off or the move cool-down; nothing else churns.
+//!
+//! Planted bugs prove each can fail: `CHANWATCH_BLACKBOX_PLANT=force-without-fence` (or
+//! `balance-ignores-backoff`) starts the coordinator with the hidden `--plant` switch, e.g.
+//! `CHANWATCH_BLACKBOX_PLANT=force-without-fence cargo test -p chanwatch --test blackbox
+//! stalled`; the test must then fail. `CHANWATCH_BLACKBOX_KEEP=1` keeps the logs.
+
+use std::time::{Duration, Instant};
+
+use chanwatch_testkit::GrpcProxy;
+
+#[path = "chaos/audit.rs"]
+#[allow(dead_code)] // shared with chaos.rs; not every reader is needed here
+mod audit;
+#[path = "blackbox/cluster.rs"]
+mod cluster;
+mod procs;
+
+use cluster::{unix_ms, Cluster};
+
+/// One cluster at a time: the machine is small and the bounds are timings.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Nodes' and the coordinator's `--session-ttl`, seconds.
+const TTL: u64 = 4;
+
+/// The coordinator flags of the planted bug named in `CHANWATCH_BLACKBOX_PLANT`, if any.
+fn plant() -> Vec<String> {
+    std::env::var("CHANWATCH_BLACKBOX_PLANT")
+        .map(|p| vec![format!("--plant={p}")])
+        .unwrap_or_default()
+}
+
+/// At most the first 8 items of a list, for messages.
+fn few<T: std::fmt::Debug>(items: &[T]) -> String {
+    if items.len() <= 8 {
+        format!("{items:?}")
+    } else {
+        format!("{:?} and {} more", &items[..8], items.len() - 8)
+    }
+}
+
+fn keep(c: Cluster) {
+    if std::env::var_os("CHANWATCH_BLACKBOX_KEEP").is_some() {
+        println!("logs kept in {}", c.dir.keep().display());
+    }
+}
+
+/// `--release-timeout` of the stalled-drain test (must exceed the TTL).
+const RELEASE_TIMEOUT: u64 = 6;
+/// `--watch-timeout` of the stalled-drain test.
+const WATCH_TIMEOUT: u64 = 6;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_watch_on_a_drained_node_moves_its_channels_without_running_any_twice() {
+    stalled_drain(false).await;
+}
+
+/// The same, but b's process stays blind until its channels must have moved: today they
+/// fail over to b's own next session (the least loaded node, as blind as before), time out
+/// there, and it is fenced again, in a loop (3 fences in 50 s, channels never reach a).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known bug (issue 11): a fenced blind node's channels fail over to its own new \
+            session, forever while it stays blind"]
+async fn a_node_that_stays_blind_does_not_get_its_channels_back_after_its_fence() {
+    stalled_drain(true).await;
+}
+
+/// Node b reaches etcd through a proxy; its watches stall, then it is drained. With
+/// `stay_blind` false the stall ends once b was fenced (or its channels moved), as a stuck
+/// stream usually does; with true it lasts until the channels must have reached a.
+async fn stalled_drain(stay_blind: bool) {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::new("chanwatch-blackbox-stall-").await;
+    let proxy = GrpcProxy::start(c.etcd.endpoint()).await.expect("proxy");
+    let ttl = format!("--session-ttl={TTL}s");
+    let release = format!("--release-timeout={RELEASE_TIMEOUT}s");
+    let watch_timeout = format!("--watch-timeout={WATCH_TIMEOUT}s");
+    let mut coord: Vec<&str> = vec![&ttl, &release, &watch_timeout];
+    // No balance during the test: only the drain and its consequences move channels.
+    coord.push("--balance-quiet=300s");
+    let planted = plant();
+    coord.extend(planted.iter().map(String::as_str));
+    c.coord(&coord);
+    let direct = c.etcd.endpoint().to_owned();
+    c.node("a", &direct, &[&ttl]);
+    c.node("b", &proxy.endpoint(), &[&ttl]);
+    let a = c.node_id("a").await;
+    let b = c.node_id("b").await;
+    let names: Vec<String> = (0..20).map(|i| format!("sd-{i:02}")).collect();
+    c.add_channels(&names).await;
+    let before = c
+        .wait_settled(20, Duration::from_secs(30), |_, _| true)
+        .await
+        .expect("20 channels run on a and b");
+    let on_b = before.values().filter(|(n, _)| *n == b).count();
+    assert!(on_b >= 5, "b runs {on_b} of 20 channels: {before:?}");
+    assert!(proxy.watch_calls() >= 1, "b watches through the proxy");
+
+    proxy.stall_watches();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t_drain = unix_ms();
+    c.ctl(&["drain", &b.to_string()])
+        .unwrap_or_else(|e| panic!("ctl drain {b}: {e}"));
+
+    // b's session ends when the leader fences it: one release timeout after the drain, plus
+    // a plan round. Or its channels move some other way (a node that notices its blindness
+    // and relists sees its ToRelease).
+    let fence_by = Instant::now() + Duration::from_secs(RELEASE_TIMEOUT + TTL + 5);
+    let mut b_gone_ms = None;
+    let mut acted = false;
+    while Instant::now() < fence_by {
+        let rows = c.node_rows().unwrap_or_default();
+        if !rows.is_empty() && !rows.iter().any(|r| r.id == b) {
+            b_gone_ms = Some(unix_ms() - t_drain);
+            acted = true;
+            break;
+        }
+        if c.settled(20, |_, n| n != b).is_ok() {
+            acted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let bound = if stay_blind {
+        // Fence and one TTL; failover, perhaps onto b's next session (as blind), which
+        // times out after the watch timeout; then its release timeout and one TTL more
+        // if that session must be fenced too; 5 s for plan rounds, acks and this poll.
+        Duration::from_secs(2 * (RELEASE_TIMEOUT + TTL) + WATCH_TIMEOUT + 5)
+    } else {
+        // The stream recovers: held events reach b's process, which loads what it was
+        // given and releases what it was asked to; a channel given to a session that is
+        // gone moves after one TTL, one not started after the watch timeout; 5 s slack.
+        proxy.release_watches();
+        Duration::from_secs(TTL + WATCH_TIMEOUT + 5)
+    };
+    let t_phase = unix_ms();
+    let moved = c.wait_settled(20, bound, |_, n| n != b).await;
+    let moved_ms = unix_ms() - t_drain;
+    let on_a = moved
+        .as_ref()
+        .map_or(0, |m| m.values().filter(|(n, _)| *n == a).count());
+
+    // Let any held watch responses reach b (stale events now), and watch for late damage.
+    proxy.release_watches();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after = c.settled(20, |_, n| n != b);
+    let overlaps = c.overlaps();
+    let exits = c.exits();
+
+    let coord_metrics = c.metrics(&c.admin).await;
+    let b_metrics = c.metrics(&c.nodes["b"].1).await;
+    let b_ids: Vec<u64> = c
+        .node_rows()
+        .unwrap_or_default()
+        .iter()
+        .filter(|r| r.admin_addr == c.nodes["b"].1)
+        .map(|r| r.id)
+        .collect();
+    let fences = audit::fence_reasons(c.dir.path());
+    let m = |t: &str, n: &str| Cluster::metric(t, n).map_or("?".to_owned(), |v| v.to_string());
+    println!(
+        "stalled drain (stay blind: {stay_blind}): b (node {b}, {on_b} channels) drained at \
+         unix ms {t_drain}; its session gone after {} ms; all 20 off node {b} after {moved_ms} \
+         ms ({} ms after the {} phase began, bound {} ms), {on_a} of them on a (node {a}); \
+         leader fenced {} node(s); b: {} pause(s), {} stop(s), {} start(s) in its handler log, \
+         pauses_total {}, fences_total {}, sessions_total {}, sessions now {b_ids:?}; \
+         self-fence reasons {fences:?}; overlaps {}; exits {}",
+        b_gone_ms.map_or_else(|| "never".to_owned(), |g| g.to_string()),
+        moved_ms.saturating_sub(t_phase - t_drain),
+        if stay_blind { "blind" } else { "recovered" },
+        bound.as_millis(),
+        m(&coord_metrics, "chanwatch_nodes_fenced_total"),
+        c.handler_lines("b", "pause"),
+        c.handler_lines("b", "stop"),
+        c.handler_lines("b", "start"),
+        m(&b_metrics, "chanwatch_node_pauses_total"),
+        m(&b_metrics, "chanwatch_node_fences_total"),
+        m(&b_metrics, "chanwatch_node_sessions_total"),
+        overlaps.len(),
+        exits.len(),
+    );
+    let mut violations: Vec<String> = overlaps;
+    violations.extend(exits);
+    if !acted {
+        violations.push(format!(
+            "within {} s of the drain, node {b} neither lost its session nor had its channels \
+             moved: nothing acted on a blind node",
+            RELEASE_TIMEOUT + TTL + 5
+        ));
+    }
+    if let Err(why) = moved {
+        violations.push(format!(
+            "not every channel Watched and running off node {b} within {} s: {why}",
+            bound.as_secs()
+        ));
+    }
+    if let Err(why) = after {
+        violations.push(format!("4 s after the watches were released: {why}"));
+    }
+    if !violations.is_empty() {
+        let dir = c.dir.keep();
+        panic!(
+            "stalled drain (logs in {}):\n{}\n--- coord output ends:\n{}",
+            dir.display(),
+            violations.join("\n"),
+            audit::tail(&dir.join("coord.out"), 20)
+        );
+    }
+    keep(c);
+}
+
+/// The coordinator's `--watch-timeout`, which is also the back-off of a node that failed a
+/// channel (seconds).
+const BACKOFF: u64 = 6;
+const X: &str = "pp-x";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_failing_on_one_node_settles_elsewhere_without_ping_pong_or_churn() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::new("chanwatch-blackbox-pingpong-").await;
+    let ttl = format!("--session-ttl={TTL}s");
+    let backoff = format!("--watch-timeout={BACKOFF}s");
+    let mut coord: Vec<&str> = vec![&ttl, &backoff, "--balance-quiet=1s", "--move-cooldown=60s"];
+    let planted = plant();
+    coord.extend(planted.iter().map(String::as_str));
+    c.coord(&coord);
+    let direct = c.etcd.endpoint().to_owned();
+    // b and c register first, so a has the highest ID: the planner breaks ties by the lowest
+    // ID, so 14 channels spread 5, 5, 4 with a holding 4, and X then goes to a. When X
+    // fails there it goes to b, leaving a two behind: balance wants to fill a, and must
+    // wait for a's back-off, and must not pick X (its cool-down).
+    c.node("b", &direct, &[&ttl]);
+    let b = c.node_id("b").await;
+    c.node("c", &direct, &[&ttl]);
+    let cc = c.node_id("c").await;
+    let fail = format!("--fail-load={X}");
+    c.node("a", &direct, &[&ttl, &fail]);
+    let a = c.node_id("a").await;
+    let names: Vec<String> = (0..14).map(|i| format!("pp-{i:02}")).collect();
+    c.add_channels(&names).await;
+    c.wait_settled(14, Duration::from_secs(30), |_, _| true)
+        .await
+        .expect("14 channels run on a, b and c");
+    c.add_channels(&[X.to_owned()]).await;
+
+    // X's first failure on a, as etcd shows it.
+    let failed_on_a = |c: &Cluster| {
+        c.history.changes().into_iter().find(|ch| {
+            ch.channel == X
+                && ch.node == Some(a)
+                && ch.state == Some(chanwatch_core::ChannelState::WatchFailed)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut moved_by_hand = false;
+    let t_fail = loop {
+        if let Some(ch) = failed_on_a(&c) {
+            break ch.at_ms;
+        }
+        if !moved_by_hand && Instant::now() > deadline {
+            // The layout was not the expected one: put X on a by hand.
+            moved_by_hand = true;
+            let _ = c
+                .wait_settled(15, Duration::from_secs(10), |_, _| true)
+                .await;
+            c.ctl(&["move", X, "--to", &a.to_string()])
+                .unwrap_or_else(|e| panic!("ctl move {X} --to {a}: {e}"));
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(15),
+            "{X} never failed on a (node {a}); its history:\n{}",
+            audit::history(c.dir.path(), X)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Watch for twice the back-off (X's cool-down is longer), then judge.
+    let window_end = t_fail + 2 * BACKOFF * 1000 + 2000;
+    tokio::time::sleep(Duration::from_millis(window_end.saturating_sub(unix_ms()))).await;
+    let settled = c
+        .wait_settled(15, Duration::from_secs(5), |ch, n| ch != X || n != a)
+        .await;
+    let overlaps = c.overlaps();
+    let exits = c.exits();
+
+    let after: Vec<_> = c
+        .history
+        .assignments()
+        .into_iter()
+        .filter(|(at, ..)| *at > t_fail)
+        .collect();
+    let x_moves: Vec<_> = after.iter().filter(|(_, ch, ..)| ch == X).collect();
+    let x_back_on_a: Vec<_> = x_moves.iter().filter(|(_, _, n, _)| *n == a).collect();
+    let onto_a_in_backoff: Vec<_> = after
+        .iter()
+        .filter(|(at, _, n, _)| *n == a && *at < t_fail + BACKOFF * 1000)
+        .collect();
+    let others: Vec<_> = after.iter().filter(|(_, ch, ..)| ch != X).collect();
+    let x_epochs: Vec<(u64, u64)> = c
+        .history
+        .assignments()
+        .into_iter()
+        .filter(|(_, ch, ..)| ch == X)
+        .map(|(_, _, n, e)| (n, e))
+        .collect();
+    let coord_metrics = c.metrics(&c.admin).await;
+    println!(
+        "ping-pong: nodes a={a} b={b} c={cc}; {X} failed on a at unix ms {t_fail}{}; its \
+         assignments (node, epoch) {}; in the {} s after: {} move(s) of {X} ({} back \
+         onto a), {} move(s) of other channels {}, {} onto a within the back-off; \
+         reassignments by cause: failed {}, balance {}; overlaps {}; exits {}",
+        if moved_by_hand {
+            " (moved there by hand)"
+        } else {
+            ""
+        },
+        few(&x_epochs),
+        (window_end - t_fail) / 1000,
+        x_moves.len(),
+        x_back_on_a.len(),
+        others.len(),
+        few(&others),
+        onto_a_in_backoff.len(),
+        Cluster::metric(
+            &coord_metrics,
+            "chanwatch_reassignments_total{cause=\"failed\"}"
+        )
+        .unwrap_or(0.0),
+        Cluster::metric(
+            &coord_metrics,
+            "chanwatch_reassignments_total{cause=\"balance\"}"
+        )
+        .unwrap_or(0.0),
+        overlaps.len(),
+        exits.len(),
+    );
+    let mut violations: Vec<String> = overlaps;
+    violations.extend(exits);
+    if let Err(why) = settled {
+        violations.push(format!("not settled with {X} off a: {why}"));
+    }
+    if !x_back_on_a.is_empty() {
+        violations.push(format!(
+            "{X} was put back on a (node {a}) within {} s of failing there: {}",
+            (window_end - t_fail) / 1000,
+            few(&x_back_on_a)
+        ));
+    }
+    if x_moves.len() != 1 {
+        violations.push(format!(
+            "{X} moved {} times after failing on a, expected once: {}",
+            x_moves.len(),
+            few(&x_moves)
+        ));
+    }
+    if !onto_a_in_backoff.is_empty() {
+        violations.push(format!(
+            "channels assigned to a within its {BACKOFF} s back-off: {}",
+            few(&onto_a_in_backoff)
+        ));
+    }
+    // a is two behind after X left: balance may even it out with one move once a's
+    // back-off is over; anything beyond that is churn.
+    if others.len() > 1 {
+        violations.push(format!(
+            "{} moves of other channels after {X} failed (at most 1 expected): {}",
+            others.len(),
+            few(&others)
+        ));
+    }
+    if !violations.is_empty() {
+        let dir = c.dir.keep();
+        let history = audit::history(&dir, X);
+        let lines: Vec<&str> = history.lines().take(20).collect();
+        panic!(
+            "ping-pong (logs in {}):\n{}\n--- {X} (first 20 handler log lines):\n{}",
+            dir.display(),
+            violations.join("\n"),
+            lines.join("\n")
+        );
+    }
+    keep(c);
+}
