@@ -5,7 +5,7 @@
 //! Must not: decide what to ack (the node machine does) or run channels.
 
 use chanwatch_core::node::NodeEvent;
-use chanwatch_core::ChannelInfo;
+use chanwatch_core::{ChannelInfo, ChannelState};
 use chanwatch_store::{Compare, MetaStore, Txn, TxnOp};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
@@ -79,8 +79,19 @@ impl Session {
     /// assignments started its next channels only one ack round trip later, and ack
     /// latency grew with the burst (the `ack` bench).
     pub(crate) fn send_acks(&mut self) {
-        if self.ack_in_flight || self.ack_queue.is_empty() || self.pause.borrow().is_some() {
-            return; // a paused node commits nothing
+        if self.ack_in_flight || self.ack_queue.is_empty() {
+            return;
+        }
+        // A paused node claims nothing: `Watched` waits for the resume. Saying it has stopped
+        // a channel (`Released`, `WatchFailed`) is true paused or not, and lets the channel
+        // move without a fence when the node can write but not watch (a stalled watch).
+        let paused = self.pause.borrow().is_some();
+        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.ack_queue)
+            .into_iter()
+            .partition(|(info, _)| !paused || info.state != ChannelState::Watched);
+        self.ack_queue = later;
+        if now.is_empty() {
+            return;
         }
         let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
         let session = (!unguarded).then(|| self.session_guard());
@@ -93,7 +104,7 @@ impl Session {
         // In channel order: runners woken together (a resume) queue their acks in whatever
         // order the scheduler woke them (tokio's watch wakes its waiters through randomly
         // chosen shards), and a simulation must replay the same txns.
-        let mut queue = std::mem::take(&mut self.ack_queue);
+        let mut queue = now;
         queue.sort_by(|a, b| a.0.channel.cmp(&b.0.channel));
         for (info, expect) in queue {
             let key = self.key(&info.channel);

@@ -2,7 +2,8 @@
 //!
 //! Owns: keeping a consumer's view of a prefix complete. It lists the prefix at a revision,
 //! hands over the whole list as one [`Update::Reset`], then watches from the next revision
-//! and hands over each batch. On `Compacted`, a broken stream or any store error it backs off
+//! and hands over each batch (a list is handed over even when the watch after it cannot be
+//! created: it is a consistent view, and the loop lists again after the back-off). On `Compacted`, a broken stream or any store error it backs off
 //! (jittered, capped), lists again and sends a new `Reset`: a consumer replaces its view at
 //! once and never patches it across a gap. It never gives up and never panics.
 //!
@@ -191,28 +192,33 @@ async fn run(
     loop {
         phase = match phase {
             Phase::List { attempt } => match store.range(&prefix).await {
-                Ok(list) => match store.watch(&prefix, list.revision + 1).await {
-                    Ok(stream) => {
-                        let revision = list.revision;
-                        if tx
-                            .send(Update::Reset {
-                                kvs: list.kvs,
-                                revision,
-                            })
-                            .await
-                            .is_err()
-                        {
-                            return;
-                        }
-                        blind.send_if_modified(|b| b.take().is_some());
-                        reach(revision);
-                        Phase::Watch {
-                            stream,
-                            next_revision: revision + 1,
-                        }
+                Ok(list) => {
+                    let revision = list.revision;
+                    // The list is a consistent view whatever becomes of the watch: hand it
+                    // over first. A node whose watches cannot be created (a stuck proxy,
+                    // an isolated member) still sees a release request at each relist.
+                    if tx
+                        .send(Update::Reset {
+                            kvs: list.kvs,
+                            revision,
+                        })
+                        .await
+                        .is_err()
+                    {
+                        return;
                     }
-                    Err(e) => failed(&prefix, &e, attempt, &restarts),
-                },
+                    reach(revision);
+                    match store.watch(&prefix, revision + 1).await {
+                        Ok(stream) => {
+                            blind.send_if_modified(|b| b.take().is_some());
+                            Phase::Watch {
+                                stream,
+                                next_revision: revision + 1,
+                            }
+                        }
+                        Err(e) => failed(&prefix, &e, attempt, &restarts),
+                    }
+                }
                 Err(e) => failed(&prefix, &e, attempt, &restarts),
             },
             Phase::Backoff { attempt } => {

@@ -397,11 +397,23 @@ pub struct NodeArgs {
     #[arg(long, env = "CHANWATCH_PROGRESS_INTERVAL", value_parser = humantime_secs, default_value = "5s")]
     pub progress_interval: Duration,
     /// Append a line to this file whenever a channel starts or stops running here
-    /// (`start|stop NODE CHANNEL EPOCH UNIX_MS`), to audit single ownership.
+    /// (`start|stop|pause|resume NODE CHANNEL EPOCH UNIX_MS`), to audit single ownership.
     #[arg(long, env = "CHANWATCH_HANDLER_LOG")]
     pub handler_log: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub test_load: TestLoadArgs,
+    /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
+    /// check what stands behind it (tests/blackbox.rs). Never in production.
+    #[arg(long, value_enum, hide = true)]
+    pub plant: Option<NodePlantArg>,
+}
+
+/// Node safety mechanisms `node --plant` can switch off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NodePlantArg {
+    /// The node ignores watch progress: a watch that stalls silently goes unnoticed, and
+    /// only the coordinator's fence keeps one owner.
+    NoWatchProgress,
 }
 
 #[derive(Debug, Args)]

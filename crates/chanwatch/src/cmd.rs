@@ -179,12 +179,19 @@ pub async fn node(args: NodeArgs) -> Result<()> {
                 .with_context(|| format!("cannot append to --handler-log {}", path.display()))?,
         ),
     };
+    let planted_bug = args.plant.map(|p| match p {
+        crate::cli::NodePlantArg::NoWatchProgress => chanwatch_node::PlantedBug::NoWatchProgress,
+    });
     let node = chanwatch_node::Node::builder(store)
         .handler(handler)
-        .keys(keys)
-        .session_ttl(args.session_ttl)
-        .progress_interval(args.progress_interval)
-        .admin_addr(admin_addr)
+        .config(chanwatch_node::NodeConfig {
+            keys,
+            session_ttl: args.session_ttl,
+            progress_interval: args.progress_interval,
+            admin_addr,
+            planted_bug,
+            ..chanwatch_node::NodeConfig::default()
+        })
         .spawn()?;
     let router = chanwatch_node::admin::router(node.watch_status(), node.registry().clone());
     let server = tokio::spawn(chanwatch_coord::api::serve(

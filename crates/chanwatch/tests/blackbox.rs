@@ -10,8 +10,9 @@
 //!   ends or its channels move within a bound; once the stream recovers every channel is
 //!   `Watched` and running off the drained session within a bound; no process exits. Which
 //!   mechanism acted (the leader's fence, the node pausing itself, a re-registration) is
-//!   reported, not asserted. An ignored variant keeps the node blind and shows a known bug:
-//!   its channels fail over to its own next session, again and again.
+//!   reported, not asserted. A variant keeps the node blind throughout: it must still let its
+//!   channels go (it notices by watch progress, relists and acknowledges the release; before
+//!   that, its channels failed over to its own next session, again and again).
 //! - A channel that fails to load on one node (finding 5): it settles elsewhere and is not put
 //!   back on that node within the back-off or the move cool-down; nothing else churns.
 //!
@@ -71,12 +72,11 @@ async fn stalled_watch_on_a_drained_node_moves_its_channels_without_running_any_
     stalled_drain(false).await;
 }
 
-/// The same, but b's process stays blind until its channels must have moved: today they
-/// fail over to b's own next session (the least loaded node, as blind as before), time out
-/// there, and it is fenced again, in a loop (3 fences in 50 s, channels never reach a).
+/// The same, but b's process stays blind until its channels must have moved. Before watch
+/// progress and lists handed over without a watch, they failed over to b's own next session
+/// (the least loaded node, as blind as before), timed out there, and it was fenced again, in
+/// a loop (3 fences in 50 s, channels never reached a).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug (issue 11): a fenced blind node's channels fail over to its own new \
-            session, forever while it stays blind"]
 async fn a_node_that_stays_blind_does_not_get_its_channels_back_after_its_fence() {
     stalled_drain(true).await;
 }
@@ -85,6 +85,20 @@ async fn a_node_that_stays_blind_does_not_get_its_channels_back_after_its_fence(
 /// `stay_blind` false the stall ends once b was fenced (or its channels moved), as a stuck
 /// stream usually does; with true it lasts until the channels must have reached a.
 async fn stalled_drain(stay_blind: bool) {
+    stalled_drain_of(stay_blind, true).await;
+}
+
+/// A drained node whose watch stalls and which does not notice by itself (hidden
+/// `node --plant no-watch-progress`): the leader must fence it — fence mark, lease revoke —
+/// and move its channels only once it has surely stopped. With the coordinator's planted
+/// `force-without-fence` this test finds channels running twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_that_does_not_notice_its_stalled_watch_is_fenced_before_its_channels_move()
+{
+    stalled_drain_of(false, false).await;
+}
+
+async fn stalled_drain_of(stay_blind: bool, b_notices: bool) {
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::new("chanwatch-blackbox-stall-").await;
     let proxy = GrpcProxy::start(c.etcd.endpoint()).await.expect("proxy");
@@ -99,7 +113,11 @@ async fn stalled_drain(stay_blind: bool) {
     c.coord(&coord);
     let direct = c.etcd.endpoint().to_owned();
     c.node("a", &direct, &[&ttl]);
-    c.node("b", &proxy.endpoint(), &[&ttl]);
+    if b_notices {
+        c.node("b", &proxy.endpoint(), &[&ttl]);
+    } else {
+        c.node("b", &proxy.endpoint(), &[&ttl, "--plant=no-watch-progress"]);
+    }
     let a = c.node_id("a").await;
     let b = c.node_id("b").await;
     let names: Vec<String> = (0..20).map(|i| format!("sd-{i:02}")).collect();
@@ -202,6 +220,12 @@ async fn stalled_drain(stay_blind: bool) {
             "within {} s of the drain, node {b} neither lost its session nor had its channels \
              moved: nothing acted on a blind node",
             RELEASE_TIMEOUT + TTL + 5
+        ));
+    }
+    if !b_notices && b_gone_ms.is_none() {
+        violations.push(format!(
+            "node {b} cannot notice its stalled watch, yet the leader did not fence it \
+             (its session never ended)"
         ));
     }
     if let Err(why) = moved {
