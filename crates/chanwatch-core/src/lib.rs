@@ -23,10 +23,10 @@
 //! It must not: do I/O, spawn tasks, read the clock, or depend on tokio. Time enters as a
 //! plain `u64` of Unix milliseconds passed in by the caller.
 
-pub mod coord;
 pub mod error;
 pub mod keys;
 pub mod node;
+pub mod planner;
 pub mod types;
 
 pub use error::{DecodeError, KeyError, NameError};

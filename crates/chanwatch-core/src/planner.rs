@@ -1,7 +1,7 @@
 //! The coordinator's decisions, as a pure state machine.
 //!
 //! Owns: the coordinator's view of the store (sessions, assignment keys with their mod
-//! revisions, undecodable keys), the moves it has in flight, and [`CoordState::plan`], which
+//! revisions, undecodable keys), the moves it has in flight, and [`Planner::plan`], which
 //! turns the view and the time into transactions to run. Level-triggered: every call
 //! re-derives what to do from the whole view, so a missed event or a lost txn only delays
 //! the fix until the next call (DESIGN.md §3 "Nothing waits on an event alone").
@@ -13,9 +13,9 @@
 //! needs is derived from those, so re-deriving stays cheap at 100,000 channels.
 //!
 //! Must not: do I/O or read the clock. The runtime feeds store events in
-//! ([`CoordState::apply_put`], [`CoordState::apply_delete`], [`CoordState::reset`]), passes
+//! ([`Planner::apply_put`], [`Planner::apply_delete`], [`Planner::reset`]), passes
 //! `now_ms`, runs the returned [`PlannedTxn`]s (adding its leader guard), and reports each
-//! success back with [`CoordState::applied`].
+//! success back with [`Planner::applied`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -28,12 +28,12 @@ use crate::types::{
 
 /// Tunables of the planner.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CoordConfig {
+pub struct PlannerConfig {
     /// A `ToWatch` with no progress for this long is reassigned.
     pub watch_timeout_ms: u64,
     /// A `ToRelease` not `Released` within this long is force-moved, once its owner is
     /// fenced: the planner asks the runtime to revoke the owner's session lease
-    /// ([`CoordState::take_fence_requests`]) instead of moving the channel beside it.
+    /// ([`Planner::take_fence_requests`]) instead of moving the channel beside it.
     pub release_timeout_ms: u64,
     /// How long the channels of a node whose lease this coordinator revoked are held before
     /// they fail over: the node's session TTL, by which a node that could not hear of the
@@ -56,7 +56,7 @@ pub struct CoordConfig {
     pub planted_bug: Option<PlannerBug>,
 }
 
-/// Safety rules of the planner a test can switch off ([`CoordConfig::planted_bug`]).
+/// Safety rules of the planner a test can switch off ([`PlannerConfig::planted_bug`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlannerBug {
     /// A release past the release timeout is moved at once, beside a live owner, as before
@@ -66,9 +66,9 @@ pub enum PlannerBug {
     BalanceIgnoresBackoff,
 }
 
-impl Default for CoordConfig {
+impl Default for PlannerConfig {
     fn default() -> Self {
-        CoordConfig {
+        PlannerConfig {
             watch_timeout_ms: 30_000,
             release_timeout_ms: 30_000,
             fence_wait_ms: 10_000,
@@ -231,7 +231,7 @@ pub enum Op {
         node: NodeId,
     },
     /// Put the fence mark `coord/fence/{node}`; once it has landed, the runtime revokes the
-    /// node's session lease (see [`CoordState::take_fence_requests`]).
+    /// node's session lease (see [`Planner::take_fence_requests`]).
     Fence {
         /// The node to fence.
         node: NodeId,
@@ -371,9 +371,9 @@ pub struct NodeRow {
 
 /// The coordinator's view and memory. See the module docs.
 #[derive(Debug, Clone)]
-pub struct CoordState {
+pub struct Planner {
     keys: Keys,
-    config: CoordConfig,
+    config: PlannerConfig,
     nodes: BTreeMap<NodeId, NodeSession>,
     /// Normally one entry per channel; more only if the store was edited by hand.
     channels: BTreeMap<ChannelName, Owners>,
@@ -385,7 +385,7 @@ pub struct CoordState {
     attention: BTreeSet<ChannelName>,
     /// Assignment keys known deleted at a revision the watch has not delivered yet (our own
     /// txns, keys read back after a refused txn): a lagging watch's older PUT of such a key
-    /// must not bring it back. Pruned by [`CoordState::caught_up`]. Found by the failover
+    /// must not bring it back. Pruned by [`Planner::caught_up`]. Found by the failover
     /// bench: resurrected keys made the coordinator re-plan failovers of channels it had
     /// already moved, and every such txn was refused.
     tombstones: BTreeMap<String, i64>,
@@ -408,7 +408,7 @@ pub struct CoordState {
     /// that takes over must hold them too (found by the simulation: a re-elected leader
     /// moved a just-revoked node's channels at once, 333 ms of double ownership).
     fences: BTreeMap<NodeId, Fence>,
-    /// Fences for the runtime to carry out, taken by [`CoordState::take_fence_requests`].
+    /// Fences for the runtime to carry out, taken by [`Planner::take_fence_requests`].
     fence_requests: Vec<NodeId>,
     /// Nodes that failed or timed out any channel, until a time: balance moves nothing to
     /// them meanwhile (a node that hangs every load would otherwise be fed by balance as
@@ -447,7 +447,7 @@ impl Fence {
     }
 }
 
-/// Counts of assignment keys, from [`CoordState::census`].
+/// Counts of assignment keys, from [`Planner::census`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Census {
     /// Keys per state, in the order of [`ChannelState::ALL`].
@@ -467,10 +467,10 @@ enum Decoded {
     Ignored,
 }
 
-impl CoordState {
+impl Planner {
     /// An empty view.
-    pub fn new(keys: Keys, config: CoordConfig) -> Self {
-        CoordState {
+    pub fn new(keys: Keys, config: PlannerConfig) -> Self {
+        Planner {
             keys,
             config,
             nodes: BTreeMap::new(),
@@ -494,7 +494,7 @@ impl CoordState {
     }
 
     /// The planner's configuration.
-    pub fn config(&self) -> &CoordConfig {
+    pub fn config(&self) -> &PlannerConfig {
         &self.config
     }
 
@@ -567,7 +567,7 @@ impl CoordState {
     }
 
     /// Applies a PUT seen in the store. Returns the decode error if the value is corrupt
-    /// (the key is then reported by [`CoordState::corrupt`] and left alone).
+    /// (the key is then reported by [`Planner::corrupt`] and left alone).
     pub fn apply_put(&mut self, key: &str, value: &[u8], mod_revision: i64) -> Option<String> {
         match self.decode(key, value) {
             Decoded::Session(id, s) => {
@@ -713,7 +713,7 @@ impl CoordState {
     }
 
     /// Nodes whose session lease the runtime must revoke now: their fence mark has landed
-    /// (see [`CoordConfig::release_timeout_ms`]). A node still alive a second after a request
+    /// (see [`PlannerConfig::release_timeout_ms`]). A node still alive a second after a request
     /// is asked for again (a revoke that failed).
     pub fn take_fence_requests(&mut self) -> Vec<NodeId> {
         std::mem::take(&mut self.fence_requests)
@@ -1854,16 +1854,16 @@ mod tests {
     }
 
     pub(super) struct World {
-        pub(super) state: CoordState,
+        pub(super) state: Planner,
         pub(super) keys: Keys,
         pub(super) rev: i64,
     }
 
     impl World {
-        pub(super) fn new(config: CoordConfig) -> Self {
+        pub(super) fn new(config: PlannerConfig) -> Self {
             let keys = Keys::default();
             World {
-                state: CoordState::new(keys.clone(), config),
+                state: Planner::new(keys.clone(), config),
                 keys,
                 rev: 100,
             }
@@ -1904,7 +1904,7 @@ mod tests {
 
     #[test]
     fn add_channel_goes_to_the_least_loaded_node_with_epoch_one() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
@@ -1935,7 +1935,7 @@ mod tests {
 
     #[test]
     fn add_channel_with_no_node_alive_parks_it() {
-        let w = World::new(CoordConfig::default());
+        let w = World::new(PlannerConfig::default());
         let txn = w
             .state
             .add_channel(name("a"), VChannelInfo::default(), 0)
@@ -1951,7 +1951,7 @@ mod tests {
 
     #[test]
     fn failover_moves_only_the_dead_nodes_channels_with_the_next_epoch() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         w.node(3);
@@ -1989,7 +1989,7 @@ mod tests {
 
     #[test]
     fn failover_with_no_node_alive_parks_under_remaining_and_a_new_node_gets_everything() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.put(n(1), info("a", ChannelState::Watched, 2, 0));
         w.put(n(1), info("b", ChannelState::Watched, 3, 0));
@@ -2016,9 +2016,9 @@ mod tests {
 
     #[test]
     fn a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             watch_timeout_ms: 1_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2052,7 +2052,7 @@ mod tests {
 
     #[test]
     fn watch_failed_goes_to_another_node_at_once() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
@@ -2063,9 +2063,9 @@ mod tests {
 
     #[test]
     fn watch_failed_on_the_only_node_is_retried_there_after_the_backoff() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             failed_node_backoff_ms: 1_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2081,9 +2081,9 @@ mod tests {
 
     #[test]
     fn a_channel_failing_everywhere_is_retried_once_per_node_per_backoff() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             failed_node_backoff_ms: 1_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         for id in 1..=3 {
@@ -2112,7 +2112,7 @@ mod tests {
     fn a_released_channel_of_a_dead_node_moves_once() {
         // Found by the simulation: a new leader saw a channel `Released` on a node that had
         // died; the failover and the unfinished move each put it somewhere, in one txn.
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         w.node(3);
@@ -2133,10 +2133,10 @@ mod tests {
 
     #[test]
     fn balance_is_break_before_make_and_bounded() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             max_concurrent_moves: 2,
             balance_quiet_ms: 0,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2177,7 +2177,7 @@ mod tests {
 
     #[test]
     fn balance_plan_reaches_within_one_with_the_minimum_moves() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         for id in 1..=3 {
             w.node(id);
         }
@@ -2193,10 +2193,10 @@ mod tests {
 
     #[test]
     fn a_stuck_release_fences_the_owner_and_moves_only_after_its_ttl() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             release_timeout_ms: 1_000,
             fence_wait_ms: 3_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2249,9 +2249,9 @@ mod tests {
         // Found by the simulation: the leader revoked a blind node's lease, lost its own
         // lease, was elected again with a fresh view and moved the node's channels at once,
         // 333 ms before the node noticed and stopped them.
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             fence_wait_ms: 3_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(2);
@@ -2267,9 +2267,9 @@ mod tests {
 
     #[test]
     fn a_failed_revoke_is_asked_for_again() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             release_timeout_ms: 1_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2290,10 +2290,10 @@ mod tests {
     fn a_failing_channel_does_not_ping_pong_back_through_balance() {
         // Seen from outside: a channel failing on node A went to B, and 10-35 ms later
         // balance put it (or a healthy channel) back on A; 601 transitions in 7 s.
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             failed_node_backoff_ms: 30_000,
             balance_quiet_ms: 5_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2332,11 +2332,11 @@ mod tests {
 
     #[test]
     fn balance_does_not_feed_a_node_that_fails_loads() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             failed_node_backoff_ms: 30_000,
             balance_quiet_ms: 1_000,
             move_cooldown_ms: 0,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2365,10 +2365,10 @@ mod tests {
 
     #[test]
     fn a_channel_that_just_moved_is_not_moved_again_by_balance() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             balance_quiet_ms: 0,
             move_cooldown_ms: 60_000,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2409,9 +2409,9 @@ mod tests {
 
     #[test]
     fn big_failovers_are_packed_within_the_op_limit_without_splitting_a_move() {
-        let cfg = CoordConfig {
+        let cfg = PlannerConfig {
             max_txn_ops: 9,
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         };
         let mut w = World::new(cfg);
         w.node(1);
@@ -2434,7 +2434,7 @@ mod tests {
 
     #[test]
     fn late_echoes_do_not_bring_back_keys_known_deleted() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(2);
         let old = w.keys.channel(n(1), &name("c"));
         let stale = info("c", ChannelState::ToWatch, 1, 0);
@@ -2472,7 +2472,7 @@ mod tests {
 
     #[test]
     fn corrupt_values_are_reported_and_left_alone() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         let key = "chanwatch/channel/1/bad";
         assert!(w.state.apply_put(key, b"{not json", 5).is_some());
@@ -2484,7 +2484,7 @@ mod tests {
 
     #[test]
     fn a_value_naming_another_channel_than_its_key_is_corrupt_and_left_alone() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         let key = "chanwatch/channel/1/bad2";
@@ -2498,7 +2498,7 @@ mod tests {
 
     #[test]
     fn an_unparsable_drain_key_is_reported_as_corrupt_and_drains_nothing() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         let key = "chanwatch/coord/drain/abc";
         let why = w.state.apply_put(key, b"{}", 5).expect("reported");
@@ -2518,7 +2518,7 @@ mod tests {
 
     #[test]
     fn a_duplicate_key_is_removed_keeping_the_highest_epoch() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 3, 0));
@@ -2536,7 +2536,7 @@ mod tests {
 
     #[test]
     fn drain_moves_everything_off_and_assigns_nothing_new_there() {
-        let mut w = World::new(CoordConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         w.node(1);
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
@@ -2566,7 +2566,7 @@ mod convergence_tests {
     #[test]
     fn balance_converges_and_stops_moving() {
         let keys = Keys::default();
-        let mut s = CoordState::new(keys.clone(), CoordConfig::default());
+        let mut s = Planner::new(keys.clone(), PlannerConfig::default());
         let mut rev = 1;
         for id in 1..=2u64 {
             rev += 1;
@@ -2708,7 +2708,7 @@ mod convergence_tests {
             }
         }
 
-        fn check(state: &CoordState) {
+        fn check(state: &Planner) {
             let expect: BTreeSet<ChannelName> = state
                 .channels
                 .iter()
@@ -2754,7 +2754,7 @@ mod convergence_tests {
             #![proptest_config(ProptestConfig::with_cases(300))]
             #[test]
             fn rounds_plan_what_a_full_scan_plans(steps in proptest::collection::vec(step(), 1..60)) {
-                let mut w = World::new(CoordConfig::default());
+                let mut w = World::new(PlannerConfig::default());
                 let mut now = 1_000u64;
                 for s in steps {
                     match s {
