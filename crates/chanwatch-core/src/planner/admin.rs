@@ -6,14 +6,12 @@
 //! Must not: write anything itself, or start what a pass would refuse (a move onto a
 //! draining node, a second move of one channel).
 
-use std::collections::BTreeMap;
-
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, NodeId, VChannelInfo};
 
 use super::commands::{guard, reassign, release, Cause, Change, Guard, Op, PlannedTxn, Transition};
 use super::packing::merge;
-use super::placement::{pick_moves, spread, PlannedMove};
+use super::placement::{pick_moves, PlannedMove};
 use super::{PendingMove, Planner};
 
 /// Refusals of admin requests. None is retryable as is; each says what to fix.
@@ -173,11 +171,8 @@ impl Planner {
         // As if no move were in flight and any number could be: loads are the keys each
         // node holds now, and every `Watched` channel may move. No copy of the view (it
         // runs on every metrics tick, and the view can be 100 MB).
-        let mut loads: BTreeMap<NodeId, usize> = self
-            .assignable()
-            .map(|n| (n, self.owned.get(&n).copied().unwrap_or(0)))
-            .collect();
-        if spread(&loads) <= 1 {
+        let mut loads = self.held_loads();
+        if loads.spread() <= 1 {
             return Vec::new();
         }
         let mut movable = self.movable(false);

@@ -46,7 +46,7 @@ mod view;
 pub use admin::AdminError;
 pub use commands::{Cause, Guard, Op, PlannedTxn, Transition};
 pub use config::{PlannerBug, PlannerConfig};
-pub use placement::PlannedMove;
+pub use placement::{Loads, PlannedMove};
 pub use rows::{ChannelRow, NodeRow};
 pub use view::{Census, Entry};
 

@@ -6,13 +6,11 @@
 //! Must not: move a channel balance may not touch (back-offs, troubled nodes, cool-downs;
 //! `placement` says which).
 
-use std::collections::BTreeMap;
-
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelName, ChannelState, NodeId};
 
 use super::super::commands::{reassign, release, Cause, Change};
-use super::super::placement::{pick_moves, spread};
+use super::super::placement::pick_moves;
 use super::super::{PendingMove, Planner};
 
 impl Planner {
@@ -45,7 +43,7 @@ impl Planner {
             let Some(to) = self.least_loaded_for(&loads, channel, Some(from), now_ms) else {
                 continue;
             };
-            *loads.entry(to).or_default() += 1;
+            loads.add(to);
             budget -= 1;
             match e.info.state {
                 // A loading channel runs too: it is released first like a watched one, or a
@@ -81,15 +79,12 @@ impl Planner {
         {
             return; // something just changed: let the cluster settle first
         }
-        let mut loads: BTreeMap<NodeId, usize> = self
-            .loads()
-            .into_iter()
-            .filter(|(n, _)| !self.draining.contains(n) && !self.fences.contains_key(n))
-            .collect();
+        let mut loads = self.loads();
+        loads.retain(|n| self.takes_new(n));
         if loads.len() < 2 {
             return;
         }
-        if spread(&loads) <= 1 {
+        if loads.spread() <= 1 {
             return; // balanced: skip collecting movable channels, the costly part
         }
         let mut movable = self.movable(true);

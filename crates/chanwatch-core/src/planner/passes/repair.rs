@@ -82,7 +82,7 @@ impl Planner {
                 .or_else(|| self.least_loaded(&loads, None));
             match target {
                 Some(target) => {
-                    *loads.entry(target).or_default() += 1;
+                    loads.add(target);
                     planned.push(reassign(e, ChannelOwner::Node(target), cause, now_ms));
                 }
                 None if cause == Cause::Failover => {

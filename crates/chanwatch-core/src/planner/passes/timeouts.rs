@@ -71,9 +71,7 @@ impl Planner {
                     }
                 },
             };
-            if let Some(l) = loads.get_mut(&target) {
-                *l += 1;
-            }
+            loads.add(target);
             newly_avoided.push((channel.clone(), node));
             troubled.push(node);
             if e.info.state == ChannelState::ToWatch {
@@ -186,9 +184,7 @@ impl Planner {
                         None => continue,
                     }
                 };
-                if let Some(l) = loads.get_mut(&to) {
-                    *l += 1;
-                }
+                loads.add(to);
                 done.push((
                     channel.clone(),
                     reassign(e, ChannelOwner::Node(to), pending.cause, now_ms),
