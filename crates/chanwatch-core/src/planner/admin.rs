@@ -3,8 +3,8 @@
 //! move or drain the planner must finish over later rounds is remembered in its memory of
 //! moves or as a drain mark.
 //!
-//! Must not: write anything itself, or start what a pass would refuse (a move onto a
-//! draining node, a second move of one channel).
+//! Must not: write anything itself. It refuses a move onto a draining or unknown node and a
+//! second move of a channel already moving.
 
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, NodeId, VChannelInfo};

@@ -105,6 +105,8 @@ pub enum Op {
     },
     /// Put the fence mark `coord/fence/{node}`; once it has landed, the runtime revokes the
     /// node's session lease (see [`Planner::take_fence_requests`]).
+    ///
+    /// [`Planner::take_fence_requests`]: crate::planner::Planner::take_fence_requests
     Fence {
         /// The node to fence.
         node: NodeId,

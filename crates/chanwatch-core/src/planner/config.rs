@@ -9,6 +9,8 @@ pub struct PlannerConfig {
     /// A `ToRelease` not `Released` within this long is force-moved, once its owner is
     /// fenced: the planner asks the runtime to revoke the owner's session lease
     /// ([`Planner::take_fence_requests`]) instead of moving the channel beside it.
+    ///
+    /// [`Planner::take_fence_requests`]: crate::planner::Planner::take_fence_requests
     pub release_timeout_ms: u64,
     /// How long the channels of a node whose lease this coordinator revoked are held before
     /// they fail over: the node's session TTL, by which a node that could not hear of the

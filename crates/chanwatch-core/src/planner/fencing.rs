@@ -34,8 +34,10 @@ impl Fence {
 
 impl Planner {
     /// Nodes whose session lease the runtime must revoke now: their fence mark has landed
-    /// (see [`PlannerConfig::release_timeout_ms`]). A node still alive a second after a request
-    /// is asked for again (a revoke that failed).
+    /// (see [`PlannerConfig::release_timeout_ms`]). A node still alive a second after a
+    /// request is asked for again (a revoke that failed).
+    ///
+    /// [`PlannerConfig::release_timeout_ms`]: crate::planner::PlannerConfig::release_timeout_ms
     pub fn take_fence_requests(&mut self) -> Vec<NodeId> {
         std::mem::take(&mut self.fence_requests)
     }

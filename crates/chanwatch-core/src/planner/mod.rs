@@ -9,8 +9,9 @@
 //! A round costs O(channels that need attention), not O(channels): the view keeps, in step
 //! with every event, the set of channels that are not simply `Watched` under one key, and
 //! per node a count of keys, which tells in O(nodes) whether a dead node still owns any
-//! (then, and only then, the orphan pass scans every channel). Everything else a round
-//! needs is derived from those, so re-deriving stays cheap at 100,000 channels.
+//! (then, and only then, the orphan pass scans every channel). Loads are derived from those
+//! counts in O(nodes + moves in flight). Only two passes scan every channel, and only while
+//! they have work: drains while a node is draining, and balance once loads are uneven.
 //!
 //! Must not: do I/O or read the clock. The runtime feeds store events in
 //! ([`Planner::apply_put`], [`Planner::apply_delete`], [`Planner::reset`]), passes
@@ -19,17 +20,22 @@
 //!
 //! Where each part lives (all of them `impl Planner` blocks over the one struct below):
 //!
-//! | module | owns |
-//! |---|---|
-//! | `config` | [`PlannerConfig`], the tunables, and [`PlannerBug`] |
-//! | `commands` | the vocabulary out: [`PlannedTxn`] = [`Guard`]s + [`Op`]s + [`Transition`]s, [`Cause`], and the builders of one channel's change (reassign, park, release) |
-//! | `view` | the view and its ingest: `apply_put`, `apply_delete`, `reset`, `applied`, `caught_up`, the attention index, [`Census`] |
-//! | `passes` | [`Planner::plan`], one round, and its passes: repair (duplicates, failover, unpark), timeouts and releases, moves (drains, balance) |
-//! | `placement` | where a channel may go: [`Loads`] (all load arithmetic), least-loaded choice, back-offs, the balance move picker |
-//! | `fencing` | fence marks of nodes stuck releasing, and the lease revokes the runtime must do |
-//! | `packing` | changes into txns within the op and byte limits |
-//! | `admin` | operator commands: add, remove, move, drain, the balance plan; [`AdminError`] |
-//! | `rows` | [`ChannelRow`] and [`NodeRow`] for `ctl` and the admin API |
+//! - `config`: [`PlannerConfig`], the tunables, and [`PlannerBug`];
+//! - `commands`: the vocabulary out — [`PlannedTxn`] = [`Guard`]s + [`Op`]s +
+//!   [`Transition`]s with their [`Cause`] — and the builders of one channel's change
+//!   (reassign, park, release);
+//! - `view`: the view and its ingest (`apply_put`, `apply_delete`, `reset`, `applied`,
+//!   `caught_up`), the attention index, [`Census`];
+//! - `passes`: [`Planner::plan`], one round, and its passes — repair (duplicates, failover,
+//!   unpark), timeouts and releases, moves (drains, balance);
+//! - `placement`: where a channel may go — [`Loads`] (all load arithmetic), the
+//!   least-loaded choice, back-offs, what balance may move, the balance move picker;
+//! - `fencing`: fence marks of nodes stuck releasing, and the lease revokes the runtime does;
+//! - `packing`: changes into txns within the op and byte limits;
+//! - `admin`: operator commands (add, remove, move, drain, the balance plan), [`AdminError`];
+//! - `rows`: [`ChannelRow`] and [`NodeRow`] for `ctl` and the admin API;
+//! - `tests` (test builds only): the `World` helper every module's tests use, and the tests
+//!   of the planner as a whole.
 
 mod admin;
 mod commands;
@@ -89,6 +95,8 @@ pub struct Planner {
     /// Keys under the managed prefixes whose value or key does not decode: reported, never
     /// overwritten or deleted.
     corrupt: BTreeMap<String, String>,
+    /// Moves in flight: channels asked to release, each to go to its `to` once `Released`.
+    /// Counted at their target by [`Planner::loads`].
     moves: BTreeMap<ChannelName, PendingMove>,
     /// Per channel, the nodes that failed or timed out the channel, each avoided until a
     /// time. Every failing node is remembered, not just the last, so a channel that fails

@@ -18,7 +18,7 @@ use crate::types::{ChannelName, ChannelState, NodeId};
 use super::{Planner, PlannerBug};
 
 /// Channels per node, as placement counts them. Every pass that places channels takes one
-/// ([`Planner::loads`]) and counts each channel it places with [`Loads::add`], so the next
+/// ([`Planner::loads`]) and counts each channel it places with `Loads::add`, so the next
 /// choice in the same pass sees it.
 ///
 /// It tracks the nodes it was made with; a change naming another node is ignored, since a

@@ -7,7 +7,8 @@
 //! attention set (channels that are not one `Watched` key under a node) and the per-node
 //! key counts. Read-only accessors for the runtime and metrics ([`Census`]).
 //!
-//! Must not: plan. Ingest only records what the store holds; deciding is for the passes.
+//! Must not: plan. Ingest records what the store holds (and, when the store was away, shifts
+//! the clocks of moves and timeouts by as much); deciding is for the passes.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -3,8 +3,8 @@
 //! to the least loaded node until max − min ≤ 1. Both break-before-make (`ToRelease`
 //! first), at most `max_concurrent_moves` in flight.
 //!
-//! Must not: move a channel balance may not touch (back-offs, troubled nodes, cool-downs;
-//! `placement` says which).
+//! Must not: pick targets or weigh loads itself (`placement` does, including what balance
+//! may not touch: back-offs, troubled nodes, cool-downs).
 
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelName, ChannelState, NodeId};

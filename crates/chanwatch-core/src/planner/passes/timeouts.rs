@@ -4,7 +4,8 @@
 //! `Released` completes, and one stuck in `ToRelease` past the release timeout has its owner
 //! fenced (`plan_releases`).
 //!
-//! Must not: move a channel beside a live owner that has not released it.
+//! Must not: move a channel beside a live owner that has not released it (only the planted
+//! bug `ForceWithoutFence`, a test switch, does).
 
 use std::collections::BTreeSet;
 
