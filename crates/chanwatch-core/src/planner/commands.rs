@@ -256,3 +256,79 @@ pub(super) fn release(e: &Entry, cause: Cause) -> Change {
         transition: Some(transition),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::tests::{info, n, name};
+
+    fn entry(owner: ChannelOwner, state: ChannelState, epoch: u64) -> Entry {
+        Entry {
+            owner,
+            info: info("a", state, epoch, 0),
+            mod_revision: 7,
+        }
+    }
+
+    fn guarded_on_the_old_key() -> Vec<Guard> {
+        vec![Guard {
+            owner: n(1),
+            channel: name("a"),
+            mod_revision: 7,
+        }]
+    }
+
+    #[test]
+    fn reassign_deletes_the_old_key_and_puts_to_watch_with_the_next_epoch() {
+        let c = reassign(
+            &entry(n(1), ChannelState::Watched, 3),
+            n(2),
+            Cause::Failover,
+            50,
+        );
+        let mut put = info("a", ChannelState::ToWatch, 4, 50);
+        put.reason = Some("failover".into());
+        assert_eq!(c.guards, guarded_on_the_old_key());
+        assert_eq!(
+            c.ops,
+            vec![
+                Op::Delete {
+                    owner: n(1),
+                    channel: name("a")
+                },
+                Op::Put {
+                    owner: n(2),
+                    info: put
+                }
+            ]
+        );
+        let t = c.transition.expect("a channel moved");
+        assert_eq!((t.from, t.to, t.epoch), (Some(n(1)), Some(n(2)), Epoch(4)));
+        // To the same node: the key stays, only the value changes.
+        let c = reassign(
+            &entry(n(1), ChannelState::WatchFailed, 3),
+            n(1),
+            Cause::Failed,
+            50,
+        );
+        assert!(matches!(&c.ops[..], [Op::Put { owner, .. }] if *owner == n(1)));
+    }
+
+    #[test]
+    fn park_keeps_the_epoch_and_release_keeps_owner_and_epoch() {
+        let c = park(&entry(n(1), ChannelState::Watched, 3));
+        assert_eq!(c.guards, guarded_on_the_old_key());
+        assert!(matches!(
+            &c.ops[..],
+            [Op::Delete { .. }, Op::Put { owner: ChannelOwner::Remaining, info }]
+                if info.epoch == Epoch(3) && info.state == ChannelState::ToWatch
+        ));
+        let c = release(&entry(n(1), ChannelState::Watched, 3), Cause::Balance);
+        assert_eq!(c.guards, guarded_on_the_old_key());
+        assert!(matches!(
+            &c.ops[..],
+            [Op::Put { owner, info }]
+                if *owner == n(1) && info.epoch == Epoch(3) && info.state == ChannelState::ToRelease
+        ));
+    }
+}

@@ -90,3 +90,55 @@ impl Planner {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::keys::ChannelOwner;
+    use crate::planner::tests::{info, n, World};
+    use crate::planner::*;
+    use crate::types::{ChannelState, NodeId};
+
+    #[test]
+    fn rows_show_parked_channels_without_a_node_and_count_each_nodes_channels() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 2, 10));
+        w.put(n(1), info("b", ChannelState::ToWatch, 1, 20));
+        w.put(
+            ChannelOwner::Remaining,
+            info("c", ChannelState::ToWatch, 1, 30),
+        );
+        let txn = w.state.drain(NodeId(2)).expect("live");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
+        let rows = w.state.channel_rows();
+        let rows: Vec<(&str, Option<u64>, ChannelState, u64, u64)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.channel.as_str(),
+                    r.node,
+                    r.state,
+                    r.epoch,
+                    r.start_time_ms,
+                )
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("a", Some(1), ChannelState::Watched, 2, 10),
+                ("b", Some(1), ChannelState::ToWatch, 1, 20),
+                ("c", None, ChannelState::ToWatch, 1, 30),
+            ]
+        );
+        let nodes: Vec<(u64, usize, bool)> = w
+            .state
+            .node_rows()
+            .iter()
+            .map(|r| (r.id, r.channels, r.draining))
+            .collect();
+        assert_eq!(nodes, [(1, 2, false), (2, 0, true)]);
+    }
+}
