@@ -72,7 +72,7 @@ impl Planner {
         self.pack(changes)
     }
 
-    /// Forgets cool-downs, troubled nodes and fences that are over, at most once a second
+    /// Forgets cool-downs, troubled nodes and back-offs that are over, at most once a second
     /// (each is a scan of a map that a failover can fill with every channel).
     fn prune(&mut self, now_ms: u64) {
         if now_ms < self.next_prune_ms {
