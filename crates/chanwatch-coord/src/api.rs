@@ -15,7 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use chanwatch_core::coord::AdminError;
+use chanwatch_core::planner::AdminError;
 use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
 use serde::Deserialize;
 use serde_json::{json, Value};

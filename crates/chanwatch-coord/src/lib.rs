@@ -1,7 +1,7 @@
 //! # chanwatch-coord
 //!
 //! The coordinator runtime. It campaigns for `{root}/coord/leader` with a lease; the winner
-//! lists everything, drives the pure planner ([`chanwatch_core::coord::CoordState`]) from a
+//! lists everything, drives the pure planner ([`chanwatch_core::planner::Planner`]) from a
 //! list-watch of the whole root and a periodic tick, and runs the planned txns — each one
 //! guarded by the leader key's create revision, so a deposed leader cannot write. Standbys
 //! watch the leader key and take over when it disappears; a leader watches it too and steps

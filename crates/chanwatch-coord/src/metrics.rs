@@ -14,7 +14,7 @@ use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
-use chanwatch_core::coord::CoordState;
+use chanwatch_core::planner::Planner;
 use chanwatch_core::ChannelState;
 
 /// Failover durations are seconds to tens of seconds (TTL-bound detection is not included:
@@ -258,7 +258,7 @@ impl CoordMetrics {
 
     /// Refreshes the gauges derived from the view. `with_balance` also computes the balance
     /// plan (a copy of the view), so callers do it at most once per tick.
-    pub fn observe(&self, state: &CoordState, with_balance: bool) {
+    pub fn observe(&self, state: &Planner, with_balance: bool) {
         let c = &self.cluster;
         let census = state.census();
         for (i, s) in ChannelState::ALL.iter().enumerate() {
@@ -321,9 +321,9 @@ mod tests {
         let m = CoordMetrics::new();
         let r = Registry::new();
         m.register(&r).expect("registration");
-        let state = CoordState::new(
+        let state = Planner::new(
             chanwatch_core::Keys::default(),
-            chanwatch_core::coord::CoordConfig::default(),
+            chanwatch_core::planner::PlannerConfig::default(),
         );
         m.observe(&state, true);
         let standby = render(&r);

@@ -12,8 +12,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chanwatch_core::coord::{
-    AdminError, ChannelRow, CoordConfig, CoordState, Guard, NodeRow, Op, PlannedMove, PlannedTxn,
+use chanwatch_core::planner::{
+    AdminError, ChannelRow, Guard, NodeRow, Op, PlannedMove, PlannedTxn, Planner, PlannerConfig,
     Transition,
 };
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
@@ -41,7 +41,7 @@ pub struct CoordinatorConfig {
     /// Key layout.
     pub keys: Keys,
     /// Planner settings (timeouts, limits, moves in flight).
-    pub planner: CoordConfig,
+    pub planner: PlannerConfig,
     /// Lease TTL of the leader key; a standby takes over within about this long.
     pub session_ttl: Duration,
     /// Full relist period: a missed event can never stay unnoticed longer than this.
@@ -62,7 +62,7 @@ impl Default for CoordinatorConfig {
     fn default() -> Self {
         CoordinatorConfig {
             keys: Keys::default(),
-            planner: CoordConfig::default(),
+            planner: PlannerConfig::default(),
             session_ttl: Duration::from_secs(10),
             reconcile_interval: Duration::from_secs(10),
             tick: Duration::from_secs(1),
@@ -292,7 +292,7 @@ pub(crate) struct Term<'a> {
     /// The lease our leader key is attached to: the key is ours while it has this lease and
     /// create revision `leader_rev`.
     lease: LeaseId,
-    state: CoordState,
+    state: Planner,
     status: &'a watch::Sender<CoordStatus>,
     /// Sessions seen gone, with the channels they held, until those are all Watched again.
     failovers: Vec<(tokio::time::Instant, NodeId, Vec<ChannelName>)>,
@@ -320,7 +320,7 @@ impl<'a> Term<'a> {
             clock,
             leader_rev,
             lease,
-            state: CoordState::new(config.keys.clone(), config.planner.clone()),
+            state: Planner::new(config.keys.clone(), config.planner.clone()),
             status,
             failovers: Vec::new(),
             replan: false,
@@ -459,7 +459,7 @@ impl<'a> Term<'a> {
             restarts_seen = restarts;
             // No plan from a view the list-watch cannot refresh (the store is away): its
             // timers would fire on time that measured etcd's absence (see
-            // `CoordState::store_was_away`), and what it plans would be refused anyway.
+            // `Planner::store_was_away`), and what it plans would be refused anyway.
             if dirty && self.clock.now() >= last_plan + plan_gap && blind.borrow().is_none() {
                 last_plan = self.clock.now();
                 dirty = false;

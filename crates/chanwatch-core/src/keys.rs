@@ -115,9 +115,9 @@ impl Keys {
         format!("{}/coord/leader", self.root)
     }
 
-    /// `{root}/coord/drain/`: one key per node being drained. Not in DESIGN.md §2 yet: the
-    /// drain must survive a coordinator failover and be visible to `ctl nodes`, so it lives
-    /// in the store, written by the leader like every assignment.
+    /// `{root}/coord/drain/`: one key per node being drained (DESIGN.md §2, v2): the drain
+    /// must survive a coordinator failover and be visible to `ctl nodes`, so it lives in the
+    /// store, written by the leader like every assignment.
     pub fn drains_prefix(&self) -> String {
         format!("{}/coord/drain/", self.root)
     }

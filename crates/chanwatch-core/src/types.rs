@@ -385,8 +385,10 @@ impl CoordSession {
     }
 }
 
-/// The value of `{root}/checkpoint/{channel}`: how far the owner has consumed. Written only by
-/// a txn that compares the channel's current epoch, so a stale owner cannot move it.
+/// The value of `{root}/checkpoint/{channel}`: how far the owner has consumed. DESIGN.md §4
+/// has it written only by a txn that compares the channel's current epoch, so a stale owner
+/// cannot move it. Nothing in chanwatch writes or deletes checkpoints yet: the type and its
+/// key are here for the data plane, which will.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Checkpoint {
     /// The epoch of the assignment under which this was written.

@@ -24,7 +24,7 @@ mod world;
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::Hasher;
 
-pub use chanwatch_core::coord::PlannerBug;
+pub use chanwatch_core::planner::PlannerBug;
 pub use chanwatch_node::PlantedBug;
 
 /// What to simulate.

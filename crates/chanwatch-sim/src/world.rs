@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chanwatch_coord::{CoordHandle, CoordMetrics, CoordinatorConfig};
-use chanwatch_core::coord::CoordConfig;
+use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{
     Behaviour, ChannelHandler, NodeConfig, NodeMetrics, NodeStatus, RecordingHandler,
@@ -273,7 +273,7 @@ impl World {
         let timeout_ms = u64::try_from(WATCH_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
         let config = CoordinatorConfig {
             keys: self.keys.clone(),
-            planner: CoordConfig {
+            planner: PlannerConfig {
                 watch_timeout_ms: timeout_ms,
                 release_timeout_ms: timeout_ms,
                 fence_wait_ms: u64::try_from(SESSION_TTL.as_millis()).unwrap_or(u64::MAX),
@@ -281,7 +281,7 @@ impl World {
                 move_cooldown_ms: 10_000,
                 failed_node_backoff_ms: timeout_ms,
                 planted_bug: self.options.planner_bug,
-                ..CoordConfig::default()
+                ..PlannerConfig::default()
             },
             session_ttl: SESSION_TTL,
             reconcile_interval: Duration::from_secs(3),

@@ -484,7 +484,7 @@ pub async fn ack(args: &BenchAckArgs) -> Result<()> {
 /// applied (as the coordinator holds them after its startup list), and the time of one
 /// steady-state plan round (nothing to change), which every store event batch and tick pays.
 pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
-    use chanwatch_core::coord::{CoordConfig, CoordState};
+    use chanwatch_core::planner::{Planner, PlannerConfig};
     use chanwatch_core::{ChannelInfo, ChannelName, ChannelOwner, ChannelState, Epoch, Keys};
     use chanwatch_core::{NodeId, NodeSession, VChannelInfo};
     eprintln!(
@@ -519,7 +519,7 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
     let mut plan_ms = Vec::new();
     for run in 1..=args.runs.max(1) {
         let rss0 = rss_bytes();
-        let mut state = CoordState::new(keys.clone(), CoordConfig::default());
+        let mut state = Planner::new(keys.clone(), PlannerConfig::default());
         let mut rev = 1;
         for id in 1..=args.nodes as u64 {
             rev += 1;
@@ -573,7 +573,7 @@ fn print_planner(args: &BenchPlannerArgs, bytes: Vec<f64>, plan_ms: Vec<f64>, no
             "runs": bytes.len(),
             "rss_bytes_per_channel_median": median(bytes).round(),
             "plan_round_ms_median": round3(median(plan_ms)),
-            "note": format!("the coordinator's view only (CoordState), no store, nodes or runtime{note}"),
+            "note": format!("the coordinator's view only (Planner), no store, nodes or runtime{note}"),
         })
     );
 }

@@ -366,13 +366,13 @@ pub enum CoordPlantArg {
 
 impl CoordPlantArg {
     /// The planner's switch.
-    pub fn planner_bug(self) -> chanwatch_core::coord::PlannerBug {
+    pub fn planner_bug(self) -> chanwatch_core::planner::PlannerBug {
         match self {
             CoordPlantArg::ForceWithoutFence => {
-                chanwatch_core::coord::PlannerBug::ForceWithoutFence
+                chanwatch_core::planner::PlannerBug::ForceWithoutFence
             }
             CoordPlantArg::BalanceIgnoresBackoff => {
-                chanwatch_core::coord::PlannerBug::BalanceIgnoresBackoff
+                chanwatch_core::planner::PlannerBug::BalanceIgnoresBackoff
             }
         }
     }
@@ -739,7 +739,7 @@ mod tests {
     /// What the planted bugs do is tested in the planner and in tests/blackbox.rs.
     #[test]
     fn coord_plant_reaches_the_planner_and_stays_out_of_help() {
-        use chanwatch_core::coord::PlannerBug;
+        use chanwatch_core::planner::PlannerBug;
         for (flag, bug) in [
             ("force-without-fence", PlannerBug::ForceWithoutFence),
             ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),

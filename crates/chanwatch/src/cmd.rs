@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use chanwatch_coord::{CoordHandle, CoordinatorConfig};
-use chanwatch_core::coord::CoordConfig;
+use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::Keys;
 use chanwatch_store::Clock;
 use tokio::sync::watch;
@@ -91,7 +91,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let mut config = CoordinatorConfig {
         keys,
-        planner: CoordConfig {
+        planner: PlannerConfig {
             watch_timeout_ms: args.watch_timeout.as_millis() as u64,
             release_timeout_ms: args.release_timeout.as_millis() as u64,
             // Nodes are expected to run with the coordinators' --session-ttl.
@@ -102,7 +102,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
             max_txn_ops: args.max_txn_ops as usize,
             max_concurrent_moves: args.max_concurrent_moves,
             planted_bug: args.plant.map(crate::cli::CoordPlantArg::planner_bug),
-            ..CoordConfig::default()
+            ..PlannerConfig::default()
         },
         session_ttl: args.session_ttl,
         reconcile_interval: args.reconcile_interval,

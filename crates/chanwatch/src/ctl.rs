@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context, Result};
-use chanwatch_core::coord::{ChannelRow, CoordConfig, CoordState, NodeRow};
+use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, CoordSession, Keys, VChannelInfo};
 use serde_json::{json, Value};
 
@@ -140,12 +140,9 @@ pub async fn run(args: CtlArgs) -> Result<()> {
     Ok(())
 }
 
-async fn snapshot(
-    store: &dyn chanwatch_store::MetaStore,
-    keys: &Keys,
-) -> Result<(CoordState, i64)> {
+async fn snapshot(store: &dyn chanwatch_store::MetaStore, keys: &Keys) -> Result<(Planner, i64)> {
     let list = store.range(&keys.all_prefix()).await?;
-    let mut state = CoordState::new(keys.clone(), CoordConfig::default());
+    let mut state = Planner::new(keys.clone(), PlannerConfig::default());
     state.reset(
         list.kvs
             .iter()
@@ -154,7 +151,7 @@ async fn snapshot(
     Ok((state, list.revision))
 }
 
-fn report_corrupt(state: &CoordState) {
+fn report_corrupt(state: &Planner) {
     for (key, why) in state.corrupt() {
         eprintln!("warning: {key} does not decode ({why}); the coordinator leaves it alone");
     }

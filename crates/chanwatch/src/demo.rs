@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use chanwatch_core::coord::{ChannelRow, CoordConfig, CoordState, NodeRow};
+use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, ChannelState, NodeId, VChannelInfo};
 use chanwatch_node::handler::Behaviour;
 use chanwatch_node::RecordingHandler;
@@ -46,7 +46,7 @@ impl Tour {
             .store
             .range(&self.cluster.keys.all_prefix())
             .await?;
-        let mut state = CoordState::new(self.cluster.keys.clone(), CoordConfig::default());
+        let mut state = Planner::new(self.cluster.keys.clone(), PlannerConfig::default());
         state.reset(
             list.kvs
                 .iter()

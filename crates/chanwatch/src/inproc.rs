@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use chanwatch_coord::{CoordHandle, CoordinatorConfig};
-use chanwatch_core::coord::CoordConfig;
+use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::{Keys, NodeId};
 use chanwatch_node::{ChannelHandler, NodeConfig, NodeStatus};
 use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
@@ -90,7 +90,7 @@ impl InProc {
         let config = CoordinatorConfig {
             metrics: coord_metrics.clone(),
             keys: keys.clone(),
-            planner: CoordConfig {
+            planner: PlannerConfig {
                 watch_timeout_ms: timings.watch_timeout.as_millis() as u64,
                 release_timeout_ms: timings.watch_timeout.as_millis() as u64,
                 fence_wait_ms: timings.session_ttl.as_millis() as u64,
@@ -98,7 +98,7 @@ impl InProc {
                 balance_quiet_ms: timings.session_ttl.as_millis() as u64 / 2,
                 move_cooldown_ms: timings.session_ttl.as_millis() as u64 * 3,
                 failed_node_backoff_ms: timings.watch_timeout.as_millis() as u64,
-                ..CoordConfig::default()
+                ..PlannerConfig::default()
             },
             session_ttl: timings.session_ttl,
             reconcile_interval: timings.reconcile_interval,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use chanwatch_coord::{CoordHandle, CoordStatus, CoordinatorConfig};
-use chanwatch_core::coord::{ChannelRow, CoordConfig, CoordState, NodeRow};
+use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, ChannelState, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{NodeConfig, NodeStatus, RecordingHandler};
 use chanwatch_store::{Clock, EmbeddedStore, EtcdConfig, EtcdStore, MetaStore};
@@ -114,14 +114,14 @@ impl Cluster {
     pub fn coord_config(&self) -> CoordinatorConfig {
         CoordinatorConfig {
             keys: self.keys.clone(),
-            planner: CoordConfig {
+            planner: PlannerConfig {
                 watch_timeout_ms: WATCH_TIMEOUT.as_millis() as u64,
                 release_timeout_ms: WATCH_TIMEOUT.as_millis() as u64,
                 fence_wait_ms: TTL.as_millis() as u64,
                 balance_quiet_ms: 0,
                 move_cooldown_ms: 0,
                 failed_node_backoff_ms: 5_000,
-                ..CoordConfig::default()
+                ..PlannerConfig::default()
             },
             session_ttl: TTL,
             reconcile_interval: Duration::from_secs(2),
@@ -236,7 +236,7 @@ impl Cluster {
     /// What the store holds now, decoded.
     pub async fn view(&self) -> Result<View> {
         let list = self.store.range(&self.keys.all_prefix()).await?;
-        let mut state = CoordState::new(self.keys.clone(), CoordConfig::default());
+        let mut state = Planner::new(self.keys.clone(), PlannerConfig::default());
         state.reset(
             list.kvs
                 .iter()

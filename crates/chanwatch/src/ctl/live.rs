@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chanwatch_core::coord::{ChannelRow, NodeRow};
+use chanwatch_core::planner::{ChannelRow, NodeRow};
 use serde_json::{json, Value};
 
 /// How long one node may take to answer.

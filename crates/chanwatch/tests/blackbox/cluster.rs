@@ -13,7 +13,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chanwatch_core::coord::{ChannelRow, NodeRow};
+use chanwatch_core::planner::{ChannelRow, NodeRow};
 use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Keys};
 use chanwatch_testkit::EtcdFixture;
 

@@ -1,0 +1,334 @@
+//! The planner's vocabulary out: what a round asks the runtime to do.
+//!
+//! Owns: [`PlannedTxn`] (all [`Guard`]s hold → all [`Op`]s apply, atomically), the
+//! [`Transition`] line per channel touched, its [`Cause`], and `Change` — one channel's
+//! change, never split across txns — with the builders every pass uses: `reassign` (delete
+//! and put `ToWatch` with the next epoch elsewhere), `park` (under `remaining`) and
+//! `release` (ask the owner to stop, first half of a break-before-make move).
+//!
+//! Must not: look at the view. A builder sees only the entry it changes.
+
+use serde::Serialize;
+
+use crate::keys::ChannelOwner;
+use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, NodeId};
+
+use super::view::Entry;
+
+/// Why a channel's assignment changed; used in logs and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// A new channel was registered.
+    Assign,
+    /// Its node's session is gone.
+    Failover,
+    /// No node is alive; parked under `remaining`.
+    Park,
+    /// A node appeared; taken out of `remaining`.
+    Unpark,
+    /// Not acknowledged in time, or stuck releasing past the release timeout.
+    Timeout,
+    /// The load failed or the running channel broke (`WatchFailed`).
+    Failed,
+    /// Moved to even out load.
+    Balance,
+    /// Moved off a draining node.
+    Drain,
+    /// Moved by an operator.
+    Manual,
+    /// Removed by an operator.
+    Remove,
+    /// A second key for the same channel was removed.
+    Dedupe,
+}
+
+impl Cause {
+    /// Label used in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Assign => "assign",
+            Cause::Failover => "failover",
+            Cause::Park => "park",
+            Cause::Unpark => "unpark",
+            Cause::Timeout => "timeout",
+            Cause::Failed => "failed",
+            Cause::Balance => "balance",
+            Cause::Drain => "drain",
+            Cause::Manual => "manual",
+            Cause::Remove => "remove",
+            Cause::Dedupe => "dedupe",
+        }
+    }
+}
+
+/// A condition of a planned txn: the key still has `mod_revision` (0: the key is absent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Guard {
+    /// Owner part of the key.
+    pub owner: ChannelOwner,
+    /// Channel part of the key.
+    pub channel: ChannelName,
+    /// Expected mod revision; 0 means "must not exist".
+    pub mod_revision: i64,
+}
+
+/// One write of a planned txn.
+// Ops are built and consumed within one planning round; boxing the value would add an
+// allocation per op for nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// Put `info` at `channel/{owner}/{info.channel}`.
+    Put {
+        /// Owner part of the key.
+        owner: ChannelOwner,
+        /// The value.
+        info: ChannelInfo,
+    },
+    /// Delete `channel/{owner}/{channel}`.
+    Delete {
+        /// Owner part of the key.
+        owner: ChannelOwner,
+        /// Channel part of the key.
+        channel: ChannelName,
+    },
+    /// Put the drain mark `coord/drain/{node}`.
+    Drain {
+        /// The node to drain.
+        node: NodeId,
+    },
+    /// Delete the drain mark of a node that is gone.
+    Undrain {
+        /// The node.
+        node: NodeId,
+    },
+    /// Put the fence mark `coord/fence/{node}`; once it has landed, the runtime revokes the
+    /// node's session lease (see [`Planner::take_fence_requests`]).
+    ///
+    /// [`Planner::take_fence_requests`]: crate::planner::Planner::take_fence_requests
+    Fence {
+        /// The node to fence.
+        node: NodeId,
+    },
+    /// Delete the fence mark of a node that is gone and whose channels have moved.
+    Unfence {
+        /// The node.
+        node: NodeId,
+    },
+}
+
+/// What a planned txn does to one channel, for logs and metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Transition {
+    /// The channel.
+    pub channel: ChannelName,
+    /// Why.
+    pub cause: Cause,
+    /// Owner before (`None`: new channel).
+    #[serde(serialize_with = "ser_owner_opt")]
+    pub from: Option<ChannelOwner>,
+    /// Owner after (`None`: removed).
+    #[serde(serialize_with = "ser_owner_opt")]
+    pub to: Option<ChannelOwner>,
+    /// State written (`None`: removed).
+    pub state: Option<ChannelState>,
+    /// Epoch written.
+    pub epoch: Epoch,
+}
+
+fn ser_owner_opt<S: serde::Serializer>(o: &Option<ChannelOwner>, s: S) -> Result<S::Ok, S::Error> {
+    match o {
+        None => s.serialize_none(),
+        Some(ChannelOwner::Remaining) => s.serialize_str("remaining"),
+        Some(ChannelOwner::Node(id)) => s.serialize_u64(id.0),
+    }
+}
+
+/// A txn for the runtime to run: all `guards` hold → all `ops` apply, atomically.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedTxn {
+    /// Compare-and-swap conditions (the runtime adds its leader guard).
+    pub guards: Vec<Guard>,
+    /// Writes; never more than `max_txn_ops - 1`.
+    pub ops: Vec<Op>,
+    /// One line per channel touched.
+    pub transitions: Vec<Transition>,
+}
+
+/// One channel's change, never split across txns.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Change {
+    pub(super) guards: Vec<Guard>,
+    pub(super) ops: Vec<Op>,
+    /// `None` for bookkeeping that moves no channel (drain marks).
+    pub(super) transition: Option<Transition>,
+}
+
+pub(super) fn guard(e: &Entry) -> Guard {
+    Guard {
+        owner: e.owner,
+        channel: e.info.channel.clone(),
+        mod_revision: e.mod_revision,
+    }
+}
+
+/// Delete the old key and put `ToWatch` with the next epoch under `to`, in one txn.
+pub(super) fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -> Change {
+    let mut info = e.info.clone();
+    info.state = ChannelState::ToWatch;
+    info.epoch = info.epoch.next();
+    info.start_time_ms = now_ms;
+    info.progress = None;
+    info.reason = Some(cause.as_str().to_owned());
+    let mut ops = Vec::with_capacity(2);
+    if e.owner != to {
+        ops.push(Op::Delete {
+            owner: e.owner,
+            channel: info.channel.clone(),
+        });
+    }
+    let transition = Transition {
+        channel: info.channel.clone(),
+        cause,
+        from: Some(e.owner),
+        to: Some(to),
+        state: Some(info.state),
+        epoch: info.epoch,
+    };
+    ops.push(Op::Put { owner: to, info });
+    Change {
+        guards: vec![guard(e)],
+        ops,
+        transition: Some(transition),
+    }
+}
+
+/// Park under `remaining`: no node owns it, so the epoch stays.
+pub(super) fn park(e: &Entry) -> Change {
+    let mut info = e.info.clone();
+    info.state = ChannelState::ToWatch;
+    info.progress = None;
+    info.reason = Some(Cause::Park.as_str().to_owned());
+    let transition = Transition {
+        channel: info.channel.clone(),
+        cause: Cause::Park,
+        from: Some(e.owner),
+        to: Some(ChannelOwner::Remaining),
+        state: Some(info.state),
+        epoch: info.epoch,
+    };
+    Change {
+        guards: vec![guard(e)],
+        ops: vec![
+            Op::Delete {
+                owner: e.owner,
+                channel: info.channel.clone(),
+            },
+            Op::Put {
+                owner: ChannelOwner::Remaining,
+                info,
+            },
+        ],
+        transition: Some(transition),
+    }
+}
+
+/// Ask the owner to stop the channel (first half of a break-before-make move).
+pub(super) fn release(e: &Entry, cause: Cause) -> Change {
+    let mut info = e.info.clone();
+    info.state = ChannelState::ToRelease;
+    info.reason = Some(cause.as_str().to_owned());
+    let transition = Transition {
+        channel: info.channel.clone(),
+        cause,
+        from: Some(e.owner),
+        to: Some(e.owner),
+        state: Some(info.state),
+        epoch: info.epoch,
+    };
+    Change {
+        guards: vec![guard(e)],
+        ops: vec![Op::Put {
+            owner: e.owner,
+            info,
+        }],
+        transition: Some(transition),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::tests::{info, n, name};
+
+    fn entry(owner: ChannelOwner, state: ChannelState, epoch: u64) -> Entry {
+        Entry {
+            owner,
+            info: info("a", state, epoch, 0),
+            mod_revision: 7,
+        }
+    }
+
+    fn guarded_on_the_old_key() -> Vec<Guard> {
+        vec![Guard {
+            owner: n(1),
+            channel: name("a"),
+            mod_revision: 7,
+        }]
+    }
+
+    #[test]
+    fn reassign_deletes_the_old_key_and_puts_to_watch_with_the_next_epoch() {
+        let c = reassign(
+            &entry(n(1), ChannelState::Watched, 3),
+            n(2),
+            Cause::Failover,
+            50,
+        );
+        let mut put = info("a", ChannelState::ToWatch, 4, 50);
+        put.reason = Some("failover".into());
+        assert_eq!(c.guards, guarded_on_the_old_key());
+        assert_eq!(
+            c.ops,
+            vec![
+                Op::Delete {
+                    owner: n(1),
+                    channel: name("a")
+                },
+                Op::Put {
+                    owner: n(2),
+                    info: put
+                }
+            ]
+        );
+        let t = c.transition.expect("a channel moved");
+        assert_eq!((t.from, t.to, t.epoch), (Some(n(1)), Some(n(2)), Epoch(4)));
+        // To the same node: the key stays, only the value changes.
+        let c = reassign(
+            &entry(n(1), ChannelState::WatchFailed, 3),
+            n(1),
+            Cause::Failed,
+            50,
+        );
+        assert!(matches!(&c.ops[..], [Op::Put { owner, .. }] if *owner == n(1)));
+    }
+
+    #[test]
+    fn park_keeps_the_epoch_and_release_keeps_owner_and_epoch() {
+        let c = park(&entry(n(1), ChannelState::Watched, 3));
+        assert_eq!(c.guards, guarded_on_the_old_key());
+        assert!(matches!(
+            &c.ops[..],
+            [Op::Delete { .. }, Op::Put { owner: ChannelOwner::Remaining, info }]
+                if info.epoch == Epoch(3) && info.state == ChannelState::ToWatch
+        ));
+        let c = release(&entry(n(1), ChannelState::Watched, 3), Cause::Balance);
+        assert_eq!(c.guards, guarded_on_the_old_key());
+        assert!(matches!(
+            &c.ops[..],
+            [Op::Put { owner, info }]
+                if *owner == n(1) && info.epoch == Epoch(3) && info.state == ChannelState::ToRelease
+        ));
+    }
+}

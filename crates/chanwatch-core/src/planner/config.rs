@@ -1,0 +1,61 @@
+//! The planner's tunables ([`PlannerConfig`]) and the safety rules a test may switch off
+//! ([`PlannerBug`]). Plain data: no logic here but the defaults.
+
+/// Tunables of the planner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannerConfig {
+    /// A `ToWatch` with no progress for this long is reassigned.
+    pub watch_timeout_ms: u64,
+    /// A `ToRelease` not `Released` within this long is force-moved, once its owner is
+    /// fenced: the planner asks the runtime to revoke the owner's session lease
+    /// ([`Planner::take_fence_requests`]) instead of moving the channel beside it.
+    ///
+    /// [`Planner::take_fence_requests`]: crate::planner::Planner::take_fence_requests
+    pub release_timeout_ms: u64,
+    /// How long the channels of a node whose lease this coordinator revoked are held before
+    /// they fail over: the node's session TTL, by which a node that could not hear of the
+    /// revoke has fenced itself (it fences when no keepalive succeeded for `ttl - margin`).
+    pub fence_wait_ms: u64,
+    /// Balance starts no move for this long after a membership change (a node joined or
+    /// left), a failed load or a timeout: the cluster settles before load is evened out.
+    pub balance_quiet_ms: u64,
+    /// A channel that moved (for any reason) is not picked by balance again for this long.
+    pub move_cooldown_ms: u64,
+    /// How long a node that failed or timed out a channel is avoided for that channel.
+    pub failed_node_backoff_ms: u64,
+    /// Most operations (and compares) in one txn, including the runtime's leader guard.
+    pub max_txn_ops: usize,
+    /// Most bytes of values in one txn, kept under etcd's request limit.
+    pub max_txn_bytes: usize,
+    /// Most balance/drain moves in flight at once.
+    pub max_concurrent_moves: usize,
+    /// A safety rule switched off, for tests only: proves the simulation catches it.
+    pub planted_bug: Option<PlannerBug>,
+}
+
+/// Safety rules of the planner a test can switch off ([`PlannerConfig::planted_bug`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlannerBug {
+    /// A release past the release timeout is moved at once, beside a live owner, as before
+    /// DESIGN v2 (no fencing by lease revoke).
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            watch_timeout_ms: 30_000,
+            release_timeout_ms: 30_000,
+            fence_wait_ms: 10_000,
+            balance_quiet_ms: 5_000,
+            move_cooldown_ms: 60_000,
+            failed_node_backoff_ms: 30_000,
+            max_txn_ops: 128,
+            max_txn_bytes: 1024 * 1024,
+            max_concurrent_moves: 16,
+            planted_bug: None,
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Repair passes: a channel with two keys keeps the highest epoch (`plan_dedupe`); the
+//! channels of a node whose session is gone go to live nodes, or under `remaining` when none
+//! lives, and parked ones come back when a node appears (`plan_orphans`), except the
+//! channels of a node being fenced, held until it has surely stopped them.
+//!
+//! Must not: start moves of live nodes' channels.
+
+use crate::keys::ChannelOwner;
+use crate::types::ChannelName;
+
+use super::super::commands::{guard, park, reassign, Cause, Change, Op, Transition};
+use super::super::view::Owners;
+use super::super::Planner;
+
+impl Planner {
+    /// More than one key for a channel: keep the highest epoch.
+    pub(super) fn plan_dedupe(&self, changes: &mut Vec<Change>) {
+        for (channel, entries) in self.unsettled() {
+            if entries.len() < 2 {
+                continue;
+            }
+            let keep = entries
+                .values()
+                .max_by_key(|e| (e.info.epoch, e.owner != ChannelOwner::Remaining))
+                .map(|e| e.owner);
+            for e in entries.values().filter(|e| Some(e.owner) != keep) {
+                changes.push(Change {
+                    guards: vec![guard(e)],
+                    ops: vec![Op::Delete {
+                        owner: e.owner,
+                        channel: channel.clone(),
+                    }],
+                    transition: Some(Transition {
+                        channel: channel.clone(),
+                        cause: Cause::Dedupe,
+                        from: Some(e.owner),
+                        to: None,
+                        state: None,
+                        epoch: e.info.epoch,
+                    }),
+                });
+            }
+        }
+    }
+
+    /// Channels of dead nodes go to live nodes (or `remaining`); parked ones come back.
+    pub(super) fn plan_orphans(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let mut loads = self.loads();
+        let mut planned = Vec::new();
+        // Settled channels under live nodes are skipped either way; scan them all only when
+        // a dead node's channels are among them.
+        let scan: Box<dyn Iterator<Item = (&ChannelName, &Owners)>> = if self.dead_owner() {
+            Box::new(self.channels.iter())
+        } else {
+            Box::new(self.unsettled())
+        };
+        for (channel, entries) in scan {
+            if entries.len() != 1 {
+                continue; // dedupe first
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let cause = match e.owner {
+                ChannelOwner::Node(n) if !self.nodes.contains_key(&n) => {
+                    // A node whose lease we revoked may not have heard of it yet: it runs
+                    // its channels until it fences itself, at most its TTL later.
+                    if self
+                        .fences
+                        .get(&n)
+                        .is_some_and(|f| f.hold_until(self.config.fence_wait_ms) > now_ms)
+                    {
+                        continue;
+                    }
+                    Cause::Failover
+                }
+                ChannelOwner::Remaining => Cause::Unpark,
+                ChannelOwner::Node(_) => continue,
+            };
+            let target = self
+                .least_loaded_for(&loads, channel, None, now_ms)
+                .or_else(|| self.least_loaded(&loads, None));
+            match target {
+                Some(target) => {
+                    loads.add(target);
+                    planned.push(reassign(e, ChannelOwner::Node(target), cause, now_ms));
+                }
+                None if cause == Cause::Failover => {
+                    planned.push(park(e));
+                }
+                None => {}
+            }
+        }
+        for t in planned.iter().filter_map(|c| c.transition.as_ref()) {
+            self.moves.remove(&t.channel);
+        }
+        changes.extend(planned);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::ChannelOwner;
+    use crate::planner::tests::{info, n, name, World};
+    use crate::planner::*;
+    use crate::types::{ChannelState, Epoch};
+
+    #[test]
+    fn failover_moves_only_the_dead_nodes_channels_with_the_next_epoch() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.node(3);
+        let rev_a = w.put(n(1), info("a", ChannelState::Watched, 4, 0));
+        w.put(n(2), info("b", ChannelState::Watched, 1, 0));
+        w.put(n(3), info("c", ChannelState::Watched, 1, 0));
+        w.kill(1);
+        let txns = w.state.plan(50);
+        assert_eq!(txns.len(), 1);
+        let mut moved = info("a", ChannelState::ToWatch, 5, 50);
+        moved.reason = Some("failover".into());
+        assert_eq!(
+            txns[0].guards,
+            vec![Guard {
+                owner: n(1),
+                channel: name("a"),
+                mod_revision: rev_a
+            }]
+        );
+        assert_eq!(
+            txns[0].ops,
+            vec![
+                Op::Delete {
+                    owner: n(1),
+                    channel: name("a")
+                },
+                Op::Put {
+                    owner: n(2),
+                    info: moved
+                }
+            ]
+        );
+        assert_eq!(txns[0].transitions[0].cause, Cause::Failover);
+    }
+
+    #[test]
+    fn failover_with_no_node_alive_parks_under_remaining_and_a_new_node_gets_everything() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.put(n(1), info("a", ChannelState::Watched, 2, 0));
+        w.put(n(1), info("b", ChannelState::Watched, 3, 0));
+        w.kill(1);
+        w.settle(10);
+        assert_eq!(
+            w.owner_of("a"),
+            (ChannelOwner::Remaining, ChannelState::ToWatch, Epoch(2))
+        );
+        assert_eq!(
+            w.owner_of("b"),
+            (ChannelOwner::Remaining, ChannelState::ToWatch, Epoch(3))
+        );
+        assert!(w.settle(20).is_empty(), "nothing to do while no node lives");
+        w.node(2);
+        let txns = w.settle(30);
+        assert!(txns
+            .iter()
+            .flat_map(|t| &t.transitions)
+            .all(|t| t.cause == Cause::Unpark));
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(3)));
+        assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(4)));
+    }
+
+    #[test]
+    fn a_duplicate_key_is_removed_keeping_the_highest_epoch() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 3, 0));
+        w.put(n(2), info("a", ChannelState::Watched, 2, 0));
+        let txns = w.settle(0);
+        assert_eq!(
+            txns[0].ops,
+            vec![Op::Delete {
+                owner: n(2),
+                channel: name("a")
+            }]
+        );
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::Watched, Epoch(3)));
+    }
+}

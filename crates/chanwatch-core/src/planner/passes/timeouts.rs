@@ -1,0 +1,317 @@
+//! Time-bound passes over live nodes' channels: a load not acknowledged within the watch
+//! timeout is released (break-before-make) and a `WatchFailed` channel reassigned, each
+//! avoiding the failing node for the back-off (`plan_timeouts`); a move whose channel is
+//! `Released` completes, and one stuck in `ToRelease` past the release timeout has its owner
+//! fenced (`plan_releases`).
+//!
+//! Must not: move a channel beside a live owner that has not released it (only the planted
+//! bug `ForceWithoutFence`, a test switch, does).
+
+use std::collections::BTreeSet;
+
+use crate::keys::ChannelOwner;
+use crate::types::ChannelState;
+
+use super::super::commands::{reassign, release, Cause, Change, Op};
+use super::super::{PendingMove, Planner, PlannerBug};
+
+impl Planner {
+    pub(super) fn plan_timeouts(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let mut loads = self.loads();
+        let backoff = self.config.failed_node_backoff_ms;
+        let mut planned = Vec::new();
+        let mut newly_avoided = Vec::new();
+        let mut troubled = Vec::new();
+        let mut new_moves = Vec::new();
+        for (channel, entries) in self.unsettled() {
+            if entries.len() != 1 {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let ChannelOwner::Node(node) = e.owner else {
+                continue;
+            };
+            if !self.nodes.contains_key(&node) {
+                continue;
+            }
+            let timed_out = match e.info.state {
+                ChannelState::ToWatch if now_ms < self.timeouts_after_ms => false,
+                ChannelState::ToWatch => {
+                    let last = e.info.progress.as_ref().map_or(e.info.start_time_ms, |p| {
+                        p.updated_at_ms.max(e.info.start_time_ms)
+                    });
+                    now_ms.saturating_sub(last) > self.config.watch_timeout_ms
+                }
+                ChannelState::WatchFailed => true,
+                _ => false,
+            };
+            if !timed_out {
+                continue;
+            }
+            let target = match self.least_loaded_for(&loads, channel, Some(node), now_ms) {
+                Some(t) => t,
+                // Every other node is in its back-off for this channel (or there is none):
+                // retry here once this node's own back-off has passed, else wait.
+                None => match self.avoid.get(channel).and_then(|a| a.get(&node)) {
+                    // Only a back-off set for this very assignment (at or after it began)
+                    // covers this failure; an older one is from an earlier failure here,
+                    // and retrying at once would bounce the channel within milliseconds
+                    // (found by the simulation's ping-pong check).
+                    Some(until)
+                        if *until <= now_ms
+                            && until.saturating_sub(backoff) >= e.info.start_time_ms =>
+                    {
+                        node
+                    }
+                    Some(until) if *until > now_ms => continue,
+                    Some(_) | None => {
+                        newly_avoided.push((channel.clone(), node));
+                        continue;
+                    }
+                },
+            };
+            loads.add(target);
+            newly_avoided.push((channel.clone(), node));
+            troubled.push(node);
+            if e.info.state == ChannelState::ToWatch {
+                // The node lives and may still be loading (its progress writes may be what
+                // failed): release first, break-before-make, and force the move only after
+                // the release timeout, when a node that cannot hear us has fenced itself
+                // (found by the simulation: a direct move overlapped such a load).
+                new_moves.push((
+                    channel.clone(),
+                    PendingMove {
+                        to: target,
+                        since_ms: now_ms,
+                        cause: Cause::Timeout,
+                    },
+                ));
+                planned.push(release(e, Cause::Timeout));
+            } else {
+                planned.push(reassign(
+                    e,
+                    ChannelOwner::Node(target),
+                    Cause::Failed,
+                    now_ms,
+                ));
+            }
+        }
+        if !troubled.is_empty() {
+            self.quiet_since_ms = now_ms;
+        }
+        for node in troubled {
+            self.troubled.insert(node, now_ms + backoff);
+        }
+        for (channel, node) in newly_avoided {
+            self.avoid
+                .entry(channel)
+                .or_default()
+                .insert(node, now_ms + backoff);
+        }
+        self.moves.extend(new_moves);
+        changes.extend(planned);
+    }
+
+    /// Finish moves whose channel is `Released`; force those stuck in `ToRelease`.
+    pub(super) fn plan_releases(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let mut loads = self.loads();
+        let mut done = Vec::new();
+        let mut adopt = Vec::new();
+        let mut to_fence = BTreeSet::new();
+        for (channel, entries) in self.unsettled() {
+            if entries.len() != 1 {
+                continue;
+            }
+            let Some(e) = entries.values().next() else {
+                continue;
+            };
+            let ChannelOwner::Node(from) = e.owner else {
+                continue;
+            };
+            // A dead node's channels are failovers (`plan_orphans`), whatever their state.
+            if !self.nodes.contains_key(&from) {
+                continue;
+            }
+            if !matches!(
+                e.info.state,
+                ChannelState::ToRelease | ChannelState::Released
+            ) {
+                continue;
+            }
+            let pending = match self.moves.get(channel) {
+                Some(m) => *m,
+                None => {
+                    // A move begun by an earlier leader: pick a target now.
+                    let to = self
+                        .least_loaded_for(&loads, channel, Some(from), now_ms)
+                        .unwrap_or(from);
+                    let m = PendingMove {
+                        to,
+                        since_ms: now_ms,
+                        cause: Cause::Balance,
+                    };
+                    adopt.push((channel.clone(), m));
+                    m
+                }
+            };
+            let stuck = e.info.state == ChannelState::ToRelease
+                && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms;
+            let planted = self.config.planted_bug == Some(PlannerBug::ForceWithoutFence);
+            if stuck && !planted {
+                // The owner is alive but did not release in time: it may be blind (a
+                // stalled watch) and still running the channel. Moving the channel now
+                // would run it twice; fence the owner instead. Once its session is gone,
+                // `plan_orphans` moves its channels (DESIGN §3, found from outside).
+                to_fence.insert(from);
+                continue;
+            }
+            if e.info.state == ChannelState::Released || stuck {
+                // The target may have died, started draining or failed the channel
+                // meanwhile: then the least loaded node not in a back-off for it.
+                let to = if self.nodes.contains_key(&pending.to)
+                    && !self.draining.contains(&pending.to)
+                    && !self.avoided(channel, pending.to, now_ms)
+                {
+                    pending.to
+                } else {
+                    match self
+                        .least_loaded_for(&loads, channel, Some(from), now_ms)
+                        .or_else(|| self.least_loaded(&loads, Some(from)))
+                        .or_else(|| self.least_loaded(&loads, None))
+                    {
+                        Some(t) => t,
+                        None => continue,
+                    }
+                };
+                loads.add(to);
+                done.push((
+                    channel.clone(),
+                    reassign(e, ChannelOwner::Node(to), pending.cause, now_ms),
+                ));
+            }
+        }
+        for (c, m) in adopt {
+            self.moves.insert(c, m);
+        }
+        for node in to_fence {
+            if !self.fences.contains_key(&node) {
+                // The mark first (leader-guarded, so a deposed leader revokes nothing); the
+                // revoke follows once it has landed (`applied`).
+                changes.push(Change {
+                    guards: Vec::new(),
+                    ops: vec![Op::Fence { node }],
+                    transition: None,
+                });
+                self.quiet_since_ms = now_ms;
+            }
+        }
+        for (channel, change) in done {
+            self.moves.remove(&channel);
+            changes.push(change);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::tests::{info, n, World};
+    use crate::planner::*;
+    use crate::types::{ChannelState, Epoch, Progress};
+
+    #[test]
+    fn a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is() {
+        let cfg = PlannerConfig {
+            watch_timeout_ms: 1_000,
+            ..PlannerConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        let mut slow = info("slow", ChannelState::ToWatch, 1, 0);
+        slow.progress = Some(Progress {
+            percent: 50,
+            updated_at_ms: 900,
+        });
+        w.put(n(1), slow);
+        w.put(n(1), info("hung", ChannelState::ToWatch, 1, 0));
+        assert!(w.state.plan(1_000).is_empty(), "nothing has timed out yet");
+        let txns = w.settle(1_500);
+        let moved: Vec<&str> = txns
+            .iter()
+            .flat_map(|t| &t.transitions)
+            .map(|t| t.channel.as_str())
+            .collect();
+        assert_eq!(moved, ["hung"]);
+        // Released first: the node may still be loading it.
+        assert_eq!(
+            w.owner_of("hung"),
+            (n(1), ChannelState::ToRelease, Epoch(1))
+        );
+        assert_eq!(w.owner_of("slow"), (n(1), ChannelState::ToWatch, Epoch(1)));
+        // The node acks Released: the move completes on the other node.
+        w.put(n(1), info("hung", ChannelState::Released, 1, 0));
+        w.settle(1_600);
+        assert_eq!(w.owner_of("hung"), (n(2), ChannelState::ToWatch, Epoch(2)));
+    }
+
+    #[test]
+    fn watch_failed_goes_to_another_node_at_once() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        let txns = w.settle(5);
+        assert_eq!(txns[0].transitions[0].cause, Cause::Failed);
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
+    }
+
+    #[test]
+    fn watch_failed_on_the_only_node_is_retried_there_after_the_backoff() {
+        let cfg = PlannerConfig {
+            failed_node_backoff_ms: 1_000,
+            ..PlannerConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        assert!(w.settle(100).is_empty());
+        assert!(w.settle(900).is_empty());
+        let txns = w.settle(1_200);
+        assert_eq!(txns.len(), 1);
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::ToWatch, Epoch(2)));
+        // Same key: a put, no delete.
+        assert!(matches!(&txns[0].ops[..], [Op::Put { .. }]));
+    }
+
+    #[test]
+    fn a_channel_failing_everywhere_is_retried_once_per_node_per_backoff() {
+        let cfg = PlannerConfig {
+            failed_node_backoff_ms: 1_000,
+            ..PlannerConfig::default()
+        };
+        let mut w = World::new(cfg);
+        for id in 1..=3 {
+            w.node(id);
+        }
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        // The node acks WatchFailed for whatever it was given.
+        let fail = |w: &mut World| {
+            let (owner, _, epoch) = w.owner_of("a");
+            w.put(owner, info("a", ChannelState::WatchFailed, epoch.0, 0));
+        };
+        let mut moves = 0;
+        for now in (0..3_000).step_by(10) {
+            moves += w.settle(now).len();
+            if w.owner_of("a").1 == ChannelState::ToWatch {
+                fail(&mut w);
+            }
+        }
+        // t=0: 1 -> 2 -> 3 (each fails at once), then every node waits out its back-off:
+        // about one move per node per second, not one per plan.
+        assert!((3..=9).contains(&moves), "{moves} moves in 3 s");
+        assert!(w.owner_of("a").2 <= Epoch(10));
+    }
+}

@@ -1,0 +1,144 @@
+//! Rows for `ctl channels`, `ctl nodes` and the admin API ([`ChannelRow`], [`NodeRow`]),
+//! read from the view (DESIGN.md §7).
+//!
+//! Must not: change the view; rows are a read-only projection.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::keys::ChannelOwner;
+use crate::types::{ChannelName, ChannelState, NodeId};
+
+use super::Planner;
+
+/// One channel as `ctl channels --json` prints it (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ChannelRow {
+    /// The channel.
+    pub channel: ChannelName,
+    /// Owning node, `null` when parked under `remaining`.
+    pub node: Option<u64>,
+    /// State.
+    pub state: ChannelState,
+    /// Epoch.
+    pub epoch: u64,
+    /// When this assignment began (Unix ms).
+    pub start_time_ms: u64,
+    /// Why it is in this state, if recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Load progress in percent, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<u8>,
+}
+
+/// One node as `ctl nodes --json` prints it (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct NodeRow {
+    /// Node ID.
+    pub id: u64,
+    /// Its admin address.
+    pub admin_addr: String,
+    /// Channels assigned to it.
+    pub channels: usize,
+    /// When its session began (Unix ms).
+    pub started_at_ms: u64,
+    /// Whether it is being drained.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+impl Planner {
+    /// One row per channel, for `ctl channels` and the admin API.
+    pub fn channel_rows(&self) -> Vec<ChannelRow> {
+        self.channels
+            .values()
+            .flat_map(|m| m.values())
+            .map(|e| ChannelRow {
+                channel: e.info.channel.clone(),
+                node: match e.owner {
+                    ChannelOwner::Node(n) => Some(n.0),
+                    ChannelOwner::Remaining => None,
+                },
+                state: e.info.state,
+                epoch: e.info.epoch.0,
+                start_time_ms: e.info.start_time_ms,
+                reason: e.info.reason.clone(),
+                progress: e.info.progress.as_ref().map(|p| p.percent),
+            })
+            .collect()
+    }
+
+    /// One row per live node, for `ctl nodes` and the admin API.
+    pub fn node_rows(&self) -> Vec<NodeRow> {
+        let mut counts: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for e in self.entries() {
+            if let ChannelOwner::Node(n) = e.owner {
+                *counts.entry(n).or_default() += 1;
+            }
+        }
+        self.nodes
+            .iter()
+            .map(|(id, s)| NodeRow {
+                id: id.0,
+                admin_addr: s.admin_addr.clone(),
+                channels: counts.get(id).copied().unwrap_or(0),
+                started_at_ms: s.started_at_ms,
+                draining: self.draining.contains(id),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::keys::ChannelOwner;
+    use crate::planner::tests::{info, n, World};
+    use crate::planner::*;
+    use crate::types::{ChannelState, NodeId};
+
+    #[test]
+    fn rows_show_parked_channels_without_a_node_and_count_each_nodes_channels() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 2, 10));
+        w.put(n(1), info("b", ChannelState::ToWatch, 1, 20));
+        w.put(
+            ChannelOwner::Remaining,
+            info("c", ChannelState::ToWatch, 1, 30),
+        );
+        let txn = w.state.drain(NodeId(2)).expect("live");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
+        let rows = w.state.channel_rows();
+        let rows: Vec<(&str, Option<u64>, ChannelState, u64, u64)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.channel.as_str(),
+                    r.node,
+                    r.state,
+                    r.epoch,
+                    r.start_time_ms,
+                )
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("a", Some(1), ChannelState::Watched, 2, 10),
+                ("b", Some(1), ChannelState::ToWatch, 1, 20),
+                ("c", None, ChannelState::ToWatch, 1, 30),
+            ]
+        );
+        let nodes: Vec<(u64, usize, bool)> = w
+            .state
+            .node_rows()
+            .iter()
+            .map(|r| (r.id, r.channels, r.draining))
+            .collect();
+        assert_eq!(nodes, [(1, 2, false), (2, 0, true)]);
+    }
+}

@@ -1,0 +1,531 @@
+//! The planner's view of the store and its ingest.
+//!
+//! Owns: decoding keys and values under the root (sessions, assignments, drain and fence
+//! marks; a key that does not decode is reported, never acted on), applying PUTs, DELETEs, a
+//! full relist and the planner's own committed txns, the tombstones that keep a lagging
+//! watch from bringing back a deleted key, and the two indexes that keep a round cheap: the
+//! attention set (channels that are not one `Watched` key under a node) and the per-node
+//! key counts. Read-only accessors for the runtime and metrics ([`Census`]).
+//!
+//! Must not: plan. Ingest records what the store holds (and, when the store was away, shifts
+//! the clocks of moves and timeouts by as much); deciding is for the passes.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::keys::ChannelOwner;
+use crate::types::{ChannelInfo, ChannelName, ChannelState, NodeId, NodeSession};
+
+use super::commands::Op;
+use super::{PlannedTxn, Planner};
+
+/// One assignment key as the coordinator last saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Node or `remaining`.
+    pub owner: ChannelOwner,
+    /// The decoded value.
+    pub info: ChannelInfo,
+    /// Mod revision of the key, for compare-and-swap.
+    pub mod_revision: i64,
+}
+
+/// The keys of one channel, by owner: one almost always, two only until a duplicate is
+/// cleaned up. A sorted `Vec` rather than a `BTreeMap`: a map allocates a whole node (room
+/// for 11 entries) per channel, which made the view cost ~4.9 KB per channel instead of ~1.5.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Owners(Vec<Entry>);
+
+impl Owners {
+    pub(super) fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub(super) fn values(&self) -> std::slice::Iter<'_, Entry> {
+        self.0.iter()
+    }
+    fn get(&self, owner: &ChannelOwner) -> Option<&Entry> {
+        self.0.iter().find(|e| &e.owner == owner)
+    }
+    fn remove(&mut self, owner: &ChannelOwner) -> Option<Entry> {
+        let i = self.0.iter().position(|e| &e.owner == owner)?;
+        Some(self.0.remove(i))
+    }
+    /// One `Watched` key under a node: nothing for a round to do unless the node is dead
+    /// or the cluster is unbalanced.
+    pub(super) fn settled(&self) -> bool {
+        match self.0.as_slice() {
+            [e] => {
+                matches!(e.owner, ChannelOwner::Node(_)) && e.info.state == ChannelState::Watched
+            }
+            _ => false,
+        }
+    }
+    /// Inserts or replaces the entry of `owner`, keeping owners in order.
+    fn insert(&mut self, owner: ChannelOwner, entry: Entry) -> Option<Entry> {
+        match self.0.binary_search_by(|e| e.owner.cmp(&owner)) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i], entry)),
+            Err(i) => {
+                // `Vec` grows to room for 4 entries of this size on its first push (1.7 KB
+                // per channel for one entry): reserve exactly what is needed.
+                self.0.reserve_exact(1);
+                self.0.insert(i, entry);
+                None
+            }
+        }
+    }
+}
+
+/// Counts of assignment keys, from [`Planner::census`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Census {
+    /// Keys per state, in the order of [`ChannelState::ALL`].
+    pub by_state: [usize; 5],
+    /// Keys under `remaining`.
+    pub remaining: usize,
+}
+
+/// What a key under the root turned out to be.
+// Lives for one function call.
+#[allow(clippy::large_enum_variant)]
+enum Decoded {
+    Session(NodeId, NodeSession),
+    Drain(NodeId),
+    Fence(NodeId),
+    Channel(ChannelOwner, ChannelInfo),
+    Ignored,
+}
+
+impl Planner {
+    fn decode(&mut self, key: &str, value: &[u8]) -> Decoded {
+        if key.starts_with(&self.keys.drains_prefix()) {
+            // A drain mark whose node part is not an ID is reported like any other key that
+            // does not decode, never silently dropped.
+            return match self.keys.parse_drain(key) {
+                Ok(id) => {
+                    self.corrupt.remove(key);
+                    Decoded::Drain(id)
+                }
+                Err(e) => {
+                    self.corrupt.insert(key.to_owned(), e.to_string());
+                    Decoded::Ignored
+                }
+            };
+        }
+        if let Ok(id) = self.keys.parse_fence(key) {
+            return Decoded::Fence(id);
+        }
+        if key.starts_with(&self.keys.sessions_prefix()) {
+            let parsed = self
+                .keys
+                .parse_session(key)
+                .map_err(|e| e.to_string())
+                .and_then(|id| {
+                    NodeSession::decode(value)
+                        .map(|s| (id, s))
+                        .map_err(|e| e.to_string())
+                });
+            return match parsed {
+                Ok((id, s)) => {
+                    self.corrupt.remove(key);
+                    Decoded::Session(id, s)
+                }
+                Err(e) => {
+                    self.corrupt.insert(key.to_owned(), e);
+                    Decoded::Ignored
+                }
+            };
+        }
+        if key.starts_with(&self.keys.channels_prefix()) {
+            let parsed = self
+                .keys
+                .parse_channel(key)
+                .map_err(|e| e.to_string())
+                .and_then(|ck| {
+                    let info = ChannelInfo::decode(value).map_err(|e| e.to_string())?;
+                    if info.channel != ck.channel {
+                        return Err(format!(
+                            "value names channel {} but the key names {}",
+                            info.channel, ck.channel
+                        ));
+                    }
+                    Ok((ck.owner, info))
+                });
+            return match parsed {
+                Ok((owner, info)) => {
+                    self.corrupt.remove(key);
+                    Decoded::Channel(owner, info)
+                }
+                Err(e) => {
+                    self.corrupt.insert(key.to_owned(), e);
+                    Decoded::Ignored
+                }
+            };
+        }
+        Decoded::Ignored
+    }
+
+    /// Applies a PUT seen in the store. Returns the decode error if the value is corrupt
+    /// (the key is then reported by [`Planner::corrupt`] and left alone).
+    pub fn apply_put(&mut self, key: &str, value: &[u8], mod_revision: i64) -> Option<String> {
+        match self.decode(key, value) {
+            Decoded::Session(id, s) => {
+                self.disturbed |= self.nodes.insert(id, s).is_none();
+                None
+            }
+            Decoded::Drain(id) => {
+                self.draining.insert(id);
+                None
+            }
+            Decoded::Fence(id) => {
+                self.fences.entry(id).or_default();
+                None
+            }
+            Decoded::Channel(owner, info) => {
+                if self.tombstones.get(key).is_some_and(|d| mod_revision < *d) {
+                    return None; // an echo older than a delete we already know of
+                }
+                let channel = info.channel.clone();
+                let known = self
+                    .channels
+                    .get(&channel)
+                    .and_then(|m| m.get(&owner))
+                    .map_or(0, |e| e.mod_revision);
+                if mod_revision < known {
+                    // An echo older than what we applied after our own txn: ignore it.
+                    return None;
+                }
+                self.insert_entry(
+                    channel,
+                    Entry {
+                        owner,
+                        info,
+                        mod_revision,
+                    },
+                );
+                None
+            }
+            Decoded::Ignored => self.corrupt.get(key).cloned(),
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn kill_for_test(&mut self, node: NodeId) {
+        let key = self.keys.session(node);
+        self.apply_delete(&key, i64::MAX);
+    }
+
+    /// Inserts or replaces an entry, keeping the per-node counts in step.
+    fn insert_entry(&mut self, channel: ChannelName, entry: Entry) {
+        let owner = entry.owner;
+        let owners = self.channels.entry(channel.clone()).or_default();
+        let fresh = owners.insert(owner, entry).is_none();
+        let settled = owners.settled();
+        if let (true, ChannelOwner::Node(n)) = (fresh, owner) {
+            *self.owned.entry(n).or_default() += 1;
+        }
+        mark(&mut self.attention, &channel, settled);
+    }
+
+    /// Applies a DELETE seen in the store: `key` is absent as of `revision` (the delete's
+    /// revision, or a later one at which it was read absent).
+    pub fn apply_delete(&mut self, key: &str, revision: i64) {
+        self.corrupt.remove(key);
+        if let Ok(id) = self.keys.parse_session(key) {
+            self.disturbed |= self.nodes.remove(&id).is_some();
+        } else if let Ok(id) = self.keys.parse_drain(key) {
+            self.draining.remove(&id);
+        } else if let Ok(id) = self.keys.parse_fence(key) {
+            self.fences.remove(&id);
+        } else if let Ok(ck) = self.keys.parse_channel(key) {
+            let newer = self
+                .channels
+                .get(&ck.channel)
+                .and_then(|m| m.get(&ck.owner))
+                .is_some_and(|e| e.mod_revision > revision);
+            if newer {
+                return; // a delete older than the value we hold: the key was re-created
+            }
+            let known = self.tombstones.entry(key.to_owned()).or_insert(revision);
+            *known = (*known).max(revision);
+            if let Some(entries) = self.channels.get_mut(&ck.channel) {
+                if entries.remove(&ck.owner).is_some() {
+                    if let ChannelOwner::Node(n) = ck.owner {
+                        if let Some(c) = self.owned.get_mut(&n) {
+                            *c = c.saturating_sub(1);
+                        }
+                    }
+                }
+                mark(&mut self.attention, &ck.channel, entries.settled());
+                if entries.is_empty() {
+                    self.attention.remove(&ck.channel);
+                    self.channels.remove(&ck.channel);
+                    self.moves.remove(&ck.channel);
+                    // `avoid` stays: a reassignment deletes the old key before it puts the
+                    // new one, and the back-offs must outlive that. The next full list
+                    // forgets the back-offs of channels that are gone.
+                }
+            }
+        }
+    }
+
+    /// Replaces the whole view with a fresh list (after start, compaction or a broken watch).
+    /// Memory of moves in flight is kept for channels that still exist.
+    pub fn reset<'a>(&mut self, kvs: impl IntoIterator<Item = (&'a str, &'a [u8], i64)>) {
+        let before: BTreeSet<NodeId> = self.nodes.keys().copied().collect();
+        let disturbed = self.disturbed;
+        let fences = std::mem::take(&mut self.fences);
+        self.nodes.clear();
+        self.channels.clear();
+        self.owned.clear();
+        self.attention.clear();
+        self.corrupt.clear();
+        self.draining.clear();
+        for (key, value, rev) in kvs {
+            self.apply_put(key, value, rev);
+        }
+        let channels = &self.channels;
+        self.moves.retain(|c, _| channels.contains_key(c));
+        // `avoid` stays: a list can be older than our own last txn (a relist after a broken
+        // watch, read before the txn committed, handed over after it), so a channel that just
+        // moved may be missing from it, and forgetting its back-offs let it bounce straight
+        // back (found by the simulation's ping-pong check). `prune` forgets old back-offs.
+        self.disturbed = disturbed || !self.nodes.keys().copied().eq(before);
+        for (node, f) in &mut self.fences {
+            if let Some(known) = fences.get(node) {
+                *f = *known;
+            }
+        }
+    }
+
+    /// The store could not be reached for `away_ms` up to `now_ms` (or this leader has just
+    /// taken over, knowing nothing of the time before): the time measured etcd's absence,
+    /// not the nodes'. Releases in flight restart their clock by as much, and no watch
+    /// timeout fires for `away_ms` more, so an etcd outage does not end in forced moves
+    /// and reassignments when it is over (invariant 9; found by the simulation: a drain's
+    /// release, unanswerable during a 3.5 s outage, timed out the moment etcd came back).
+    pub fn store_was_away(&mut self, now_ms: u64, away_ms: u64) {
+        for m in self.moves.values_mut() {
+            m.since_ms = m.since_ms.saturating_add(away_ms).min(now_ms);
+        }
+        self.timeouts_after_ms = self.timeouts_after_ms.max(now_ms.saturating_add(away_ms));
+    }
+
+    /// The watch (or a full list) has delivered everything up to `revision`: no older event
+    /// can arrive any more, so deletes at or below it need no tombstone.
+    pub fn caught_up(&mut self, revision: i64) {
+        self.tombstones.retain(|_, d| *d > revision);
+    }
+
+    /// Records that a planned txn committed at `revision`, so the next plan does not repeat
+    /// it before the watch echoes it.
+    pub fn applied(&mut self, txn: &PlannedTxn, revision: i64) {
+        for op in &txn.ops {
+            match op {
+                Op::Delete { owner, channel } => {
+                    let key = self.keys.channel(*owner, channel);
+                    self.apply_delete(&key, revision);
+                }
+                Op::Drain { node } => {
+                    self.draining.insert(*node);
+                }
+                Op::Undrain { node } => {
+                    self.draining.remove(node);
+                }
+                Op::Fence { node } => {
+                    // The mark landed: now the lease may be revoked.
+                    self.fences.entry(*node).or_default();
+                    self.fence_requests.push(*node);
+                }
+                Op::Unfence { node } => {
+                    self.fences.remove(node);
+                }
+                Op::Put { owner, info } => {
+                    self.insert_entry(
+                        info.channel.clone(),
+                        Entry {
+                            owner: *owner,
+                            info: info.clone(),
+                            mod_revision: revision,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Live nodes and their sessions.
+    pub fn nodes(&self) -> &BTreeMap<NodeId, NodeSession> {
+        &self.nodes
+    }
+
+    /// Every assignment entry, by channel.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.channels.values().flat_map(|m| m.values())
+    }
+
+    /// The entry of one channel (the highest epoch if there are several).
+    pub fn entry(&self, channel: &ChannelName) -> Option<&Entry> {
+        self.channels
+            .get(channel)
+            .and_then(|m| m.values().max_by_key(|e| e.info.epoch))
+    }
+
+    /// Number of registered channels.
+    pub fn channel_count(&self) -> usize {
+        self.channels.len()
+    }
+
+    /// Keys whose value does not decode, with the reason.
+    pub fn corrupt(&self) -> &BTreeMap<String, String> {
+        &self.corrupt
+    }
+
+    /// Nodes being drained.
+    pub fn draining(&self) -> &BTreeSet<NodeId> {
+        &self.draining
+    }
+
+    /// Assignment keys by state and how many are parked, in O(channels needing attention):
+    /// the metrics read it after every round.
+    pub fn census(&self) -> Census {
+        let mut c = Census {
+            by_state: [0; 5],
+            remaining: 0,
+        };
+        let watched = ChannelState::ALL
+            .iter()
+            .position(|s| *s == ChannelState::Watched)
+            .unwrap_or(1);
+        c.by_state[watched] = self.channels.len() - self.attention.len();
+        for e in self.unsettled().flat_map(|(_, o)| o.values()) {
+            if let Some(i) = ChannelState::ALL.iter().position(|s| *s == e.info.state) {
+                c.by_state[i] += 1;
+            }
+            if e.owner == ChannelOwner::Remaining {
+                c.remaining += 1;
+            }
+        }
+        c
+    }
+
+    /// Moves in flight (`ToRelease` sent, waiting for `Released`).
+    pub fn moves_in_flight(&self) -> usize {
+        self.moves.len()
+    }
+
+    /// The channels that need attention, in name order (as a full scan would visit them).
+    pub(super) fn unsettled(&self) -> impl Iterator<Item = (&ChannelName, &Owners)> {
+        self.attention
+            .iter()
+            .filter_map(|c| self.channels.get_key_value(c))
+    }
+
+    /// Whether a node without a session still owns a key: its channels must fail over.
+    pub(super) fn dead_owner(&self) -> bool {
+        self.owned
+            .iter()
+            .any(|(n, count)| *count > 0 && !self.nodes.contains_key(n))
+    }
+}
+
+/// Keeps the attention set in step after a change to `channel`.
+fn mark(attention: &mut BTreeSet<ChannelName>, channel: &ChannelName, settled: bool) {
+    if settled {
+        attention.remove(channel);
+    } else if !attention.contains(channel) {
+        attention.insert(channel.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::planner::tests::{info, n, name, World};
+    use crate::planner::*;
+    use crate::types::{ChannelState, NodeId};
+
+    #[test]
+    fn late_echoes_do_not_bring_back_keys_known_deleted() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(2);
+        let old = w.keys.channel(n(1), &name("c"));
+        let stale = info("c", ChannelState::ToWatch, 1, 0);
+        w.put(n(1), stale.clone()); // node 1 has no session: the channel fails over
+        let before = w.rev;
+        w.rev += 5; // other keys' writes
+        let txns = w.settle(0);
+        assert_eq!(txns.len(), 1);
+        let moved = w.rev;
+        assert_eq!(w.owner_of("c").0, n(2));
+        // The watch lags: it now delivers an older write of the old key (the ack of a node
+        // that died), then the delete of our own txn.
+        assert_eq!(w.state.apply_put(&old, &stale.encode(), before + 2), None);
+        assert_eq!(w.state.channel_count(), 1);
+        assert!(
+            w.state.entries().all(|e| e.owner == n(2)),
+            "the old key came back"
+        );
+        assert!(
+            w.state.plan(0).is_empty(),
+            "a resurrected key was re-planned"
+        );
+        // A delete older than a value we hold is stale too.
+        let new = w.keys.channel(n(2), &name("c"));
+        w.state.apply_delete(&new, moved - 1);
+        assert_eq!(w.owner_of("c").0, n(2));
+        // Once the watch has passed the delete, the tombstone goes; a real re-creation of the
+        // old key (a later revision) is applied.
+        w.state.apply_delete(&old, moved);
+        w.state.caught_up(moved);
+        assert!(w.state.tombstones.is_empty());
+        assert_eq!(w.state.apply_put(&old, &stale.encode(), moved + 5), None);
+        assert_eq!(w.state.entries().count(), 2);
+    }
+
+    #[test]
+    fn corrupt_values_are_reported_and_left_alone() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        let key = "chanwatch/channel/1/bad";
+        assert!(w.state.apply_put(key, b"{not json", 5).is_some());
+        assert!(w.state.corrupt().contains_key(key));
+        assert!(w.state.plan(0).is_empty());
+        w.state.apply_delete(key, 6);
+        assert!(w.state.corrupt().is_empty());
+    }
+
+    #[test]
+    fn a_value_naming_another_channel_than_its_key_is_corrupt_and_left_alone() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        let key = "chanwatch/channel/1/bad2";
+        let other = info("other", ChannelState::WatchFailed, 1, 0);
+        let why = w.state.apply_put(key, &other.encode(), 5).expect("corrupt");
+        assert!(why.contains("other") && why.contains("bad2"), "{why}");
+        assert!(w.state.corrupt().contains_key(key));
+        assert_eq!(w.state.channel_count(), 0, "neither bad2 nor other exists");
+        assert!(w.state.plan(10_000).is_empty(), "nothing planned for it");
+    }
+
+    #[test]
+    fn an_unparsable_drain_key_is_reported_as_corrupt_and_drains_nothing() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        let key = "chanwatch/coord/drain/abc";
+        let why = w.state.apply_put(key, b"{}", 5).expect("reported");
+        assert!(why.contains("abc") || why.contains("decimal"), "{why}");
+        assert!(w.state.corrupt().contains_key(key));
+        assert!(w.state.draining().is_empty());
+        // Listed again (a relist) it is still reported; a good mark next to it still counts.
+        w.state.reset([
+            (key, b"{}".as_slice(), 5),
+            ("chanwatch/coord/drain/1", b"{}".as_slice(), 6),
+        ]);
+        assert!(w.state.corrupt().contains_key(key));
+        assert!(w.state.draining().contains(&NodeId(1)));
+        w.state.apply_delete(key, 7);
+        assert!(w.state.corrupt().is_empty());
+    }
+}
