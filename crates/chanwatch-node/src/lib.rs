@@ -25,9 +25,9 @@ mod watchdog;
 
 pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug};
 pub use embed::{Node, NodeBuilder, NodeHandle};
-pub use handler::{
-    AuditLog, Behaviour, ChannelContext, ChannelHandler, Interval, NamePatterns, RecordingHandler,
-    SimulatedLoad,
-};
+pub use handler::{AuditLog, ChannelContext, ChannelHandler, NamePatterns, SimulatedLoad};
+/// Test fixtures (feature `testing`): a handler that records who ran what, when.
+#[cfg(any(test, feature = "testing"))]
+pub use handler::{Behaviour, Interval, RecordingHandler};
 pub use metrics::NodeMetrics;
 pub use runtime::run;

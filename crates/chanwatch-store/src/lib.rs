@@ -47,6 +47,7 @@ pub mod embedded;
 pub mod error;
 pub mod etcd;
 mod etcd_error;
+#[cfg(any(test, feature = "testing"))]
 pub mod faults;
 pub mod listwatch;
 pub mod types;
@@ -62,6 +63,8 @@ pub use clock::Clock;
 pub use embedded::{EmbeddedOptions, EmbeddedStore, Observed};
 pub use error::{StoreError, StoreResult};
 pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
+/// Test fixtures (feature `testing`): a store wrapper that injects faults.
+#[cfg(any(test, feature = "testing"))]
 pub use faults::{CommitHook, Faults, FaultyStore};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
