@@ -20,7 +20,7 @@ use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::runtime::{ApiError, CoordHandle};
+use crate::handle::{ApiError, CoordHandle};
 
 mod guard;
 

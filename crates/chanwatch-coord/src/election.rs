@@ -2,7 +2,7 @@
 //!
 //! Owns: the leader lease and its keepalive, the campaign loop of [`run`], clearing a leader
 //! key that no live lease holds, and the status and `chanwatch_leader` of a standby.
-//! Must not: plan or write assignments (that is [`crate::runtime`]'s `Term`), or give up on
+//! Must not: plan or write assignments (that is [`crate::term`]), or give up on
 //! the store: every store error is retried with jittered back-off, except a configuration
 //! error before the store ever answered (DESIGN §6 invariant 10).
 
@@ -20,7 +20,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::runtime::{refuse, ApiError, CoordStatus, CoordinatorConfig, Request, Term, TermEnd};
+use crate::coordinator::CoordinatorConfig;
+use crate::handle::{refuse, ApiError, CoordStatus, Request};
+use crate::term::{Term, TermEnd};
 
 /// First wait after a failed store call.
 const BACKOFF_START: Duration = Duration::from_millis(200);

@@ -12,10 +12,14 @@
 //! Must not: run channels, or write any key outside `{root}/coord/leader` and `{root}/channel/`.
 
 pub mod api;
+mod coordinator;
 pub mod election;
+mod execute;
+mod handle;
 pub mod metrics;
-pub mod runtime;
+mod term;
 
+pub use coordinator::CoordinatorConfig;
 pub use election::{run, CoordError};
+pub use handle::{ApiError, CoordHandle, CoordStatus, Request};
 pub use metrics::CoordMetrics;
-pub use runtime::{ApiError, CoordHandle, CoordStatus, CoordinatorConfig, Request};
