@@ -192,13 +192,11 @@ impl Term<'_> {
                 Ok(resp) if resp.succeeded => {
                     self.state.applied(&t, resp.revision);
                     self.log_transitions(&t);
-                    if let Some(since) = self.writes_refused_since.take() {
+                    if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
                         // Nodes could not ack either while etcd refused writes: that time
                         // does not count against their releases and loads.
-                        let away = self.clock.now().saturating_duration_since(since);
-                        let ms = millis(away);
-                        info!(refused_ms = ms, "coord: etcd takes writes again; timeouts wait as long as it refused them");
-                        self.state.store_was_away(self.clock.unix_ms(), ms);
+                        info!(refused_ms = millis(refused), "coord: etcd takes writes again; timeouts wait as long as it refused them");
+                        self.timers_stand_still(refused);
                     }
                 }
                 Ok(resp) => {
@@ -207,7 +205,7 @@ impl Term<'_> {
                 }
                 Err(e) => {
                     if matches!(e, StoreError::NoSpace) {
-                        self.writes_refused_since.get_or_insert(started);
+                        self.availability.write_refused(started);
                     }
                     warn!(error = %e, channels = t.transitions.len(), "coord: txn failed; the next plan retries")
                 }

@@ -12,6 +12,7 @@
 //! Must not: run channels, or write any key outside `{root}/coord/leader` and `{root}/channel/`.
 
 pub mod api;
+mod availability;
 mod coordinator;
 pub mod election;
 mod execute;

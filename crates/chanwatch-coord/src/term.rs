@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info};
 
+use crate::availability::StoreAvailability;
 use crate::coordinator::CoordinatorConfig;
 use crate::execute::millis;
 use crate::handle::{refuse, ApiError, CoordStatus, Request};
@@ -52,8 +53,9 @@ pub(crate) struct Term<'a> {
     /// fresh (found by the simulation: a balance request right after an etcd outage planned
     /// from the stale view and fenced a node that was releasing).
     pub(crate) replan: bool,
-    /// Since when etcd has refused our writes for lack of space (NOSPACE).
-    pub(crate) writes_refused_since: Option<tokio::time::Instant>,
+    /// When the store was away (unreachable, or refusing writes), so that timers stand
+    /// still that long.
+    pub(crate) availability: StoreAvailability,
 }
 
 impl<'a> Term<'a> {
@@ -76,7 +78,10 @@ impl<'a> Term<'a> {
             status,
             failovers: Vec::new(),
             replan: false,
-            writes_refused_since: None,
+            availability: StoreAvailability::new(
+                config.session_ttl,
+                Duration::from_millis(config.planner.watch_timeout_ms),
+            ),
         }
     }
 
@@ -95,8 +100,6 @@ impl<'a> Term<'a> {
     ) -> TermEnd {
         let mut lw = ListWatch::spawn(self.store.clone(), self.config.keys.all_prefix());
         let blind = lw.blind_since();
-        // Since when the list-watch has been failing, as seen by the last tick.
-        let mut away_since: Option<tokio::time::Instant> = None;
         let mut tick = tokio::time::interval(self.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reconcile = tokio::time::interval(self.config.reconcile_interval);
@@ -128,18 +131,10 @@ impl<'a> Term<'a> {
                     // Timers stood still while the store was away; a new term starts with
                     // one watch timeout of grace, knowing nothing of what came before.
                     if relisted {
-                        let now_ms = self.clock.unix_ms();
-                        let away = match away_since.take() {
-                            // Plus one TTL: nodes need a moment to see their assignments again
-                            // (their list-watch may be in back-off) before a release is late.
-                            Some(since) => self.clock.now().saturating_duration_since(since) + self.config.session_ttl,
-                            None if !recovered => Duration::from_millis(self.config.planner.watch_timeout_ms),
-                            None => Duration::ZERO,
-                        };
+                        let away = self.availability.relisted(self.clock.now(), !recovered);
                         if !away.is_zero() {
-                            let ms = millis(away);
-                            debug!(away_ms = ms, "coord: the store was away; timeouts wait as long");
-                            self.state.store_was_away(now_ms, ms);
+                            debug!(away_ms = millis(away), "coord: the store was away; timeouts wait as long");
+                            self.timers_stand_still(away);
                         }
                     }
                     dirty = true;
@@ -154,7 +149,7 @@ impl<'a> Term<'a> {
                     // renewals.
                     let since = *blind.borrow();
                     if let Some(since) = since {
-                        away_since.get_or_insert(since);
+                        self.availability.unreachable(since);
                         let for_ = self.clock.now().saturating_duration_since(since);
                         if for_ >= self.config.session_ttl {
                             return TermEnd::Lost(format!(
@@ -220,10 +215,8 @@ impl<'a> Term<'a> {
                 // Until the next refusal: a round that writes nothing must not keep the
                 // timers (and forgotten moves) frozen forever (found by the simulation: 16
                 // balance moves whose txns NOSPACE refused blocked balance for good).
-                if let Some(since) = self.writes_refused_since.take() {
-                    let now = self.clock.now();
-                    let ms = millis(now.saturating_duration_since(since));
-                    self.state.store_was_away(self.clock.unix_ms(), ms);
+                if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
+                    self.timers_stand_still(refused);
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
                 plan_gap =
@@ -323,6 +316,13 @@ impl<'a> Term<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Tells the planner that its timers stood still for `away` up to now (see
+    /// [`StoreAvailability`]).
+    pub(crate) fn timers_stand_still(&mut self, away: Duration) {
+        self.state
+            .store_was_away(self.clock.unix_ms(), millis(away));
     }
 
     /// `Err` unless `kv` (the leader key as the store holds it now) is still our key.
