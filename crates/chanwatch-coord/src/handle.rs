@@ -1,15 +1,21 @@
 //! The handle users hold: [`CoordHandle`], what it asks the coordinator ([`Request`]), what
 //! it answers ([`CoordStatus`], [`ApiError`]).
 //!
-//! Owns: the request channel into the coordinator loop and the status it publishes, and
-//! stopping the coordinator when the last handle is dropped.
+//! Owns: the request channel into the coordinator loop, the status it publishes, its
+//! metrics registry, and stopping it (on [`CoordHandle::stop`], or when the last clone of the
+//! handle is dropped).
 //! Must not: decide or write anything — every request is served by the leader's term
-//! ([`crate::term`]); a standby refuses them with [`ApiError::NotLeader`].
+//! (`term.rs`); a standby refuses them with [`ApiError::NotLeader`].
+
+use std::sync::{Arc, Mutex, PoisonError};
 
 use chanwatch_core::coord::{AdminError, ChannelRow, NodeRow, PlannedMove, Transition};
 use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::{CoordError, CoordMetrics};
 
 /// What the coordinator shows to the outside.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -41,11 +47,11 @@ pub enum ApiError {
     Store(String),
 }
 
-/// Requests from the admin API (or tests) to the coordinator loop.
+/// Requests from a [`CoordHandle`] to the coordinator loop.
 // One request at a time crosses a bounded channel; boxing the vchannel would buy nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
-pub enum Request {
+pub(crate) enum Request {
     /// List channels.
     Channels(oneshot::Sender<Result<Vec<ChannelRow>, ApiError>>),
     /// List nodes.
@@ -91,19 +97,79 @@ pub enum Request {
     },
 }
 
-/// Talks to a running coordinator. Cheap to clone.
+/// Talks to a running coordinator: its status, the admin requests (what the HTTP API
+/// serves), its metrics, and stopping it. Cheap to clone; when the last clone is dropped the
+/// coordinator stops as [`CoordHandle::stop`] stops it (without waiting).
+///
+/// Made by [`crate::Coordinator::builder`]; every request is answered by the leader only
+/// (a standby answers [`ApiError::NotLeader`] with the leader's address).
 #[derive(Debug, Clone)]
 pub struct CoordHandle {
     tx: mpsc::Sender<Request>,
     status: watch::Receiver<CoordStatus>,
+    shared: Arc<Shared>,
+}
+
+/// What every clone of a handle shares; dropping the last clone stops the coordinator.
+#[derive(Debug)]
+struct Shared {
+    stop: CancellationToken,
+    /// Closed (its sender dropped) when the coordinator has ended.
+    ended: watch::Receiver<()>,
+    /// How a coordinator started by `spawn` ended, until someone asks.
+    outcome: Arc<Mutex<Option<CoordError>>>,
+    metrics: Arc<CoordMetrics>,
+    registry: prometheus::Registry,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The coordinator's side of a handle: what the election loop and the term need.
+#[derive(Debug)]
+pub(crate) struct HandleEnds {
+    pub(crate) requests: mpsc::Receiver<Request>,
+    pub(crate) status: watch::Sender<CoordStatus>,
+    /// Cancelled by [`CoordHandle::stop`] or by dropping the last handle.
+    pub(crate) stop: CancellationToken,
+    /// Dropped when the coordinator has ended (after `outcome` is set).
+    pub(crate) ended: watch::Sender<()>,
+    pub(crate) outcome: Arc<Mutex<Option<CoordError>>>,
 }
 
 impl CoordHandle {
-    /// A handle and the receiving end for [`run`].
-    pub fn new() -> (Self, mpsc::Receiver<Request>, watch::Sender<CoordStatus>) {
-        let (tx, rx) = mpsc::channel(256);
+    /// A handle and the coordinator's ends of it.
+    pub(crate) fn pair(
+        metrics: Arc<CoordMetrics>,
+        registry: prometheus::Registry,
+    ) -> (Self, HandleEnds) {
+        let (tx, requests) = mpsc::channel(256);
         let (status_tx, status) = watch::channel(CoordStatus::default());
-        (CoordHandle { tx, status }, rx, status_tx)
+        let (ended_tx, ended) = watch::channel(());
+        let stop = CancellationToken::new();
+        let outcome = Arc::new(Mutex::new(None));
+        let handle = CoordHandle {
+            tx,
+            status,
+            shared: Arc::new(Shared {
+                stop: stop.clone(),
+                ended,
+                outcome: outcome.clone(),
+                metrics,
+                registry,
+            }),
+        };
+        let ends = HandleEnds {
+            requests,
+            status: status_tx,
+            stop,
+            ended: ended_tx,
+            outcome,
+        };
+        (handle, ends)
     }
 
     /// The latest status.
@@ -111,9 +177,51 @@ impl CoordHandle {
         self.status.borrow().clone()
     }
 
-    /// A receiver that sees every status change.
+    /// A receiver that sees every status change (e.g. `wait_for(|s| s.ready)`).
     pub fn watch_status(&self) -> watch::Receiver<CoordStatus> {
         self.status.clone()
+    }
+
+    /// The coordinator's metrics.
+    pub fn metrics(&self) -> &Arc<CoordMetrics> {
+        &self.shared.metrics
+    }
+
+    /// The registry the coordinator's metrics are registered in (the one given to
+    /// [`crate::CoordinatorBuilder::registry`], or its own); serve it with
+    /// [`crate::metrics::render`], or register more metrics in it.
+    pub fn registry(&self) -> &prometheus::Registry {
+        &self.shared.registry
+    }
+
+    /// Stops the coordinator and waits until it has: a leader resigns (revokes its lease,
+    /// so a standby takes over at once). Requests sent meanwhile are refused.
+    ///
+    /// # Errors
+    /// See [`CoordHandle::stopped`].
+    pub async fn stop(&self) -> Result<(), CoordError> {
+        self.shared.stop.cancel();
+        self.stopped().await
+    }
+
+    /// Waits until the coordinator has ended — after [`CoordHandle::stop`], or by itself on a
+    /// configuration error at start-up (no other error stops it).
+    ///
+    /// # Errors
+    /// The [`CoordError`] a coordinator started by [`crate::CoordinatorBuilder::spawn`] ended
+    /// with, returned to the first caller only. One you run yourself
+    /// ([`crate::Coordinator::run`]) returns its error from `run`.
+    pub async fn stopped(&self) -> Result<(), CoordError> {
+        let mut ended = self.shared.ended.clone();
+        // Nothing is ever sent: this returns when the coordinator's end is dropped.
+        while ended.changed().await.is_ok() {}
+        let outcome = self
+            .shared
+            .outcome
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        outcome.map_or(Ok(()), Err)
     }
 
     async fn ask<T>(
