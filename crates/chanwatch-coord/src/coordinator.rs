@@ -245,16 +245,18 @@ impl CoordinatorBuilder {
         Ok((coordinator, handle))
     }
 
-    /// Starts the coordinator on a tokio task (call it inside a tokio runtime) and returns
-    /// its handle. It runs until [`CoordHandle::stop`] or until every handle is dropped; a
-    /// configuration error at start-up ends it early (see [`CoordHandle::stopped`]).
+    /// Starts the coordinator on a task of the current tokio runtime and returns its handle.
+    /// It runs until [`CoordHandle::stop`] or until every handle is dropped; a configuration
+    /// error at start-up ends it early (see [`CoordHandle::stopped`]).
     ///
     /// # Errors
-    /// [`CoordError::Metrics`] when the registry already holds metrics of the same names.
+    /// [`CoordError::Metrics`] when the registry already holds metrics of the same names;
+    /// [`CoordError::NoRuntime`] when called outside a tokio runtime.
     pub fn spawn(self) -> Result<CoordHandle, CoordError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| CoordError::NoRuntime)?;
         let (coordinator, handle) = self.build()?;
         let outcome = coordinator.ends.outcome.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let (result, ended) = coordinator.drive().await;
             if let Err(e) = result {
                 error!(error = %e, "coord: stopped");

@@ -41,6 +41,11 @@ pub enum CoordError {
     /// a registry of its own.
     #[error("the metrics registry refused the coordinator's metrics: {0}; give each coordinator a registry of its own")]
     Metrics(#[source] prometheus::Error),
+    /// [`crate::CoordinatorBuilder::spawn`] was called outside a tokio runtime: call it from
+    /// async code (e.g. under `#[tokio::main]`), or use `build()` and run the coordinator on
+    /// a runtime of your choice.
+    #[error("a coordinator must be spawned from within a tokio runtime; call spawn() from async code, or build() and run it yourself")]
+    NoRuntime,
 }
 
 struct AbortOnDrop(JoinHandle<()>);

@@ -129,6 +129,23 @@ async fn a_configuration_error_ends_a_spawned_coordinator_and_stopped_reports_it
     Ok(())
 }
 
+#[test]
+fn spawning_outside_a_tokio_runtime_is_an_error_not_a_panic() {
+    // The embedded store itself needs a runtime to be made; the spawn happens outside one.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let store = {
+        let _inside = runtime.enter();
+        embedded()
+    };
+    match Coordinator::builder(store).spawn() {
+        Err(e @ CoordError::NoRuntime) => assert!(e.to_string().contains("build()"), "{e}"),
+        other => panic!("expected NoRuntime, got {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn a_registry_that_already_holds_coordinator_metrics_is_refused() -> Result<()> {
     let registry = prometheus::Registry::new();
