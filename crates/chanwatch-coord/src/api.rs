@@ -2,7 +2,7 @@
 //!
 //! Owns: routes, request validation, and the mapping of [`ApiError`] to status codes with a
 //! JSON body `{"error": "...", "leader": "..."?}` that says what is wrong.
-//! Every request first passes [`guard`] (Host, Origin, Content-Type, object body), then the
+//! Every request first passes `guard` (Host, Origin, Content-Type, object body), then the
 //! bearer token check when one is configured.
 //! Must not: change state itself — every write goes through the [`CoordHandle`], so bad input
 //! is refused before anything is written.
@@ -20,7 +20,7 @@ use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::runtime::{ApiError, CoordHandle};
+use crate::handle::{ApiError, CoordHandle};
 
 mod guard;
 

@@ -1,8 +1,8 @@
 //! Election: campaign for `{root}/coord/leader`, keep the leader lease alive, stand by.
 //!
-//! Owns: the leader lease and its keepalive, the campaign loop of [`run`], clearing a leader
+//! Owns: the leader lease and its keepalive, the campaign loop (`run`), clearing a leader
 //! key that no live lease holds, and the status and `chanwatch_leader` of a standby.
-//! Must not: plan or write assignments (that is [`crate::runtime`]'s `Term`), or give up on
+//! Must not: plan or write assignments (that is [`crate::term`]), or give up on
 //! the store: every store error is retried with jittered back-off, except a configuration
 //! error before the store ever answered (DESIGN §6 invariant 10).
 
@@ -20,20 +20,32 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::runtime::{refuse, ApiError, CoordStatus, CoordinatorConfig, Request, Term, TermEnd};
+use crate::coordinator::CoordinatorConfig;
+use crate::handle::{refuse, ApiError, CoordStatus, Request};
+use crate::term::{Term, TermEnd};
 
 /// First wait after a failed store call.
 const BACKOFF_START: Duration = Duration::from_millis(200);
 /// Longest wait between two attempts.
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
-/// Why a coordinator stopped for good.
+/// Why a coordinator could not start, or stopped for good.
 #[derive(Debug, thiserror::Error)]
 pub enum CoordError {
     /// The store configuration is unusable (bad endpoint, unreadable TLS file) and the store
     /// never answered: fix the flags and start again. Every other store error is retried.
     #[error("store refused the coordinator at start-up: {0}")]
     Store(#[source] StoreError),
+    /// The metrics registry given to the builder refused the coordinator's metrics (it holds
+    /// metrics of the same names already, e.g. another coordinator's): give each coordinator
+    /// a registry of its own.
+    #[error("the metrics registry refused the coordinator's metrics: {0}; give each coordinator a registry of its own")]
+    Metrics(#[source] prometheus::Error),
+    /// [`crate::CoordinatorBuilder::spawn`] was called outside a tokio runtime: call it from
+    /// async code (e.g. under `#[tokio::main]`), or use `build()` and run the coordinator on
+    /// a runtime of your choice.
+    #[error("a coordinator must be spawned from within a tokio runtime; call spawn() from async code, or build() and run it yourself")]
+    NoRuntime,
 }
 
 struct AbortOnDrop(JoinHandle<()>);
@@ -95,7 +107,7 @@ fn examine(kv: &KeyValue) -> LeaderKey {
 /// [`CoordError`] only for a configuration error before the store ever answered; every
 /// other store error (outage, NOSPACE, refused credentials, ...) is logged and retried with
 /// jittered back-off.
-pub async fn run(
+pub(crate) async fn run(
     store: Arc<dyn MetaStore>,
     config: CoordinatorConfig,
     clock: Clock,

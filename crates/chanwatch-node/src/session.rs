@@ -193,6 +193,9 @@ impl Session {
                             self.metrics.pauses.inc();
                             self.metrics.paused.set(1);
                             warn!(node = %self.reg.id, reason = %why, channels = self.runners.len(), "node: paused every channel (no effects, no commits) until the store answers again with our session alive");
+                            // A fresh list at once: if only the watch is stuck (the store
+                            // answers), it shows what was missed — a release request above all.
+                            lw.relist();
                         }
                         None => {
                             self.metrics.paused.set(0);

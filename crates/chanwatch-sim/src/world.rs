@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chanwatch_coord::{CoordHandle, CoordMetrics, CoordinatorConfig};
+use chanwatch_coord::{CoordHandle, CoordMetrics, Coordinator, CoordinatorConfig};
 use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{
@@ -65,8 +65,15 @@ fn spawn_process<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    spawn_pausable(body(Arc::new(store)))
+}
+
+/// Spawns a process's body; the returned sender freezes it (`true`).
+fn spawn_pausable(
+    body: impl Future<Output = ()> + Send + 'static,
+) -> (JoinHandle<()>, watch::Sender<bool>) {
     let (pause, gate) = watch::channel(false);
-    let task = tokio::spawn(pausable(body(Arc::new(store)), gate));
+    let task = tokio::spawn(pausable(body, gate));
     (task, pause)
 }
 
@@ -291,11 +298,21 @@ impl World {
             admin_addr: name.clone(),
             metrics: Arc::new(CoordMetrics::new()),
         };
-        let (handle, requests, status) = CoordHandle::new();
-        let clock = self.clock;
-        let (task, pause) = spawn_process(store, move |store| async move {
-            let never = std::future::pending();
-            let _ = chanwatch_coord::run(store, config, clock, requests, status, never).await;
+        // Built, not spawned: the world pauses and kills it through its task. Its handle
+        // lives as long as the task, so it is never stopped otherwise.
+        let built = Coordinator::builder(Arc::new(store))
+            .config(config)
+            .clock(self.clock)
+            .build();
+        let (coordinator, handle) = match built {
+            Ok(b) => b,
+            Err(e) => {
+                self.log(&format!("start {name} failed: {e}"));
+                return;
+            }
+        };
+        let (task, pause) = spawn_pausable(async move {
+            let _ = coordinator.run().await;
         });
         self.log(&format!("start {name}"));
         self.coords.push(CoordProc {

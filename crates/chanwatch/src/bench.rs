@@ -247,7 +247,7 @@ async fn failover_case(args: &crate::cli::BenchFailoverArgs, kill: usize) -> Res
             timings,
             Arc::new(SimulatedLoad::default()),
             "bench".into(),
-        );
+        )?;
         // On etcd each node has a connection of its own, as node processes do: 100 nodes'
         // watch streams and acks multiplexed on one HTTP/2 connection are not a deployment.
         let mut nodes = Vec::with_capacity(args.nodes);

@@ -110,7 +110,7 @@ async fn cluster(
         timings(),
         Arc::new(SimulatedLoad::default()),
         "bench".into(),
-    );
+    )?;
     let procs: Vec<NodeProc> = (0..nodes).map(|_| c.spawn_node()).collect();
     let mut ids = Vec::with_capacity(nodes);
     for p in &procs {

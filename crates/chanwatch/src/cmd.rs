@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use chanwatch_coord::{CoordHandle, CoordinatorConfig};
+use chanwatch_coord::{Coordinator, CoordinatorConfig};
 use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::Keys;
 use chanwatch_store::Clock;
@@ -89,7 +89,7 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
     let keys = keys(&args.root)?;
     let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
-    let mut config = CoordinatorConfig {
+    let config = CoordinatorConfig {
         keys,
         planner: PlannerConfig {
             watch_timeout_ms: args.watch_timeout.as_millis() as u64,
@@ -109,12 +109,13 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
         admin_addr: admin_addr.clone(),
         ..CoordinatorConfig::default()
     };
-    config.metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
     info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");
-    let (handle, requests, status) = CoordHandle::new();
     let stop = shared_shutdown();
     let registry = prometheus::Registry::new();
-    config.metrics.register(&registry)?;
+    let handle = Coordinator::builder(store.clone())
+        .config(config)
+        .registry(registry.clone())
+        .spawn()?;
     // chanwatch_etcd_alarm on the coordinator too, with one log line when an alarm is
     // raised or cleared (nodes export their own).
     let alarm = prometheus::IntGaugeVec::new(
@@ -152,15 +153,11 @@ pub async fn coord(args: CoordArgs) -> Result<()> {
         api,
         wait_true(stop.clone()),
     ));
-    chanwatch_coord::run(
-        store,
-        config,
-        Clock::system(),
-        requests,
-        status,
-        wait_true(stop),
-    )
-    .await?;
+    // Until Ctrl-C, or a configuration error that ends the coordinator by itself.
+    tokio::select! {
+        () = wait_true(stop) => handle.stop().await?,
+        ended = handle.stopped() => ended?,
+    }
     server.await??;
     Ok(())
 }
@@ -226,10 +223,10 @@ pub async fn standalone(args: crate::cli::StandaloneArgs) -> Result<()> {
     };
     let handler = Arc::new(args.test_load.simulated_load(args.load_delay));
     let token = admin_token(&listener, args.admin_token)?;
-    let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone());
+    let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone())?;
     let stop = shared_shutdown();
-    let registry = prometheus::Registry::new();
-    cluster.coord_metrics.register(&registry)?;
+    // The coordinator's registry, with the nodes' metrics added: one /metrics for both.
+    let registry = cluster.handle.registry().clone();
     cluster.node_metrics.register(&registry)?;
     let api = chanwatch_coord::api::router(
         cluster.handle.clone(),

@@ -301,7 +301,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
+    use chanwatch_store::{EmbeddedStore, MetaStore};
     use reqwest::Method;
 
     use super::*;
@@ -313,20 +313,10 @@ mod tests {
     async fn ctl_writes_pass_the_admin_apis_cross_site_guard() -> Result<()> {
         let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let (handle, requests, status) = chanwatch_coord::CoordHandle::new();
-        let config = chanwatch_coord::CoordinatorConfig {
-            admin_addr: listener.local_addr()?.to_string(),
-            session_ttl: Duration::from_secs(3),
-            ..chanwatch_coord::CoordinatorConfig::default()
-        };
-        tokio::spawn(chanwatch_coord::run(
-            store.clone(),
-            config,
-            Clock::system(),
-            requests,
-            status,
-            std::future::pending(),
-        ));
+        let handle = chanwatch_coord::Coordinator::builder(store.clone())
+            .admin_addr(listener.local_addr()?.to_string())
+            .session_ttl(Duration::from_secs(3))
+            .spawn()?;
         let router = chanwatch_coord::api::router(
             handle.clone(),
             chanwatch_coord::api::ApiOptions::default(),

@@ -222,7 +222,7 @@ pub async fn run() -> Result<()> {
         tick: Duration::from_millis(100),
         progress_interval: Duration::from_millis(50),
     };
-    let cluster = InProc::start(timings, Arc::new(handler.clone()), "in-process".into());
+    let cluster = InProc::start(timings, Arc::new(handler.clone()), "in-process".into())?;
     let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let mut tour = Tour {
         cluster,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use chanwatch_coord::{CoordHandle, CoordinatorConfig};
+use chanwatch_coord::{CoordHandle, Coordinator, CoordinatorConfig};
 use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::{Keys, NodeId};
 use chanwatch_node::{ChannelHandler, NodeConfig, NodeStatus};
@@ -60,13 +60,15 @@ pub struct InProc {
     /// The metrics every in-process node shares.
     pub node_metrics: Arc<chanwatch_node::NodeMetrics>,
     handler: Arc<dyn ChannelHandler>,
-    coord_stop: Option<oneshot::Sender<()>>,
-    coord_task: JoinHandle<()>,
 }
 
 impl InProc {
     /// Starts an embedded store and a coordinator (no nodes yet).
-    pub fn start(timings: Timings, handler: Arc<dyn ChannelHandler>, admin_addr: String) -> Self {
+    pub fn start(
+        timings: Timings,
+        handler: Arc<dyn ChannelHandler>,
+        admin_addr: String,
+    ) -> Result<Self> {
         Self::start_on(
             Arc::new(EmbeddedStore::new()),
             Keys::default(),
@@ -83,12 +85,9 @@ impl InProc {
         timings: Timings,
         handler: Arc<dyn ChannelHandler>,
         admin_addr: String,
-    ) -> Self {
+    ) -> Result<Self> {
         let clock = Clock::system();
-        let (handle, requests, status) = CoordHandle::new();
-        let coord_metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
         let config = CoordinatorConfig {
-            metrics: coord_metrics.clone(),
             keys: keys.clone(),
             planner: PlannerConfig {
                 watch_timeout_ms: timings.watch_timeout.as_millis() as u64,
@@ -106,30 +105,20 @@ impl InProc {
             admin_addr,
             ..CoordinatorConfig::default()
         };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let shared = store.clone();
-        let coord_task = tokio::spawn(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            if let Err(e) =
-                chanwatch_coord::run(shared, config, clock, requests, status, shutdown).await
-            {
-                tracing::error!(error = %e, "coordinator stopped");
-            }
-        });
-        InProc {
+        let handle = Coordinator::builder(store.clone())
+            .config(config)
+            .clock(clock)
+            .spawn()?;
+        Ok(InProc {
             store,
             keys,
             clock,
+            coord_metrics: handle.metrics().clone(),
             handle,
             timings,
-            coord_metrics,
             node_metrics: Arc::new(chanwatch_node::NodeMetrics::new()),
             handler,
-            coord_stop: Some(stop),
-            coord_task,
-        }
+        })
     }
 
     /// Starts a node; it registers under a fresh ID.
@@ -193,10 +182,9 @@ impl InProc {
     }
 
     /// Stops the coordinator (revoking its lease).
-    pub async fn shutdown(mut self) {
-        if let Some(s) = self.coord_stop.take() {
-            let _ = s.send(());
+    pub async fn shutdown(self) {
+        if let Err(e) = self.handle.stop().await {
+            tracing::error!(error = %e, "coordinator stopped");
         }
-        let _ = (&mut self.coord_task).await;
     }
 }

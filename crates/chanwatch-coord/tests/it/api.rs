@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use chanwatch_coord::{CoordHandle, CoordinatorConfig};
-use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
+use chanwatch_coord::{CoordHandle, Coordinator};
+use chanwatch_store::{EmbeddedStore, MetaStore};
 use serde_json::{json, Value};
 
 struct Api {
@@ -51,29 +51,15 @@ async fn start_with(
 ) -> Result<(Api, CoordHandle)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?.to_string();
-    let (handle, requests, status) = CoordHandle::new();
-    let metrics = Arc::new(chanwatch_coord::CoordMetrics::new());
-    let registry = prometheus::Registry::new();
-    metrics.register(&registry)?;
-    let config = CoordinatorConfig {
-        metrics,
-        id: id.to_owned(),
-        admin_addr: addr.clone(),
-        session_ttl: Duration::from_secs(3),
-        ..CoordinatorConfig::default()
-    };
-    tokio::spawn(chanwatch_coord::run(
-        store,
-        config,
-        Clock::system(),
-        requests,
-        status,
-        std::future::pending(),
-    ));
+    let handle = Coordinator::builder(store)
+        .id(id)
+        .admin_addr(addr.clone())
+        .session_ttl(Duration::from_secs(3))
+        .spawn()?;
     let router = chanwatch_coord::api::router(
         handle.clone(),
         chanwatch_coord::api::ApiOptions {
-            registry,
+            registry: handle.registry().clone(),
             token: token.map(str::to_owned),
             allowed_hosts: vec!["Coord.Example".into()],
         },

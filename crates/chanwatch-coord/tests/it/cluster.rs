@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use chanwatch_coord::{CoordHandle, CoordStatus, CoordinatorConfig};
+use chanwatch_coord::{CoordHandle, CoordStatus, Coordinator, CoordinatorConfig};
 use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, ChannelState, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{NodeConfig, NodeStatus, RecordingHandler};
@@ -28,6 +28,7 @@ pub enum Backend {
 
 pub struct Proc<S> {
     pub status: watch::Receiver<S>,
+    /// `None` for a coordinator: dropping its handle stops it.
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
@@ -147,23 +148,22 @@ impl Cluster {
         config.admin_addr = format!("{id}.invalid:1");
         tweak(&mut config);
         let metrics = config.metrics.clone();
-        let (handle, requests, status_tx) = CoordHandle::new();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let clock = self.clock;
+        // Built, not spawned: a test kills coordinators by aborting their task.
+        let (coordinator, handle) = Coordinator::builder(store)
+            .config(config)
+            .clock(self.clock)
+            .build()
+            .expect("a registry of its own takes the metrics");
         let status = handle.watch_status();
         let task = tokio::spawn(async move {
-            let r = chanwatch_coord::run(store, config, clock, requests, status_tx, async {
-                let _ = stopped.await;
-            })
-            .await;
-            if let Err(e) = r {
+            if let Err(e) = coordinator.run().await {
                 panic!("coordinator failed: {e}");
             }
         });
         Coord {
             proc: Proc {
                 status,
-                stop: Some(stop),
+                stop: None,
                 task,
             },
             handle,

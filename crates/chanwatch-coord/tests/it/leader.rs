@@ -6,14 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use chanwatch_coord::{CoordHandle, CoordStatus};
+use chanwatch_coord::{CoordHandle, CoordStatus, Coordinator};
 use chanwatch_core::{ChannelName, CoordSession, VChannelInfo};
 use chanwatch_store::{
     EmbeddedStore, EventKind, FaultyStore, KeyValue, Lease, LeaseId, Limits, MetaStore,
     RangeResponse, Revision, StoreError, StoreResult, Txn, TxnOp, TxnResponse, WatchStream,
 };
 use futures_util::StreamExt;
-use tokio::sync::oneshot;
 
 use crate::cluster::{Backend, Cluster, Coord, TTL};
 
@@ -146,7 +145,7 @@ pub async fn a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election(
 /// A store whose first `fail` grants fail with `error()`, and which, once `expired` is set,
 /// fails every call but keepalives as etcd does after its auth token died (renewals need
 /// none). Everything else passes through.
-struct FailingGrants {
+pub(crate) struct FailingGrants {
     inner: Arc<dyn MetaStore>,
     fail: AtomicU32,
     error: fn() -> StoreError,
@@ -154,7 +153,7 @@ struct FailingGrants {
 }
 
 impl FailingGrants {
-    fn new(inner: Arc<dyn MetaStore>, fail: u32, error: fn() -> StoreError) -> Self {
+    pub(crate) fn new(inner: Arc<dyn MetaStore>, fail: u32, error: fn() -> StoreError) -> Self {
         FailingGrants {
             inner,
             fail: AtomicU32::new(fail),
@@ -216,27 +215,22 @@ impl MetaStore for FailingGrants {
     }
 }
 
-/// Runs a coordinator on `store` and returns its status and how `run` ended.
+/// Runs a coordinator on `store` and returns its handle and how `run` ended.
 fn spawn_raw(
     c: &Cluster,
     store: Arc<dyn MetaStore>,
 ) -> (
-    tokio::sync::watch::Receiver<CoordStatus>,
+    CoordHandle,
     tokio::task::JoinHandle<Result<(), chanwatch_coord::CoordError>>,
-    oneshot::Sender<()>,
 ) {
     let mut config = c.coord_config();
     config.id = "raw".into();
-    let (handle, requests, status_tx) = CoordHandle::new();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let clock = c.clock;
-    let task = tokio::spawn(async move {
-        chanwatch_coord::run(store, config, clock, requests, status_tx, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
-    (handle.watch_status(), task, stop)
+    let (coordinator, handle) = Coordinator::builder(store)
+        .config(config)
+        .clock(c.clock)
+        .build()
+        .expect("a registry of its own takes the metrics");
+    (handle, tokio::spawn(coordinator.run()))
 }
 
 pub async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() -> Result<()> {
@@ -248,13 +242,14 @@ pub async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() ->
     ];
     for error in errors {
         let store = Arc::new(FailingGrants::new(c.store.clone(), 5, error));
-        let (mut status, task, stop) = spawn_raw(&c, store);
+        let (handle, task) = spawn_raw(&c, store);
+        let mut status = handle.watch_status();
         tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.ready))
             .await
             .with_context(|| format!("never led after grants failed with {}", error()))?
             .map_err(|_| anyhow::anyhow!("the coordinator exited on a grant error: {}", error()))?;
         ensure!(!task.is_finished(), "the coordinator exited");
-        let _ = stop.send(());
+        handle.stop().await?;
         task.await??;
     }
     Ok(())
@@ -265,7 +260,7 @@ pub async fn a_configuration_error_at_start_up_stops_the_coordinator() -> Result
     let store = Arc::new(FailingGrants::new(c.store.clone(), 1, || {
         StoreError::Config("unreadable TLS file".into())
     }));
-    let (_status, task, _stop) = spawn_raw(&c, store);
+    let (_handle, task) = spawn_raw(&c, store);
     match tokio::time::timeout(Duration::from_secs(10), task).await?? {
         Err(chanwatch_coord::CoordError::Store(StoreError::Config(_))) => Ok(()),
         other => bail!("expected a configuration error, got {other:?}"),

@@ -8,6 +8,7 @@ mod api;
 mod browser;
 mod cluster;
 mod leader;
+mod library;
 mod scenarios;
 
 /// One test per case on one backend; each calls `$module::$case(cluster)`.

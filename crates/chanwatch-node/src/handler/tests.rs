@@ -3,6 +3,7 @@
 
 use super::*;
 use chanwatch_core::VChannelInfo;
+use std::collections::BTreeMap;
 
 fn ctx(node: u64, channel: &str, epoch: u64) -> ChannelContext {
     let (events, _rx) = mpsc::unbounded_channel();

@@ -1,0 +1,306 @@
+//! Txn execution for a term: planned txns become guarded store txns, run pipelined; a
+//! refused txn's read-back refreshes the view; nodes the planner wants fenced lose their
+//! session lease.
+//!
+//! Owns: the translation of [`PlannedTxn`] into store txns (every one guarded by the leader
+//! key's create revision, so a deposed leader cannot write), fencing by lease revoke, and
+//! the txn metrics and transition log lines.
+//! Must not: plan — what to write comes from the planner — or write anything but channel
+//! keys, drain and fence marks.
+
+use std::time::Duration;
+
+use chanwatch_core::planner::{Guard, Op, PlannedTxn};
+use chanwatch_core::NodeId;
+use chanwatch_store::{Compare, OpResponse, StoreError, Txn, TxnOp};
+use futures_util::StreamExt;
+use tracing::{debug, info, warn};
+
+use crate::term::Term;
+
+impl Term<'_> {
+    pub(crate) fn to_store(&self, t: &PlannedTxn) -> Txn {
+        let keys = &self.config.keys;
+        let mut compares = Vec::with_capacity(t.guards.len() + 1);
+        compares.push(Compare::create_revision(keys.leader(), self.leader_rev));
+        compares.extend(t.guards.iter().map(|g: &Guard| {
+            let key = keys.channel(g.owner, &g.channel);
+            if g.mod_revision == 0 {
+                Compare::absent(key)
+            } else {
+                Compare::mod_revision(key, g.mod_revision)
+            }
+        }));
+        let sessions = self.session_guards(t);
+        compares.extend(sessions.iter().map(|n| Compare::exists(keys.session(*n))));
+        // Deletes first, so one revision's events read "old key gone, new key there".
+        let mut ops: Vec<TxnOp> = Vec::with_capacity(t.ops.len());
+        for op in &t.ops {
+            if let Op::Delete { owner, channel } = op {
+                ops.push(TxnOp::delete(keys.channel(*owner, channel)));
+            }
+        }
+        for op in &t.ops {
+            match op {
+                Op::Put { owner, info } => {
+                    ops.push(TxnOp::put(
+                        keys.channel(*owner, &info.channel),
+                        info.encode(),
+                    ));
+                }
+                Op::Drain { node } => {
+                    let since = serde_json::json!({ "since_ms": self.clock.unix_ms() });
+                    ops.push(TxnOp::put(keys.drain(*node), since.to_string()));
+                }
+                Op::Undrain { node } => ops.push(TxnOp::delete(keys.drain(*node))),
+                Op::Fence { node } => {
+                    let since = serde_json::json!({ "since_ms": self.clock.unix_ms() });
+                    ops.push(TxnOp::put(keys.fence(*node), since.to_string()));
+                }
+                Op::Unfence { node } => ops.push(TxnOp::delete(keys.fence(*node))),
+                Op::Delete { .. } => {}
+            }
+        }
+        // When a compare fails, the same round trip returns what the keys hold now (leader
+        // key first), so the view is fixed at once instead of when the watch catches up: a
+        // single stale guard refuses a whole txn of ~127 channels, and a watch that lags
+        // under load made a failover retry the same doomed txn for hundreds of ms.
+        let mut reads = Vec::with_capacity(t.guards.len() + 1);
+        reads.push(TxnOp::get(keys.leader()));
+        reads.extend(
+            t.guards
+                .iter()
+                .map(|g| TxnOp::get(keys.channel(g.owner, &g.channel))),
+        );
+        reads.extend(sessions.iter().map(|n| TxnOp::get(keys.session(*n))));
+        Txn::new().when(compares).and_then(ops).or_else(reads)
+    }
+
+    /// Brings the view up to date with what a refused txn read back. `Err` when the leader
+    /// key is no longer ours.
+    pub(crate) fn refresh(
+        &mut self,
+        t: &PlannedTxn,
+        resp: &chanwatch_store::TxnResponse,
+    ) -> Result<(), String> {
+        let mut reads = resp.responses.iter();
+        match reads.next() {
+            Some(OpResponse::Get { kv: Some(kv) }) if kv.create_revision == self.leader_rev => {}
+            Some(OpResponse::Get { .. }) => {
+                return Err("the leader key belongs to someone else: deposed".into())
+            }
+            _ => return Ok(()),
+        }
+        let keys = &self.config.keys;
+        for (g, r) in t.guards.iter().zip(reads.by_ref()) {
+            let key = keys.channel(g.owner, &g.channel);
+            let now = match r {
+                OpResponse::Get { kv: Some(kv) } => kv.mod_revision,
+                _ => 0,
+            };
+            if now != g.mod_revision {
+                debug!(channel = %g.channel, owner = %g.owner, expected = g.mod_revision, found = now, "coord: stale guard");
+            }
+            match r {
+                OpResponse::Get { kv: Some(kv) } => {
+                    self.state.apply_put(&key, &kv.value, kv.mod_revision);
+                }
+                OpResponse::Get { kv: None } => self.state.apply_delete(&key, resp.revision),
+                _ => {}
+            }
+        }
+        for (n, r) in self.session_guards(t).into_iter().zip(reads) {
+            if matches!(r, OpResponse::Get { kv: None }) && self.state.nodes().contains_key(&n) {
+                self.session_gone(n, "a refused txn");
+                self.state
+                    .apply_delete(&self.config.keys.session(n), resp.revision);
+            }
+        }
+        Ok(())
+    }
+
+    /// Nodes a txn puts channel keys under: the txn also requires their sessions to exist,
+    /// so nothing is assigned to a node that died before the watch told us (a put on a dead
+    /// node is refused and the refusal's reads show the session gone). Empty when the
+    /// compare and read lists have no room left (big planned txns; the next plan fixes
+    /// those).
+    pub(crate) fn session_guards(&self, t: &PlannedTxn) -> Vec<NodeId> {
+        let nodes: std::collections::BTreeSet<NodeId> = t
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Put {
+                    owner: chanwatch_core::ChannelOwner::Node(n),
+                    ..
+                } => Some(*n),
+                _ => None,
+            })
+            .collect();
+        let room = self
+            .config
+            .planner
+            .max_txn_ops
+            .min(self.store.limits().max_txn_ops);
+        if t.guards.len() + 1 + nodes.len() > room {
+            return Vec::new();
+        }
+        nodes.into_iter().collect()
+    }
+
+    /// Runs planned txns, up to `pipeline` at once, and returns how many were refused (the
+    /// view was stale; it is refreshed). `Err` when leadership was lost.
+    pub(crate) async fn execute(&mut self, txns: Vec<PlannedTxn>) -> Result<usize, String> {
+        self.fence_nodes().await;
+        if txns.is_empty() {
+            return Ok(0);
+        }
+        let store = self.store.clone();
+        let jobs: Vec<(PlannedTxn, Txn)> = txns
+            .into_iter()
+            .map(|t| {
+                let s = self.to_store(&t);
+                (t, s)
+            })
+            .collect();
+        let clock = self.clock;
+        let results: Vec<(
+            PlannedTxn,
+            Result<chanwatch_store::TxnResponse, StoreError>,
+            tokio::time::Instant,
+        )> = futures_util::stream::iter(jobs.into_iter().map(|(t, s)| {
+            let store = store.clone();
+            async move {
+                let started = clock.now();
+                (t, store.txn(s).await, started)
+            }
+        }))
+        .buffer_unordered(self.config.pipeline.max(1))
+        .collect()
+        .await;
+        let mut refused = 0;
+        debug!(
+            txns = results.len(),
+            committed = results
+                .iter()
+                .filter(|(_, r, _)| r.as_ref().is_ok_and(|r| r.succeeded))
+                .count(),
+            "coord: executed a plan round"
+        );
+        for (t, r, started) in results {
+            self.record_txn(&r, started);
+            match r {
+                Ok(resp) if resp.succeeded => {
+                    self.state.applied(&t, resp.revision);
+                    self.log_transitions(&t);
+                    if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
+                        // Nodes could not ack either while etcd refused writes: that time
+                        // does not count against their releases and loads.
+                        info!(refused_ms = millis(refused), "coord: etcd takes writes again; timeouts wait as long as it refused them");
+                        self.timers_stand_still(refused);
+                    }
+                }
+                Ok(resp) => {
+                    refused += 1;
+                    self.refresh(&t, &resp)?;
+                }
+                Err(e) => {
+                    if matches!(e, StoreError::NoSpace) {
+                        self.availability.write_refused(started);
+                    }
+                    warn!(error = %e, channels = t.transitions.len(), "coord: txn failed; the next plan retries")
+                }
+            }
+        }
+        if refused > 0 {
+            debug!(
+                refused,
+                "coord: txns refused (stale view); refreshed the keys they guard"
+            );
+        }
+        // Fence marks that just landed.
+        self.fence_nodes().await;
+        Ok(refused)
+    }
+}
+
+impl Term<'_> {
+    /// Revokes the session lease of every node the planner wants fenced: a node that did
+    /// not release a channel within the release timeout, so that the channel can move
+    /// without running beside it (DESIGN §3). A revoke that fails is asked for again by the
+    /// planner; a session already gone needs none.
+    pub(crate) async fn fence_nodes(&mut self) {
+        let mut nodes = self.state.take_fence_requests();
+        nodes.dedup();
+        for node in nodes {
+            let key = self.config.keys.session(node);
+            let lease = match self.store.get(&key).await {
+                Ok(Some(kv)) => kv.lease,
+                Ok(None) => None,
+                Err(e) => {
+                    warn!(node = %node, error = %e, "coord: cannot read the session of a node to fence; retrying");
+                    continue;
+                }
+            };
+            let Some(lease) = lease else {
+                continue; // the session is gone already
+            };
+            match self.store.revoke(lease).await {
+                Ok(()) => {
+                    warn!(
+                        node = %node,
+                        wait_ms = self.config.planner.fence_wait_ms,
+                        "coord: node did not release a channel within the release timeout; revoked its session lease to fence it — its channels fail over once it has surely stopped them"
+                    );
+                    self.config.metrics.fences.inc();
+                }
+                Err(StoreError::LeaseNotFound(_)) => {}
+                Err(e) => {
+                    warn!(node = %node, error = %e, "coord: revoking the session lease of a node to fence failed; retrying");
+                }
+            }
+        }
+    }
+
+    pub(crate) fn record_txn(
+        &self,
+        r: &Result<chanwatch_store::TxnResponse, StoreError>,
+        started: tokio::time::Instant,
+    ) {
+        let m = &self.config.metrics;
+        m.txn_seconds.observe(
+            self.clock
+                .now()
+                .saturating_duration_since(started)
+                .as_secs_f64(),
+        );
+        m.txn(match r {
+            Ok(resp) if resp.succeeded => "committed",
+            Ok(_) => "refused",
+            Err(_) => "error",
+        });
+    }
+
+    /// One log line and one counter per channel transition.
+    pub(crate) fn log_transitions(&self, t: &PlannedTxn) {
+        for tr in &t.transitions {
+            // Releases are the first half of a move; count the move once, when it lands.
+            if tr.state != Some(chanwatch_core::ChannelState::ToRelease) {
+                self.config.metrics.reassigned(tr.cause.as_str());
+            }
+            info!(
+                channel = %tr.channel,
+                cause = tr.cause.as_str(),
+                from = tr.from.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
+                to = tr.to.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
+                state = tr.state.map_or("deleted", |s| s.as_str()),
+                epoch = %tr.epoch,
+                "coord: channel transition"
+            );
+        }
+    }
+}
+
+/// Whole milliseconds of `d`, for the planner's `*_ms` inputs (saturating).
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,515 @@
+//! One term as leader: the loop that drives the planner (election is in
+//! [`crate::election`], txn execution in [`crate::execute`]).
+//!
+//! Owns: the planner state while leader, serving the requests of [`crate::CoordHandle`], and
+//! the leader's watch of its own key (it steps down the moment the key is no longer its own).
+//! Must not: decide anything itself — every decision comes from the core planner — or write
+//! to the store except through [`crate::execute`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, Transition};
+use chanwatch_core::{ChannelName, NodeId};
+use chanwatch_store::{Clock, EventKind, LeaseId, ListWatch, MetaStore, Update};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info};
+
+use crate::availability::StoreAvailability;
+use crate::coordinator::CoordinatorConfig;
+use crate::execute::millis;
+use crate::handle::{refuse, ApiError, CoordStatus, Request};
+
+/// Least time between two plans driven by store events (ticks and admin requests aside).
+const PLAN_EVERY: Duration = Duration::from_millis(10);
+
+/// Most admin requests served in one turn of the leader loop. Every turn ends by draining
+/// the watch and planning when a plan is due, so a burst of requests delays a watch batch
+/// (a dead node, an ack) by at most this many requests and one plan round.
+const REQUESTS_PER_TURN: usize = 16;
+
+/// How a term as leader ended.
+pub(crate) enum TermEnd {
+    Shutdown,
+    Lost(String),
+}
+
+/// One term as leader.
+pub(crate) struct Term<'a> {
+    pub(crate) store: Arc<dyn MetaStore>,
+    pub(crate) config: &'a CoordinatorConfig,
+    pub(crate) clock: Clock,
+    pub(crate) leader_rev: i64,
+    /// The lease our leader key is attached to: the key is ours while it has this lease and
+    /// create revision `leader_rev`.
+    pub(crate) lease: LeaseId,
+    pub(crate) state: Planner,
+    pub(crate) status: &'a watch::Sender<CoordStatus>,
+    /// Sessions seen gone, with the channels they held, until those are all Watched again.
+    pub(crate) failovers: Vec<(tokio::time::Instant, NodeId, Vec<ChannelName>)>,
+    /// A request (drain, balance) wants a plan round; the loop runs it when its view is
+    /// fresh (found by the simulation: a balance request right after an etcd outage planned
+    /// from the stale view and fenced a node that was releasing).
+    pub(crate) replan: bool,
+    /// When the store was away (unreachable, or refusing writes), so that timers stand
+    /// still that long.
+    pub(crate) availability: StoreAvailability,
+}
+
+impl<'a> Term<'a> {
+    /// A term that begins with our leader key created at `leader_rev` on `lease`.
+    pub(crate) fn new(
+        store: Arc<dyn MetaStore>,
+        config: &'a CoordinatorConfig,
+        clock: Clock,
+        leader_rev: i64,
+        lease: LeaseId,
+        status: &'a watch::Sender<CoordStatus>,
+    ) -> Self {
+        Term {
+            store,
+            config,
+            clock,
+            leader_rev,
+            lease,
+            state: Planner::new(config.keys.clone(), config.planner.clone()),
+            status,
+            failovers: Vec::new(),
+            replan: false,
+            availability: StoreAvailability::new(
+                config.session_ttl,
+                Duration::from_millis(config.planner.watch_timeout_ms),
+            ),
+        }
+    }
+
+    /// Leads until shutdown or until leadership is lost (lease lost, or the leader key
+    /// deleted or replaced: seen on the watch at once).
+    ///
+    /// Each turn serves one ready source in order — the watch, the tick, a due plan, the
+    /// reconcile, then up to [`REQUESTS_PER_TURN`] requests — then drains every watch batch
+    /// already waiting and plans if a plan is due. So requests never blind the leader, and
+    /// the watch cannot starve requests for longer than it takes to apply what is waiting.
+    pub(crate) async fn lead(
+        &mut self,
+        requests: &mut mpsc::Receiver<Request>,
+        lost: &CancellationToken,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> TermEnd {
+        let mut lw = ListWatch::spawn(self.store.clone(), self.config.keys.all_prefix());
+        let blind = lw.blind_since();
+        let mut tick = tokio::time::interval(self.config.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut reconcile = tokio::time::interval(self.config.reconcile_interval);
+        reconcile.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        reconcile.tick().await; // the first tick is immediate; the list-watch lists anyway
+        let mut recovered = false;
+        let mut restarts_seen = 0;
+        // A plan walks every channel that needs attention (all of them during a burst), so
+        // bursts of events (a failover's acks arrive one batch each) are planned together:
+        // at most one plan per `PLAN_EVERY`.
+        let mut dirty = false;
+        let mut ticked = false;
+        let mut last_plan = self.clock.now() - PLAN_EVERY;
+        // A plan costs O(channels needing attention), which is every channel during a mass
+        // registration; spacing plans by twice their own cost keeps planning to at most a
+        // third of the time, so nodes and acks are not starved on a big cluster.
+        let mut plan_gap = PLAN_EVERY;
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return TermEnd::Shutdown,
+                () = lost.cancelled() => return TermEnd::Lost("leader lease lost or not renewed in time".into()),
+                update = lw.next() => {
+                    let Some(update) = update else { return TermEnd::Lost("list-watch ended".into()) };
+                    let relisted = matches!(update, Update::Reset { .. });
+                    if let Err(why) = self.apply(update) {
+                        return TermEnd::Lost(why);
+                    }
+                    // Timers stood still while the store was away; a new term starts with
+                    // one watch timeout of grace, knowing nothing of what came before.
+                    if relisted {
+                        let away = self.availability.relisted(self.clock.now(), !recovered);
+                        if !away.is_zero() {
+                            debug!(away_ms = millis(away), "coord: the store was away; timeouts wait as long");
+                            self.timers_stand_still(away);
+                        }
+                    }
+                    dirty = true;
+                }
+                _ = tick.tick() => {
+                    dirty |= recovered;
+                    ticked = true;
+                    // A leader that cannot list or watch (e.g. its auth token expired while
+                    // its lease renewals, which need none, still pass) plans from a stale
+                    // view and holds the key from a standby that might do better: it steps
+                    // down after a TTL of blindness, as it would after a TTL of failed
+                    // renewals.
+                    let since = *blind.borrow();
+                    if let Some(since) = since {
+                        self.availability.unreachable(since);
+                        let for_ = self.clock.now().saturating_duration_since(since);
+                        if for_ >= self.config.session_ttl {
+                            return TermEnd::Lost(format!(
+                                "could not list or watch the store for {} ms (session TTL {} ms); resigning so a standby can lead",
+                                for_.as_millis(),
+                                self.config.session_ttl.as_millis()
+                            ));
+                        }
+                    }
+                }
+                () = tokio::time::sleep_until(last_plan + plan_gap), if dirty && blind.borrow().is_none() => {}
+                _ = reconcile.tick() => lw.relist(),
+                Some(req) = requests.recv() => {
+                    let mut next = Some(req);
+                    let mut served = 0;
+                    while let Some(req) = next.take() {
+                        if !recovered {
+                            refuse(req, ApiError::Store("the leader is still recovering; retry shortly".into()));
+                        } else if let Err(why) = self.handle(req).await {
+                            return TermEnd::Lost(why);
+                        }
+                        served += 1;
+                        if served < REQUESTS_PER_TURN {
+                            next = requests.try_recv().ok();
+                        }
+                    }
+                    if std::mem::take(&mut self.replan) {
+                        // Plan now (not after `plan_gap`), unless the view is stale.
+                        dirty = true;
+                        last_plan = self.clock.now() - plan_gap;
+                    }
+                }
+            }
+            // Whatever this turn served, what the watch delivered meanwhile is applied now.
+            while let Some(more) = lw.try_next() {
+                if let Err(why) = self.apply(more) {
+                    return TermEnd::Lost(why);
+                }
+                dirty = true;
+            }
+            if dirty && !recovered {
+                recovered = true;
+                info!(
+                    channels = self.state.channel_count(),
+                    nodes = self.state.nodes().len(),
+                    "coord: startup recovery listed the store"
+                );
+            }
+            let restarts = lw.restarts();
+            self.config
+                .metrics
+                .watch_restarts
+                .inc_by(restarts - restarts_seen);
+            restarts_seen = restarts;
+            // No plan from a view the list-watch cannot refresh (the store is away): its
+            // timers would fire on time that measured etcd's absence (see
+            // `Planner::store_was_away`), and what it plans would be refused anyway.
+            if dirty && self.clock.now() >= last_plan + plan_gap && blind.borrow().is_none() {
+                last_plan = self.clock.now();
+                dirty = false;
+                // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand
+                // still, round by round, as they do while the store is away.
+                // Until the next refusal: a round that writes nothing must not keep the
+                // timers (and forgotten moves) frozen forever (found by the simulation: 16
+                // balance moves whose txns NOSPACE refused blocked balance for good).
+                if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
+                    self.timers_stand_still(refused);
+                }
+                let txns = self.state.plan(self.clock.unix_ms());
+                plan_gap =
+                    PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
+                match self.execute(txns).await {
+                    // Re-plan on the refreshed view without waiting for another event.
+                    Ok(refused) => dirty |= refused > 0,
+                    Err(why) => return TermEnd::Lost(why),
+                }
+                self.finish_failovers();
+                self.config.metrics.observe(&self.state, ticked);
+                ticked = false;
+                if recovered && !self.status.borrow().ready {
+                    self.status.send_modify(|s| s.ready = true);
+                    info!("coord: recovered and ready");
+                }
+            }
+        }
+    }
+
+    /// Applies what the list-watch delivered. `Err` when it shows that the leader key is no
+    /// longer ours (deleted, re-created by another campaign, or rewritten without our lease):
+    /// the leader steps down at once instead of when its next txn is refused.
+    fn apply(&mut self, update: Update) -> Result<(), String> {
+        let leader_key = self.config.keys.leader();
+        match update {
+            Update::Reset { kvs, revision } => {
+                debug!(keys = kvs.len(), revision, "coord: full list");
+                self.config.metrics.relists.inc();
+                match kvs.iter().find(|kv| kv.key == leader_key) {
+                    Some(kv) => self.still_ours(kv)?,
+                    None => {
+                        return Err(format!(
+                            "the leader key {leader_key} is gone (seen by a full list): deposed"
+                        ))
+                    }
+                }
+                // A session missing from the new list died while the watch was not looking:
+                // it is a failover like one seen by a delete event (logged and measured).
+                let listed: std::collections::BTreeSet<NodeId> = kvs
+                    .iter()
+                    .filter_map(|kv| self.config.keys.parse_session(&kv.key).ok())
+                    .collect();
+                let vanished: Vec<NodeId> = self
+                    .state
+                    .nodes()
+                    .keys()
+                    .filter(|id| !listed.contains(id))
+                    .copied()
+                    .collect();
+                for id in vanished {
+                    self.session_gone(id, "a full list");
+                }
+                self.state.reset(
+                    kvs.iter()
+                        .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
+                );
+                self.state.caught_up(revision);
+                for (key, why) in self.state.corrupt() {
+                    error!(key, error = %why, "coord: value does not decode; leaving it alone");
+                }
+            }
+            Update::Events(events) => {
+                for ev in events {
+                    if ev.kv.key == leader_key {
+                        match ev.kind {
+                            EventKind::Put => self.still_ours(&ev.kv)?,
+                            EventKind::Delete => {
+                                return Err(format!(
+                                "the leader key {leader_key} was deleted at revision {}: deposed",
+                                ev.kv.mod_revision
+                            ))
+                            }
+                        }
+                    }
+                    match ev.kind {
+                        EventKind::Put => {
+                            if let Some(why) =
+                                self.state
+                                    .apply_put(&ev.kv.key, &ev.kv.value, ev.kv.mod_revision)
+                            {
+                                error!(key = ev.kv.key, error = %why, "coord: value does not decode; leaving it alone");
+                            }
+                        }
+                        EventKind::Delete => {
+                            if let Ok(id) = self.config.keys.parse_session(&ev.kv.key) {
+                                // Unknown when a refused txn already showed it gone.
+                                if self.state.nodes().contains_key(&id) {
+                                    self.session_gone(id, "a delete event");
+                                }
+                            }
+                            self.state.apply_delete(&ev.kv.key, ev.kv.mod_revision);
+                        }
+                    }
+                    self.state.caught_up(ev.kv.mod_revision);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells the planner that its timers stood still for `away` up to now (see
+    /// [`StoreAvailability`]).
+    pub(crate) fn timers_stand_still(&mut self, away: Duration) {
+        self.state
+            .store_was_away(self.clock.unix_ms(), millis(away));
+    }
+
+    /// `Err` unless `kv` (the leader key as the store holds it now) is still our key.
+    fn still_ours(&self, kv: &chanwatch_store::KeyValue) -> Result<(), String> {
+        if kv.create_revision != self.leader_rev {
+            return Err(format!(
+                "the leader key {} was re-created at revision {} (ours was created at {}): deposed",
+                kv.key, kv.create_revision, self.leader_rev
+            ));
+        }
+        if kv.lease != Some(self.lease) {
+            return Err(format!(
+                "the leader key {} was rewritten at revision {} without our lease {:x} (lease now {:x}): deposed",
+                kv.key,
+                kv.mod_revision,
+                self.lease,
+                kv.lease.unwrap_or(0)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Notes that node `id`'s session is gone (seen by `how`), so that the failover of the
+    /// channels it held is logged and measured. Call before the view forgets the node.
+    pub(crate) fn session_gone(&mut self, id: NodeId, how: &str) {
+        let held: Vec<ChannelName> = self
+            .state
+            .entries()
+            .filter(|e| e.owner == chanwatch_core::ChannelOwner::Node(id))
+            .map(|e| e.info.channel.clone())
+            .collect();
+        info!(node = %id, channels = held.len(), seen_by = how, "coord: node session gone; its channels fail over");
+        // Bounded: a storm of dead nodes must not grow this without limit.
+        if !held.is_empty() && self.failovers.len() < 1024 {
+            self.failovers.push((self.clock.now(), id, held));
+        }
+    }
+
+    /// Observes the failover duration of every dead node whose channels are all Watched on
+    /// another node (or removed) now.
+    fn finish_failovers(&mut self) {
+        let state = &self.state;
+        let metrics = &self.config.metrics;
+        let now = self.clock.now();
+        self.failovers.retain(|(since, dead, held)| {
+            let done = held.iter().all(|c| match state.entry(c) {
+                None => true,
+                Some(e) => {
+                    e.info.state == chanwatch_core::ChannelState::Watched
+                        && e.owner != chanwatch_core::ChannelOwner::Node(*dead)
+                }
+            });
+            if done {
+                let secs = now.saturating_duration_since(*since).as_secs_f64();
+                metrics.failover_seconds.observe(secs);
+                info!(node = %dead, channels = held.len(), seconds = secs, "coord: failover complete: every channel Watched elsewhere");
+            }
+            !done
+        });
+    }
+
+    /// Handles an admin request. `Err` only when leadership was lost.
+    async fn handle(&mut self, req: Request) -> Result<(), String> {
+        let now = self.clock.unix_ms();
+        match req {
+            Request::Channels(reply) => drop(reply.send(Ok(self.state.channel_rows()))),
+            Request::Nodes(reply) => drop(reply.send(Ok(self.state.node_rows()))),
+            Request::Add {
+                name,
+                vchannel,
+                reply,
+            } => {
+                let planned = self.state.add_channel(name, vchannel, now);
+                self.run_one(planned, reply).await?;
+            }
+            Request::Remove { name, reply } => {
+                let planned = self.state.remove_channel(&name);
+                self.run_one(planned, reply).await?;
+            }
+            Request::Move { name, to, reply } => {
+                let planned = self.state.move_channel(&name, to, now);
+                self.run_one(planned, reply).await?;
+            }
+            Request::Drain { node, reply } => {
+                let planned = self.state.drain(node);
+                let (tx, rx) = oneshot::channel();
+                self.run_one(planned, tx).await?;
+                let result = match rx.await {
+                    Ok(Ok(_)) => {
+                        info!(node = %node, "coord: draining node");
+                        Ok(())
+                    }
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(ApiError::Store("drain request dropped".into())),
+                };
+                drop(reply.send(result));
+                self.replan = true;
+            }
+            Request::Balance { dry_run, reply } => {
+                let plan = self.state.balance_plan();
+                drop(reply.send(Ok(plan)));
+                self.replan |= !dry_run;
+            }
+        }
+        Ok(())
+    }
+
+    async fn run_one(
+        &mut self,
+        planned: Result<PlannedTxn, AdminError>,
+        reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,
+    ) -> Result<(), String> {
+        let txn = match planned {
+            Ok(t) => t,
+            Err(e) => {
+                drop(reply.send(Err(e.into())));
+                return Ok(());
+            }
+        };
+        let started = self.clock.now();
+        let result = self.store.txn(self.to_store(&txn)).await;
+        self.record_txn(&result, started);
+        match result {
+            Ok(r) if r.succeeded => {
+                self.state.applied(&txn, r.revision);
+                self.log_transitions(&txn);
+                drop(reply.send(Ok(txn.transitions)));
+                Ok(())
+            }
+            Ok(r) => {
+                self.refresh(&txn, &r)?;
+                drop(reply.send(Err(ApiError::Store(
+                    "the channel changed meanwhile; retry".into(),
+                ))));
+                Ok(())
+            }
+            Err(e) => {
+                drop(reply.send(Err(ApiError::Store(e.to_string()))));
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chanwatch_core::Keys;
+    use chanwatch_store::{EmbeddedStore, KeyValue};
+
+    fn leader_kv(keys: &Keys, create_revision: i64, lease: Option<LeaseId>) -> KeyValue {
+        KeyValue {
+            key: keys.leader(),
+            value: b"{}".to_vec(),
+            create_revision,
+            mod_revision: create_revision,
+            version: 1,
+            lease,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_list_deposes_the_leader_unless_the_key_is_its_own() {
+        let config = CoordinatorConfig::default();
+        let (status, _rx) = watch::channel(CoordStatus::default());
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
+        let reset = |kvs: Vec<KeyValue>| Update::Reset { kvs, revision: 9 };
+        let keys = &config.keys;
+        assert_eq!(
+            term.apply(reset(vec![leader_kv(keys, 5, Some(0x77))])),
+            Ok(())
+        );
+        for (case, kvs) in [
+            ("gone", vec![]),
+            ("re-created", vec![leader_kv(keys, 8, Some(0x78))]),
+            ("rewritten without a lease", vec![leader_kv(keys, 5, None)]),
+            (
+                "rewritten on another lease",
+                vec![leader_kv(keys, 5, Some(0x78))],
+            ),
+        ] {
+            let why = term.apply(reset(kvs)).expect_err(case);
+            assert!(
+                why.contains("deposed") || why.contains("gone"),
+                "{case}: {why}"
+            );
+        }
+    }
+}
