@@ -39,7 +39,7 @@ pub(crate) enum RunnerEvent {
     },
 }
 
-/// Given to [`ChannelHandler::watch`]: the assignment and a way to report progress.
+/// Given to [`ChannelHandler::load`]: the assignment and a way to report progress.
 #[derive(Debug, Clone)]
 pub struct ChannelContext {
     /// The node running the channel.
@@ -98,7 +98,7 @@ impl ChannelContext {
 
 /// The work of one channel on a node.
 ///
-/// The runner calls [`watch`](ChannelHandler::watch) to load the channel; it returns once the
+/// The runner calls [`load`](ChannelHandler::load) to load the channel; it returns once the
 /// channel runs (the handler keeps consuming in the background) or with the reason it could
 /// not. The runner cancels a load by dropping the future. After a successful load or a
 /// cancellation, [`release`](ChannelHandler::release) stops consuming; the node acknowledges
@@ -109,7 +109,7 @@ pub trait ChannelHandler: Send + Sync + 'static {
     ///
     /// # Errors
     /// The reason the channel cannot be loaded; it is written to the store as `WatchFailed`.
-    async fn watch(&self, ctx: ChannelContext) -> Result<(), String>;
+    async fn load(&self, ctx: ChannelContext) -> Result<(), String>;
 
     /// Stops consuming the channel. Must be quick and must not fail.
     async fn release(&self, node: NodeId, info: &ChannelInfo);
@@ -201,7 +201,7 @@ pub struct SimulatedLoad {
 
 #[async_trait]
 impl ChannelHandler for SimulatedLoad {
-    async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
+    async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
         const STEPS: u32 = 10;
         let channel = ctx.info.channel.as_str();
         if self.fail_load.matches(channel) {
@@ -338,7 +338,7 @@ impl<H: ChannelHandler> Drop for StopOnDrop<'_, H> {
 
 #[async_trait]
 impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
-    async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
+    async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
         let (node, info) = (ctx.node, ctx.info.clone());
         self.start(node, &info);
         let mut guard = StopOnDrop {
@@ -347,7 +347,7 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
             info,
             armed: true,
         };
-        let result = self.inner.watch(ctx).await;
+        let result = self.inner.load(ctx).await;
         guard.armed = result.is_err();
         result
     }

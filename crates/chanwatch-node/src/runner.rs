@@ -62,7 +62,7 @@ pub(crate) async fn run_channel(
                 handler.release(node, &info).await;
                 continue;
             }
-            r = handler.watch(ctx.clone()) => Some(r),
+            r = handler.load(ctx.clone()) => Some(r),
         };
         let Some(result) = loaded else { break };
         let ok = result.is_ok();

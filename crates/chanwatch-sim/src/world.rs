@@ -974,11 +974,11 @@ struct Sickly {
 
 #[async_trait::async_trait]
 impl ChannelHandler for Sickly {
-    async fn watch(&self, ctx: chanwatch_node::ChannelContext) -> Result<(), String> {
+    async fn load(&self, ctx: chanwatch_node::ChannelContext) -> Result<(), String> {
         if self.sick.load(Ordering::SeqCst) {
             return Err("the node is sick (simulated)".into());
         }
-        self.inner.watch(ctx).await
+        self.inner.load(ctx).await
     }
 
     async fn release(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {

@@ -188,7 +188,7 @@ impl RecordingHandler {
 
 #[async_trait]
 impl ChannelHandler for RecordingHandler {
-    async fn watch(&self, ctx: ChannelContext) -> Result<(), String> {
+    async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
         let index = self.open(ctx.node, &ctx.info);
         let mut guard = CloseOnDrop {
             handler: self.clone(),

@@ -27,7 +27,7 @@ fn ctx(node: u64, channel: &str, epoch: u64) -> ChannelContext {
 /// then, after a successful load, run until cancelled; then release.
 async fn run(h: &dyn ChannelHandler, ctx: ChannelContext, cancel_after: Duration) {
     let (node, info) = (ctx.node, ctx.info.clone());
-    let _ = tokio::time::timeout(cancel_after, h.watch(ctx)).await;
+    let _ = tokio::time::timeout(cancel_after, h.load(ctx)).await;
     h.release(node, &info).await;
 }
 
@@ -65,13 +65,13 @@ async fn the_simulated_loads_test_switches_fail_or_hang_matching_channels() {
         ..SimulatedLoad::default()
     };
     let err = load
-        .watch(ctx(1, "bad-1", 1))
+        .load(ctx(1, "bad-1", 1))
         .await
         .expect_err("--fail-load matches");
     assert!(err.contains("--fail-load"), "{err}");
-    let hung = tokio::time::timeout(Duration::from_secs(3600), load.watch(ctx(1, "stuck", 1)));
+    let hung = tokio::time::timeout(Duration::from_secs(3600), load.load(ctx(1, "stuck", 1)));
     assert!(hung.await.is_err(), "--hang-load: never finishes");
-    let ok = tokio::time::timeout(Duration::from_secs(1), load.watch(ctx(1, "stuck-2", 1)));
+    let ok = tokio::time::timeout(Duration::from_secs(1), load.load(ctx(1, "stuck-2", 1)));
     assert_eq!(ok.await, Ok(Ok(())), "others load as usual");
 }
 
@@ -86,7 +86,7 @@ async fn the_fail_running_switch_reports_a_loaded_channel_broken_after_the_delay
     let mut c = ctx(1, "brk-1", 3);
     c.events = events;
     let t0 = tokio::time::Instant::now();
-    assert_eq!(load.watch(c.clone()).await, Ok(()), "it loads");
+    assert_eq!(load.load(c.clone()).await, Ok(()), "it loads");
     match rx.recv().await {
         Some(RunnerEvent::Broke {
             channel,
@@ -105,7 +105,7 @@ async fn the_fail_running_switch_reports_a_loaded_channel_broken_after_the_delay
     assert_eq!(t0.elapsed(), Duration::from_millis(500));
     let mut other = c;
     other.info.channel = ChannelName::new("ok").expect("valid");
-    assert_eq!(load.watch(other).await, Ok(()));
+    assert_eq!(load.load(other).await, Ok(()));
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(
         rx.try_recv().is_err(),
