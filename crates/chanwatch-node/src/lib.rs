@@ -1,10 +1,51 @@
 //! # chanwatch-node
 //!
 //! The node runtime: it registers a session under a fresh node ID with a lease, watches
-//! `{root}/channel/{id}/`, and drives [`chanwatch_core::node::NodeMachine`]: channel runners
-//! run a [`ChannelHandler`] per channel, acknowledgements are compare-and-swap txns, and a node
-//! whose keepalives stop succeeding fences itself (stops every channel) before its lease can
-//! expire, then registers again under a new ID.
+//! `{root}/channel/{id}/`, and drives [`chanwatch_core::node::NodeMachine`]: a runner per
+//! channel runs your [`ChannelHandler`], acknowledgements are compare-and-swap txns, and a
+//! node that cannot renew its lease, or whose watch falls behind, *pauses* its channels before
+//! anyone else could own them — and resumes them warm when the same session answers again
+//! (docs/DESIGN.md §3). Only when etcd says the lease is gone does it stop everything and
+//! register again under a new ID.
+//!
+//! ## Embedding a node
+//!
+//! Implement [`ChannelHandler`] (`load` starts consuming a channel from its checkpoint,
+//! `release` stops it, `pause`/`resume` bracket a stretch without the store), then:
+//!
+//! ```no_run
+//! # async fn demo(handler: std::sync::Arc<dyn chanwatch_node::ChannelHandler>)
+//! #     -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use chanwatch_store::{EtcdConfig, EtcdStore};
+//!
+//! let store = Arc::new(EtcdStore::connect(EtcdConfig {
+//!     endpoints: vec!["http://127.0.0.1:2379".into()],
+//!     ..EtcdConfig::default()
+//! }).await?);
+//! let node = chanwatch_node::Node::builder(store)
+//!     .handler(handler)
+//!     .admin_addr("10.0.0.7:9100") // shown by `chanwatch ctl nodes`
+//!     .spawn()?;
+//! // Serve `chanwatch_node::admin::router(node.watch_status(), node.registry().clone())`
+//! // with axum for /healthz, /metrics and /status (ctl reads /status to show pauses).
+//! // ... until your program shuts down:
+//! node.stop().await?; // releases every channel and revokes the session
+//! # Ok(()) }
+//! ```
+//!
+//! `examples/embed_node.rs` runs a custom handler with a coordinator on the embedded store
+//! (`cargo run -p chanwatch-node --example embed_node`). Building against etcd needs `protoc`
+//! (etcd-client compiles etcd's protobufs): `apt-get install protobuf-compiler`, or set
+//! `PROTOC` to a protoc binary.
+//!
+//! ## Modules
+//!
+//! `embed` (builder and handle), `runtime` (sessions one after another), `register`,
+//! `session` (the event loop), `runner` (one task per channel), `acks` (group commit),
+//! `keepalive`, `watchdog` (when to pause), `handler` (the trait and built-in handlers),
+//! `admin` (HTTP), `metrics`, `config`. The `testing` feature adds `RecordingHandler`, a
+//! fixture for tests.
 //!
 //! Owns: the session, the keepalive loop, the runners and the handler lifecycle.
 //! Must not: decide assignments (that is the coordinator's job) or write any key but its own
