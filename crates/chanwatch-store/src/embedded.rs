@@ -1,5 +1,9 @@
 //! The embedded backend: an in-process MVCC key-value store with etcd's semantics.
 //!
+//! Over 600 lines on purpose: one MVCC state behind one lock — keys, history, watchers,
+//! leases — whose invariants (a revision's events delivered whole, leases and their keys
+//! expiring together) are easiest to check in one place.
+//!
 //! Owns: the key space, the global revision counter, the event history (for watches from old
 //! revisions, until compacted), the watchers, and the leases with their deadlines.
 //!

@@ -1,5 +1,8 @@
 //! The etcd backend: [`MetaStore`] over the `etcd-client` crate.
 //!
+//! Over 600 lines on purpose: one `impl MetaStore` whose calls share the connection, the
+//! token refresh and the error mapping (the mapping itself is in `etcd_error.rs`).
+//!
 //! Owns: the connection (endpoints, timeouts, credentials, TLS), translation between the
 //! store vocabulary and etcd's protobuf types, and the mapping of etcd's errors onto
 //! [`StoreError`] so callers can tell retryable from fatal.

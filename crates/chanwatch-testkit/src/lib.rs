@@ -1,5 +1,9 @@
 //! Test fixtures shared by the integration tests of every crate.
 //!
+//! Over 600 lines on purpose: the single-member fixture and the 3-member cluster share their
+//! process handling; whole-cluster faults are in `cluster_faults.rs`, the proxy in
+//! `grpc_proxy.rs`.
+//!
 //! Owns: starting a real `etcd` process on free loopback ports with a temporary data dir,
 //! waiting until it serves, and killing it (and removing the dir) when the fixture drops;
 //! faults that keep the data: kill and start again, freeze and thaw (one fixture), kill and

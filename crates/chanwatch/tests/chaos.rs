@@ -1,4 +1,7 @@
 //! Process-level chaos against real etcd: a 3-member etcd cluster, 2 coordinator and 5 node
+//!
+//! Over 600 lines on purpose: one scenario (start, inject, measure, audit) read top to bottom;
+//! the log audit is in `chaos/audit.rs`, the network namespace in `chaos/netns.rs`.
 //! processes of the real binary, 500 channels. For `CHANWATCH_CHAOS_SECS` (default 120) it
 //! injects at random: `kill -9` of a node or of the leader, `SIGSTOP`/`SIGCONT` of a node past
 //! its TTL, a restart of one etcd member, compaction, an etcd-wide outage (every member
