@@ -95,12 +95,7 @@ mod tests {
         w.node(2);
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
         w.put(n(1), info("b", ChannelState::Watched, 1, 0));
-        let txn = w
-            .state
-            .move_channel(&name("a"), NodeId(2), 0)
-            .expect("move");
-        w.rev += 1;
-        w.state.applied(&txn, w.rev);
+        w.move_to("a", 2);
         assert_eq!(w.owner_of("a").1, ChannelState::ToRelease);
         assert!(w.settle(500).is_empty());
         assert!(w.state.take_fence_requests().is_empty());

@@ -248,7 +248,7 @@ pub(super) fn pick_moves(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::tests::{info, n, name, World};
+    use crate::planner::tests::{info, n, World};
     use crate::planner::PlannerConfig;
 
     fn loads(l: &[(u64, usize)]) -> Loads {
@@ -293,12 +293,7 @@ mod tests {
         w.put(n(1), info("a", ChannelState::Watched, 1, 0));
         w.put(n(1), info("b", ChannelState::Watched, 1, 0));
         assert_eq!(w.state.loads(), loads(&[(1, 2), (2, 0)]));
-        let txn = w
-            .state
-            .move_channel(&name("a"), NodeId(2), 0)
-            .expect("move");
-        w.rev += 1;
-        w.state.applied(&txn, w.rev);
+        w.move_to("a", 2);
         assert_eq!(w.state.loads(), loads(&[(1, 1), (2, 1)]));
         // The dry-run plan counts the keys held, as if nothing were moving.
         assert_eq!(w.state.held_loads(), loads(&[(1, 2), (2, 0)]));

@@ -68,6 +68,16 @@ impl World {
         }
         txns
     }
+    /// An operator's move of `ch` to node `to` at time 0, applied as its txn succeeded.
+    pub(super) fn move_to(&mut self, ch: &str, to: u64) -> PlannedTxn {
+        let txn = self
+            .state
+            .move_channel(&name(ch), NodeId(to), 0)
+            .expect("move");
+        self.rev += 1;
+        self.state.applied(&txn, self.rev);
+        txn
+    }
     pub(super) fn owner_of(&self, ch: &str) -> (ChannelOwner, ChannelState, Epoch) {
         let e = self.state.entry(&name(ch)).expect("exists");
         (e.owner, e.info.state, e.info.epoch)

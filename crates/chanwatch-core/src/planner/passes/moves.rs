@@ -114,7 +114,7 @@ mod tests {
     use super::*;
     use crate::planner::tests::{info, n, name, World};
     use crate::planner::*;
-    use crate::types::{ChannelName, ChannelState, Epoch, NodeId};
+    use crate::types::{ChannelName, ChannelState, Epoch};
 
     #[test]
     fn balance_is_break_before_make_and_bounded() {
@@ -251,12 +251,7 @@ mod tests {
         w.put(n(1), info("b", ChannelState::Watched, 1, 0));
         w.put(n(1), info("c", ChannelState::Watched, 1, 0));
         // An operator moves `c` to node 2 and then `a`, `b` are on node 1: balanced.
-        let txn = w
-            .state
-            .move_channel(&name("c"), NodeId(2), 0)
-            .expect("move");
-        w.rev += 1;
-        w.state.applied(&txn, w.rev);
+        w.move_to("c", 2);
         let mut c = w.state.entry(&name("c")).expect("c").info.clone();
         c.state = ChannelState::Released;
         w.put(n(1), c);
