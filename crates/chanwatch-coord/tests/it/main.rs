@@ -70,6 +70,13 @@ mod leader_key {
 /// Scenarios that need exact simulated time run on the embedded store only.
 mod embedded_only {
     #[tokio::test(start_paused = true)]
+    async fn an_operators_lease_revoke_stops_the_nodes_channels_before_they_run_elsewhere(
+    ) -> anyhow::Result<()> {
+        crate::scenarios::an_operators_lease_revoke_stops_the_nodes_channels_before_they_run_elsewhere()
+            .await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves() -> anyhow::Result<()> {
         crate::scenarios::a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves().await
     }

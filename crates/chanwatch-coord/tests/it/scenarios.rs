@@ -866,6 +866,40 @@ pub async fn a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves() -> R
     no_double_ownership(&c)
 }
 
+/// Embedded only (paused clock): an operator revokes a live node's lease (`etcdctl lease
+/// revoke`). The coordinator fails its channels over at once (it cannot tell a revoke from an
+/// expiry), not one TTL later as after its own fence. The node stops them as fast, not at its
+/// next renewal up to ttl/3 later: the failover txn deletes its keys, and the node's watch
+/// delivers those deletes in the same revision as the new owner's puts.
+pub async fn an_operators_lease_revoke_stops_the_nodes_channels_before_they_run_elsewhere(
+) -> Result<()> {
+    let c = Cluster::embedded().await?;
+    let coord = c.spawn_coord("c1");
+    let victim = c.spawn_node();
+    let victim_id = c.wait_node_id(&victim).await?;
+    let other = c.spawn_node();
+    c.wait_node_id(&other).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 2).await?;
+    c.add_channels(&coord, "ch", 6).await?;
+    c.wait_until(SETTLE, "6 Watched on both nodes", |v| {
+        v.all_watched_on_live_nodes(6) && !v.on(victim_id).is_empty()
+    })
+    .await?;
+    let lease = c
+        .store
+        .get(&c.keys.session(victim_id))
+        .await?
+        .and_then(|kv| kv.lease)
+        .context("the session key is leased")?;
+    c.store.revoke(lease).await?;
+    c.wait_until(SETTLE, "6 Watched off the revoked node", |v| {
+        v.all_watched_on_live_nodes(6) && v.on(victim_id).is_empty()
+    })
+    .await?;
+    no_double_ownership(&c)
+}
+
 /// Embedded only (paused clock): the whole store goes away for 20 s (an etcd crash, restart
 /// or lost quorum: no leader, so no lease expires, and a new leader extends every lease),
 /// with a session TTL of 3 s. Static stability (DESIGN §6, invariant 9): every channel is
