@@ -12,12 +12,13 @@ use std::time::Duration;
 
 use chanwatch_core::CoordSession;
 use chanwatch_store::{
-    Clock, Compare, EventKind, KeyValue, MetaStore, OpResponse, StoreError, Txn, TxnOp,
+    keep_lease, Clock, Compare, EventKind, KeyValue, MetaStore, OpResponse, Renewal, StoreError,
+    Txn, TxnOp,
 };
 use futures_util::StreamExt;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::coordinator::CoordinatorConfig;
@@ -46,13 +47,6 @@ pub enum CoordError {
     /// a runtime of your choice.
     #[error("a coordinator must be spawned from within a tokio runtime; call spawn() from async code, or build() and run it yourself")]
     NoRuntime,
-}
-
-struct AbortOnDrop(JoinHandle<()>);
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Jittered exponential back-off: `attempt` 1 waits about [`BACKOFF_START`], doubling up to
@@ -146,7 +140,7 @@ pub(crate) async fn run(
         answered = true;
         attempt = 0;
         let lost = CancellationToken::new();
-        let _keepalive = AbortOnDrop(tokio::spawn(keepalive(
+        let _keepalive = AbortOnDropHandle::new(tokio::spawn(keepalive(
             store.clone(),
             lease.id,
             config.session_ttl,
@@ -362,8 +356,9 @@ pub(crate) async fn serve_standby_until(
     }
 }
 
-/// Renews the leader lease; cancels `lost` when it is gone or has not been renewed for
-/// `ttl - margin` (a leader that cannot renew must stop writing before a standby may start).
+/// Keeps the leader lease alive ([`keep_lease`], shared with the nodes); cancels `lost` when
+/// the store says it is gone or it has not been renewed for `ttl - margin` (a leader that
+/// cannot renew must stop writing before a standby may start).
 async fn keepalive(
     store: Arc<dyn MetaStore>,
     lease: i64,
@@ -371,27 +366,27 @@ async fn keepalive(
     clock: Clock,
     lost: CancellationToken,
 ) {
-    let period = ttl / 3;
     let margin = (ttl / 5).max(Duration::from_secs(1));
-    let mut last_ok = clock.now();
+    let (renewed_tx, mut renewed) = watch::channel(Renewal {
+        sent: clock.now(),
+        revision: 0,
+    });
+    let keeper = keep_lease(store, lease, ttl, clock, renewed_tx, None, "coord");
+    tokio::pin!(keeper);
     loop {
-        clock.sleep(period).await;
-        // The lease runs from when the store got the renewal, which is no earlier than this.
-        let sent = clock.now();
-        match tokio::time::timeout(period, store.keepalive(lease)).await {
-            Ok(Ok(_)) => last_ok = sent,
-            Ok(Err(StoreError::LeaseNotFound(_))) => {
-                lost.cancel();
-                return;
+        let deadline = renewed.borrow_and_update().sent + ttl.saturating_sub(margin);
+        tokio::select! {
+            biased;
+            // The store says the lease is gone.
+            () = &mut keeper => break,
+            changed = renewed.changed() => if changed.is_err() { break },
+            () = clock.sleep_until(deadline) => {
+                warn!(?ttl, "coord: the leader lease was not renewed for ttl - margin; stepping down");
+                break;
             }
-            Ok(Err(e)) => warn!(error = %e, "coord: leader keepalive failed"),
-            Err(_) => warn!("coord: leader keepalive timed out"),
-        }
-        if clock.now().saturating_duration_since(last_ok) + margin >= ttl {
-            lost.cancel();
-            return;
         }
     }
+    lost.cancel();
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@
 //!
 //! `embed` (builder and handle), `runtime` (sessions one after another), `register`,
 //! `session` (the event loop), `runner` (one task per channel), `acks` (group commit),
-//! `keepalive`, `watchdog` (when to pause), `handler` (the trait and built-in handlers),
+//! `watchdog` (when to pause; the lease keeper is `chanwatch_store::keep_lease`), `handler` (the trait and built-in handlers),
 //! `admin` (HTTP), `metrics`, `config`. The `testing` feature adds `RecordingHandler`, a
 //! fixture for tests.
 //!
@@ -56,7 +56,6 @@ pub mod admin;
 mod config;
 mod embed;
 pub mod handler;
-mod keepalive;
 pub mod metrics;
 mod register;
 mod runner;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
 use chanwatch_core::{ChannelInfo, ChannelName, Keys};
-use chanwatch_store::{Clock, Compare, EventKind, ListWatch, MetaStore, Update};
+use chanwatch_store::{keep_lease, Clock, Compare, EventKind, ListWatch, MetaStore, Update};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -23,7 +23,6 @@ use tracing::{debug, error, info, warn};
 use crate::acks::AckOutcome;
 use crate::config::{NodeConfig, NodeStatus, PlantedBug};
 use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
-use crate::keepalive::keepalive;
 use crate::register::Registered;
 use crate::runner::{run_channel, Runner, RunningGuard};
 use crate::watchdog::{watchdog, Renewal};
@@ -121,16 +120,24 @@ impl Session {
             revision: 0,
         });
         let lost = CancellationToken::new();
-        let _keepalive = AbortOnDropHandle::new(tokio::spawn(keepalive(
+        // The shared lease keeper (every ttl/3, every 500 ms while failing); a renewal after
+        // failures asks for a relist at once (`renewed`), not after the list-watch's back-off.
+        // When the store says the lease is gone, everything stops.
+        let keeper = keep_lease(
             self.store.clone(),
             self.reg.lease,
             self.ttl,
             self.clock,
             last_ok_tx,
-            lost.clone(),
-            self.fence.clone(),
-            renewed_tx.clone(),
-        )));
+            Some(renewed_tx.clone()),
+            "node",
+        );
+        let (gone, fence) = (lost.clone(), self.fence.clone());
+        let _keepalive = AbortOnDropHandle::new(tokio::spawn(async move {
+            keeper.await;
+            gone.cancel();
+            fence.cancel();
+        }));
         let prefix = self
             .keys
             .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));

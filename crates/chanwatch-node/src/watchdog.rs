@@ -25,15 +25,7 @@ use chanwatch_store::Revision;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-/// A renewal that succeeded: when it was sent and the revision its answer named (`0`:
-/// unknown).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Renewal {
-    /// When the request was sent: the lease cannot expire before `sent + ttl`.
-    pub sent: Instant,
-    /// The store's revision in the answer.
-    pub revision: Revision,
-}
+pub(crate) use chanwatch_store::Renewal;
 
 /// Most renewals remembered while the watch is behind; the earliest are the ones that count.
 const BEHIND_CAP: usize = 64;

@@ -1,0 +1,136 @@
+//! Keeping a lease alive: the one renewal loop of every part that holds a lease (a node's
+//! session, the coordinator's leader key).
+//!
+//! Owns: the cadence (every ttl/3; every 500 ms while renewals fail, so a part learns within a
+//! second that the store is back), the per-attempt timeout, what a success means (the
+//! [`Renewal`]: when the request was *sent* — the lease runs from when the store got it, which
+//! is no earlier — and the revision the answer named) and the log lines. Must not: decide what
+//! a failing lease means for its holder (a node pauses, a leader steps down): it reports, the
+//! holder decides.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::{Clock, LeaseId, MetaStore, Revision, StoreError};
+
+/// A renewal that succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewal {
+    /// When the request was sent: the lease cannot expire before `sent + ttl`.
+    pub sent: Instant,
+    /// The store's revision in the answer (`0`: unknown). A watch that has not reached it is
+    /// behind.
+    pub revision: Revision,
+}
+
+/// How often a failing renewal is tried again.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// Renews `lease` until the store says it no longer exists, then returns. Publishes every
+/// success on `renewed`, and signals `recovered` (if given) when a renewal succeeds after
+/// failures. `who` names the holder in log lines (`node`, `coord`).
+pub async fn keep_lease(
+    store: Arc<dyn MetaStore>,
+    lease: LeaseId,
+    ttl: Duration,
+    clock: Clock,
+    renewed: watch::Sender<Renewal>,
+    recovered: Option<mpsc::UnboundedSender<()>>,
+    who: &'static str,
+) {
+    let period = ttl / 3;
+    let mut failing = 0u32;
+    loop {
+        clock
+            .sleep(if failing > 0 {
+                RETRY.min(period)
+            } else {
+                period
+            })
+            .await;
+        let sent = clock.now();
+        let attempt = tokio::time::timeout(period, store.keepalive(lease)).await;
+        let error = match attempt {
+            Ok(Ok(revision)) => {
+                if failing > 0 {
+                    info!(lease, failures = failing, "{who}: keepalive succeeds again");
+                    if let Some(r) = &recovered {
+                        let _ = r.send(());
+                    }
+                }
+                failing = 0;
+                let _ = renewed.send(Renewal { sent, revision });
+                continue;
+            }
+            Ok(Err(StoreError::LeaseNotFound(_))) => {
+                warn!(lease, "{who}: the store says our lease is gone");
+                return;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {period:?}"),
+        };
+        failing += 1;
+        // One line when the trouble starts, then one every 20 attempts (~10 s).
+        if failing % 20 == 1 {
+            warn!(lease, failures = failing, error = %error, "{who}: keepalive failed; retrying every 500 ms");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{EmbeddedStore, FaultyStore};
+
+    #[tokio::test(start_paused = true)]
+    async fn renewals_are_published_retried_fast_while_failing_and_end_when_the_lease_is_gone() {
+        let inner = EmbeddedStore::new();
+        let (store, faults) = FaultyStore::new(inner.clone());
+        let lease = inner
+            .grant(Duration::from_secs(3))
+            .await
+            .map(|l| l.id)
+            .unwrap_or_default();
+        let start = Renewal {
+            sent: Instant::now(),
+            revision: 0,
+        };
+        let (tx, mut rx) = watch::channel(start);
+        let (rec_tx, mut rec_rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(keep_lease(
+            Arc::new(store),
+            lease,
+            Duration::from_secs(3),
+            Clock::system(),
+            tx,
+            Some(rec_tx),
+            "test",
+        ));
+        // Every ttl/3 = 1 s.
+        tokio::time::sleep(Duration::from_millis(1_050)).await;
+        assert!(rx.has_changed().unwrap_or(false), "renewed after 1 s");
+        rx.borrow_and_update();
+        // Failing: tried again every 500 ms; the first success after says so.
+        faults.fail_keepalives(true);
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        assert!(
+            !rx.has_changed().unwrap_or(true),
+            "no success while failing"
+        );
+        faults.fail_keepalives(false);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(
+            rx.has_changed().unwrap_or(false),
+            "renewed within 500 ms of recovery"
+        );
+        assert!(rec_rx.try_recv().is_ok(), "recovery signalled");
+        // Gone: the loop ends.
+        inner.revoke(lease).await.ok();
+        let ended = tokio::time::timeout(Duration::from_secs(2), task).await;
+        assert!(ended.is_ok(), "the keeper returns once the lease is gone");
+    }
+}
