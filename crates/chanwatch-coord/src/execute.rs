@@ -53,6 +53,9 @@ impl Term<'_> {
                     ops.push(TxnOp::put(keys.drain(*node), since.to_string()));
                 }
                 Op::Undrain { node } => ops.push(TxnOp::delete(keys.drain(*node))),
+                Op::DeleteCheckpoint { channel } => {
+                    ops.push(TxnOp::delete(keys.checkpoint(channel)));
+                }
                 Op::Fence { node } => {
                     let since = serde_json::json!({ "since_ms": self.clock.unix_ms() });
                     ops.push(TxnOp::put(keys.fence(*node), since.to_string()));

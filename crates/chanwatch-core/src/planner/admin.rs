@@ -85,13 +85,20 @@ impl Planner {
             .get(channel)
             .ok_or_else(|| AdminError::UnknownChannel(channel.clone()))?;
         let mut changes = Vec::new();
-        for e in entries.values() {
+        for (i, e) in entries.values().enumerate() {
+            let mut ops = vec![Op::Delete {
+                owner: e.owner,
+                channel: channel.clone(),
+            }];
+            if i == 0 {
+                // The committed position goes with the channel (DESIGN §2).
+                ops.push(Op::DeleteCheckpoint {
+                    channel: channel.clone(),
+                });
+            }
             changes.push(Change {
                 guards: vec![guard(e)],
-                ops: vec![Op::Delete {
-                    owner: e.owner,
-                    channel: channel.clone(),
-                }],
+                ops,
                 transition: Some(Transition {
                     channel: channel.clone(),
                     cause: Cause::Remove,
@@ -187,6 +194,28 @@ mod tests {
     use crate::planner::tests::{info, n, name, World};
     use crate::planner::*;
     use crate::types::{ChannelState, Epoch, NodeId, VChannelInfo};
+
+    #[test]
+    fn removing_a_channel_deletes_its_checkpoint_once_even_with_two_keys() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        // A duplicate key (epoch 2 on node 2): both go, the checkpoint once.
+        w.put(n(2), info("a", ChannelState::ToWatch, 2, 0));
+        let txn = w.state.remove_channel(&name("a")).expect("known channel");
+        let deletes = txn
+            .ops
+            .iter()
+            .filter(|o| matches!(o, Op::Delete { .. }))
+            .count();
+        let checkpoints: Vec<_> = txn
+            .ops
+            .iter()
+            .filter(|o| matches!(o, Op::DeleteCheckpoint { channel } if channel.as_str() == "a"))
+            .collect();
+        assert_eq!((deletes, checkpoints.len()), (2, 1), "{:?}", txn.ops);
+    }
 
     #[test]
     fn add_channel_goes_to_the_least_loaded_node_with_epoch_one() {

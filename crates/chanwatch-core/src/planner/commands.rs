@@ -93,6 +93,12 @@ pub enum Op {
         /// Channel part of the key.
         channel: ChannelName,
     },
+    /// Delete `checkpoint/{channel}`: the channel is removed, its committed position with it
+    /// (a channel added again later starts from the beginning).
+    DeleteCheckpoint {
+        /// The channel.
+        channel: ChannelName,
+    },
     /// Put the drain mark `coord/drain/{node}`.
     Drain {
         /// The node to drain.

@@ -65,6 +65,7 @@ fn op_bytes(op: &Op) -> usize {
     match op {
         Op::Put { info, .. } => info.encode().len() + 300,
         Op::Delete { .. }
+        | Op::DeleteCheckpoint { .. }
         | Op::Drain { .. }
         | Op::Undrain { .. }
         | Op::Fence { .. }

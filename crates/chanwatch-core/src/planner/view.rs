@@ -341,6 +341,8 @@ impl Planner {
                 Op::Unfence { node } => {
                     self.fences.remove(node);
                 }
+                // The planner keeps no checkpoints in its view.
+                Op::DeleteCheckpoint { .. } => {}
                 Op::Put { owner, info } => {
                     self.insert_entry(
                         info.channel.clone(),
