@@ -385,16 +385,20 @@ impl CoordSession {
     }
 }
 
-/// The value of `{root}/checkpoint/{channel}`: how far the owner has consumed. DESIGN.md §4
-/// has it written only by a txn that compares the channel's current epoch, so a stale owner
-/// cannot move it. Nothing in chanwatch writes or deletes checkpoints yet: the type and its
-/// key are here for the data plane, which will.
+/// The value of `{root}/checkpoint/{channel}`: how far the owner has consumed, and the
+/// handler's small state as of that position (written together, so a state is exactly the
+/// fold of the messages up to the position). Written only by the owning node's fenced txn
+/// (DESIGN §4: it compares the assignment key's create revision, the session and the
+/// checkpoint's own mod revision), deleted by the coordinator with the channel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Checkpoint {
     /// The epoch of the assignment under which this was written.
     pub epoch: Epoch,
     /// Opaque stream position.
     pub position: String,
+    /// The handler's state as of `position` (at most [`Checkpoint::MAX_STATE_BYTES`] encoded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<Value>,
     /// Unix milliseconds of the writer's clock.
     pub updated_at_ms: u64,
     /// Fields this build does not know, kept verbatim.
@@ -403,6 +407,9 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// Largest encoded state a commit may carry (DESIGN §2).
+    pub const MAX_STATE_BYTES: usize = 64 * 1024;
+
     /// Encodes to JSON.
     pub fn encode(&self) -> Vec<u8> {
         encode(self)

@@ -1,23 +1,39 @@
-//! Acknowledgements: group commit of a session's acks, one txn for many when it can, one per
-//! ack when the shared one is refused.
+//! Group commit of a session's writes — acknowledgements and checkpoint commits — one txn for
+//! many when it can, one per write when the shared one is refused.
 //!
-//! Owns: chunking acks to the store's limits, the write in flight and booking its outcomes.
-//! Must not: decide what to ack (the node machine does) or run channels.
+//! Owns: chunking writes to the store's limits, the write in flight and booking its outcomes
+//! (acks go to the node machine, commits answer their run). Must not: decide what to ack (the
+//! node machine does) or when to commit (the handler does), or run channels.
 
 use chanwatch_core::node::NodeEvent;
-use chanwatch_core::{ChannelInfo, ChannelState};
+use chanwatch_core::{ChannelInfo, ChannelName, ChannelState};
 use chanwatch_store::{Compare, MetaStore, Txn, TxnOp};
+use tokio::sync::oneshot;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
+use crate::checkpoint::{CommitError, CommitRequest};
 use crate::config::PlantedBug;
 use crate::session::Session;
 
-/// One acknowledgement to write.
+/// What a write is for.
+// Built and consumed within one write; boxing the assignment would add an allocation per ack.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(crate) enum What {
+    /// An acknowledgement of this assignment value.
+    Ack(ChannelInfo),
+    /// A checkpoint commit of a channel's run, answered here.
+    Commit(ChannelName, oneshot::Sender<Result<i64, CommitError>>),
+}
+
+/// One write: its guards (besides the session's) and its put.
+#[derive(Debug)]
 pub(crate) struct AckWrite {
-    pub(crate) info: ChannelInfo,
-    /// The key's mod revision must be unchanged (`None` only under a planted bug).
-    pub(crate) compare: Option<Compare>,
+    pub(crate) what: What,
+    /// For an ack the key's mod revision (none only under a planted bug); for a commit the
+    /// assignment's create revision and the checkpoint's last seen revision.
+    pub(crate) compares: Vec<Compare>,
     pub(crate) put: TxnOp,
 }
 
@@ -37,18 +53,18 @@ pub(crate) async fn write_acks(
     store: &dyn MetaStore,
     session: Option<&Compare>,
     chunk: Vec<AckWrite>,
-) -> Vec<(ChannelInfo, AckOutcome)> {
+) -> Vec<(What, AckOutcome)> {
     if chunk.len() > 1 {
         let compares = session
             .cloned()
             .into_iter()
-            .chain(chunk.iter().filter_map(|w| w.compare.clone()));
+            .chain(chunk.iter().flat_map(|w| w.compares.iter().cloned()));
         let puts = chunk.iter().map(|w| w.put.clone());
         match store.txn(Txn::new().when(compares).and_then(puts)).await {
             Ok(r) if r.succeeded => {
                 return chunk
                     .into_iter()
-                    .map(|w| (w.info, AckOutcome::Committed(r.revision)))
+                    .map(|w| (w.what, AckOutcome::Committed(r.revision)))
                     .collect();
             }
             Ok(_) => debug!(
@@ -60,13 +76,13 @@ pub(crate) async fn write_acks(
     }
     let mut out = Vec::with_capacity(chunk.len());
     for w in chunk {
-        let compares = session.cloned().into_iter().chain(w.compare);
+        let compares = session.cloned().into_iter().chain(w.compares);
         let outcome = match store.txn(Txn::new().when(compares).and_then([w.put])).await {
             Ok(r) if r.succeeded => AckOutcome::Committed(r.revision),
             Ok(_) => AckOutcome::Refused,
             Err(e) => AckOutcome::Failed(e.to_string()),
         };
-        out.push((w.info, outcome));
+        out.push((w.what, outcome));
     }
     out
 }
@@ -79,7 +95,7 @@ impl Session {
     /// assignments started its next channels only one ack round trip later, and ack
     /// latency grew with the burst (the `ack` bench).
     pub(crate) fn send_acks(&mut self) {
-        if self.ack_in_flight || self.ack_queue.is_empty() {
+        if self.ack_in_flight || (self.ack_queue.is_empty() && self.commit_queue.is_empty()) {
             return;
         }
         // A paused node claims nothing: `Watched` waits for the resume. Saying it has stopped
@@ -90,36 +106,80 @@ impl Session {
             .into_iter()
             .partition(|(info, _)| !paused || info.state != ChannelState::Watched);
         self.ack_queue = later;
-        if now.is_empty() {
+        // Commits are effects: a paused node holds them until it resumes.
+        let commits = if paused {
+            Vec::new()
+        } else {
+            std::mem::take(&mut self.commit_queue)
+        };
+        if now.is_empty() && commits.is_empty() {
             return;
         }
         let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
         let session = (!unguarded).then(|| self.session_guard());
-        // One compare slot is the session guard. Values are capped at 64 KiB, so a byte
-        // budget of half the request limit also bounds a chunk.
-        let max_keys = self.store.limits().max_txn_ops.saturating_sub(1).max(1);
+        // One compare slot is the session guard. Values (and checkpoint states) are capped at
+        // 64 KiB, so a byte budget of half the request limit also bounds a chunk.
+        let max_ops = self.store.limits().max_txn_ops.saturating_sub(1).max(2);
         let max_bytes = self.store.limits().max_request_bytes / 2;
-        let mut chunks: Vec<Vec<AckWrite>> = vec![Vec::new()];
-        let mut bytes = 0;
         // In channel order: runners woken together (a resume) queue their acks in whatever
         // order the scheduler woke them (tokio's watch wakes its waiters through randomly
         // chosen shards), and a simulation must replay the same txns.
         let mut queue = now;
         queue.sort_by(|a, b| a.0.channel.cmp(&b.0.channel));
+        let mut writes: Vec<(usize, AckWrite)> = Vec::with_capacity(queue.len() + commits.len());
         for (info, expect) in queue {
             let key = self.key(&info.channel);
             let value = info.encode();
-            let last = chunks.last().map_or(0, Vec::len);
-            if last > 0 && (last >= max_keys || bytes + value.len() > max_bytes) {
-                chunks.push(Vec::new());
-                bytes = 0;
-            }
-            bytes += value.len();
-            let write = AckWrite {
-                compare: (!unguarded).then(|| Compare::mod_revision(&key, expect)),
-                put: TxnOp::put(key, value),
-                info,
+            let compares = if unguarded {
+                Vec::new()
+            } else {
+                vec![Compare::mod_revision(&key, expect)]
             };
+            let put = TxnOp::put(key, value.clone());
+            writes.push((
+                value.len(),
+                AckWrite {
+                    what: What::Ack(info),
+                    compares,
+                    put,
+                },
+            ));
+        }
+        let mut commits = commits;
+        commits.sort_by(|a, b| a.channel.cmp(&b.channel));
+        for c in commits {
+            let CommitRequest {
+                channel,
+                compares,
+                put,
+                reply,
+            } = c;
+            let len = match &put {
+                TxnOp::Put { value, .. } => value.len(),
+                _ => 0,
+            };
+            writes.push((
+                len,
+                AckWrite {
+                    what: What::Commit(channel, reply),
+                    compares,
+                    put,
+                },
+            ));
+        }
+        let mut chunks: Vec<Vec<AckWrite>> = vec![Vec::new()];
+        let (mut bytes, mut guards) = (0, 0);
+        for (len, write) in writes {
+            let last = chunks.last().map_or(0, Vec::len);
+            let full = last >= max_ops
+                || guards + write.compares.len() > max_ops
+                || bytes + len > max_bytes;
+            if last > 0 && full {
+                chunks.push(Vec::new());
+                (bytes, guards) = (0, 0);
+            }
+            bytes += len;
+            guards += write.compares.len();
             if let Some(c) = chunks.last_mut() {
                 c.push(write);
             }
@@ -137,10 +197,17 @@ impl Session {
     }
 
     /// Books the outcomes of one ack write and sends what queued meanwhile.
-    pub(crate) async fn acks_done(&mut self, outcomes: Vec<(ChannelInfo, AckOutcome)>) {
+    pub(crate) async fn acks_done(&mut self, outcomes: Vec<(What, AckOutcome)>) {
         self.ack_in_flight = false;
         let mut cmds = Vec::new();
-        for (info, outcome) in outcomes {
+        for (what, outcome) in outcomes {
+            let info = match what {
+                What::Ack(info) => info,
+                What::Commit(channel, reply) => {
+                    self.commit_done(&channel, reply, outcome);
+                    continue;
+                }
+            };
             let committed = match outcome {
                 AckOutcome::Committed(rev) => {
                     self.metrics.acks("committed", 1);
@@ -168,6 +235,33 @@ impl Session {
         }
         self.execute_or_fence(cmds).await;
         self.send_acks();
+    }
+
+    /// Answers a commit and counts it.
+    fn commit_done(
+        &self,
+        channel: &ChannelName,
+        reply: oneshot::Sender<Result<i64, CommitError>>,
+        outcome: AckOutcome,
+    ) {
+        let answer = match outcome {
+            AckOutcome::Committed(rev) => {
+                self.metrics.commits("committed");
+                Ok(rev)
+            }
+            AckOutcome::Refused => {
+                self.metrics.commits("fenced");
+                info!(node = %self.reg.id, %channel, "node: checkpoint commit refused: this run no longer owns the channel (moved, removed, session ended or a newer commit)");
+                Err(CommitError::Fenced(
+                    "the assignment moved, the channel was removed, the session ended or a newer commit landed".into(),
+                ))
+            }
+            AckOutcome::Failed(e) => {
+                self.metrics.commits("error");
+                Err(CommitError::Unavailable(e))
+            }
+        };
+        let _ = reply.send(answer);
     }
 
     fn observe_ack(&mut self, info: &ChannelInfo) {
@@ -206,15 +300,15 @@ mod tests {
                 .revision;
             info.state = ChannelState::Watched;
             out.push(AckWrite {
-                compare: Some(Compare::mod_revision(&key, rev)),
+                compares: vec![Compare::mod_revision(&key, rev)],
                 put: TxnOp::put(&key, info.encode()),
-                info,
+                what: What::Ack(info),
             });
         }
         out
     }
 
-    fn committed_at(outcomes: &[(ChannelInfo, AckOutcome)]) -> Vec<Option<i64>> {
+    fn committed_at(outcomes: &[(What, AckOutcome)]) -> Vec<Option<i64>> {
         outcomes
             .iter()
             .map(|(_, o)| match o {

@@ -14,6 +14,8 @@ use chanwatch_core::{ChannelInfo, ChannelName, Epoch, NodeId, Progress};
 use chanwatch_store::Clock;
 use tokio::sync::mpsc;
 
+pub use crate::checkpoint::CommitError;
+
 /// What a runner tells the node loop.
 #[derive(Debug)]
 pub(crate) enum RunnerEvent {
@@ -53,6 +55,10 @@ pub struct ChannelContext {
     /// The runner this context belongs to: a late [`ChannelContext::fail`] of an earlier run
     /// of the same channel is ignored.
     pub(crate) generation: u64,
+    /// The checkpoint this run resumes from (read before `load`).
+    pub(crate) resume: Option<chanwatch_core::Checkpoint>,
+    /// How this run commits (none in contexts made outside a node, e.g. handler tests).
+    pub(crate) committer: Option<crate::checkpoint::Committer>,
 }
 
 impl ChannelContext {
@@ -76,6 +82,45 @@ impl ChannelContext {
                 updated_at_ms: self.clock.unix_ms(),
             },
         });
+    }
+
+    /// Where to resume: the position of the channel's last committed checkpoint (`None`: no
+    /// checkpoint yet — start from the beginning of the channel).
+    pub fn resume_position(&self) -> Option<&str> {
+        self.resume.as_ref().map(|c| c.position.as_str())
+    }
+
+    /// The state committed with [`resume_position`](Self::resume_position), if any.
+    pub fn resume_state(&self) -> Option<&serde_json::Value> {
+        self.resume.as_ref().and_then(|c| c.state.as_ref())
+    }
+
+    /// Commits how far this run has consumed, and the handler's state as of there, by fenced
+    /// txn (DESIGN §4): it lands only while this run still owns the channel — the assignment
+    /// it started under unchanged, the node's session alive, and no other commit since this
+    /// run's last one. Group-committed with the node's other writes; returns once answered.
+    ///
+    /// # Errors
+    /// [`CommitError::Fenced`]: stop consuming (the node stops the run too);
+    /// [`CommitError::Unavailable`]: nothing known to have landed (the store did not answer or
+    /// the node is paused), commit again later; [`CommitError::TooLarge`]: the state is over
+    /// 64 KiB.
+    pub async fn commit(
+        &self,
+        position: impl Into<String>,
+        state: Option<serde_json::Value>,
+    ) -> Result<(), CommitError> {
+        let started = self.clock.now();
+        let result = match &self.committer {
+            Some(c) => c.commit(position.into(), state).await,
+            None => Err(CommitError::Unavailable(
+                "this context belongs to no node (a test context)".into(),
+            )),
+        };
+        if let Some(c) = &self.committer {
+            c.observe(self.clock.now().saturating_duration_since(started));
+        }
+        result
     }
 
     /// The clock, for handlers that wait.

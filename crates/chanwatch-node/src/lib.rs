@@ -53,6 +53,7 @@
 
 mod acks;
 pub mod admin;
+pub mod checkpoint;
 mod config;
 mod embed;
 pub mod handler;
@@ -63,6 +64,7 @@ mod runtime;
 mod session;
 mod watchdog;
 
+pub use checkpoint::CommitError;
 pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug};
 pub use embed::{Node, NodeBuilder, NodeHandle};
 pub use handler::{AuditLog, ChannelContext, ChannelHandler, NamePatterns, SimulatedLoad};

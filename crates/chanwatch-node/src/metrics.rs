@@ -19,6 +19,9 @@ pub struct NodeMetrics {
     /// Channels with a runner (loading or running).
     pub running: IntGauge,
     acks: IntCounterVec,
+    commits: IntCounterVec,
+    /// From a handler's `commit` to its answer (landed, fenced or failed).
+    pub commit_latency: Histogram,
     /// From an assignment seen (PUT) to its `Watched` ack committed.
     pub ack_latency: Histogram,
     /// Sessions registered.
@@ -64,6 +67,20 @@ impl NodeMetrics {
                     "Acknowledgement writes by result.",
                 ),
                 &["result"],
+            )),
+            commits: must(IntCounterVec::new(
+                Opts::new(
+                    "chanwatch_node_checkpoint_commits_total",
+                    "Checkpoint commits by result (committed, fenced, error).",
+                ),
+                &["result"],
+            )),
+            commit_latency: must(Histogram::with_opts(
+                HistogramOpts::new(
+                    "chanwatch_node_checkpoint_commit_seconds",
+                    "From a handler's commit to its answer.",
+                )
+                .buckets(ACK_BUCKETS.to_vec()),
             )),
             ack_latency: must(Histogram::with_opts(
                 HistogramOpts::new(
@@ -133,6 +150,8 @@ impl NodeMetrics {
         registry.register(Box::new(self.running.clone()))?;
         registry.register(Box::new(self.acks.clone()))?;
         registry.register(Box::new(self.ack_latency.clone()))?;
+        registry.register(Box::new(self.commits.clone()))?;
+        registry.register(Box::new(self.commit_latency.clone()))?;
         registry.register(Box::new(self.sessions.clone()))?;
         registry.register(Box::new(self.fences.clone()))?;
         registry.register(Box::new(self.paused.clone()))?;
@@ -147,5 +166,10 @@ impl NodeMetrics {
     /// Counts acks by result (`committed`, `refused`, `error`).
     pub fn acks(&self, result: &str, n: u64) {
         self.acks.with_label_values(&[result]).inc_by(n);
+    }
+
+    /// Counts checkpoint commits by result (`committed`, `fenced`, `error`).
+    pub fn commits(&self, result: &str) {
+        self.commits.with_label_values(&[result]).inc();
     }
 }

@@ -1,8 +1,10 @@
 //! A channel's runner: one task per assignment that loads through the handler, reports the
 //! outcome, follows the session's pause signal (pause / resume warm) and releases on stop.
 //!
-//! Owns: the handler calls for one channel and the `channels_running` gauge's share. Must not:
-//! touch the store — it reports to the session through [`RunnerEvent`]s.
+//! Owns: the handler calls for one channel and the `channels_running` gauge's share; before each
+//! load it reads the checkpoint to resume from (the one store read it makes). Must not write to
+//! the store — it reports to the session through [`RunnerEvent`]s, and commits go through the
+//! session's group commit.
 
 use std::sync::Arc;
 
@@ -55,6 +57,14 @@ pub(crate) async fn run_channel(
             stopped(&events);
             return;
         }
+        // Where to resume: the last committed checkpoint, read before every load attempt.
+        let load = async {
+            let mut ctx = ctx.clone();
+            if let Some(c) = ctx.committer.clone() {
+                ctx.resume = c.resume_point().await?;
+            }
+            handler.load(ctx).await
+        };
         let loaded = tokio::select! {
             biased;
             () = cancel.cancelled() => None,
@@ -62,7 +72,7 @@ pub(crate) async fn run_channel(
                 handler.release(node, &info).await;
                 continue;
             }
-            r = handler.load(ctx.clone()) => Some(r),
+            r = load => Some(r),
         };
         let Some(result) = loaded else { break };
         let ok = result.is_ok();

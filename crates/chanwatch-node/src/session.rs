@@ -20,7 +20,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
-use crate::acks::AckOutcome;
+use crate::acks::{AckOutcome, What};
+use crate::checkpoint::{CommitRequest, Committer};
 use crate::config::{NodeConfig, NodeStatus, PlantedBug};
 use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
 use crate::register::Registered;
@@ -67,8 +68,15 @@ pub(crate) struct Session {
     /// The write in flight; aborted with the session (its txn may still land: it is
     /// guarded by the session and the key's revision, so that is harmless).
     pub(crate) ack_task: Option<AbortOnDropHandle<()>>,
-    pub(crate) acks_done_tx: mpsc::UnboundedSender<Vec<(ChannelInfo, AckOutcome)>>,
-    pub(crate) acks_done_rx: mpsc::UnboundedReceiver<Vec<(ChannelInfo, AckOutcome)>>,
+    pub(crate) acks_done_tx: mpsc::UnboundedSender<Vec<(What, AckOutcome)>>,
+    pub(crate) acks_done_rx: mpsc::UnboundedReceiver<Vec<(What, AckOutcome)>>,
+    /// Checkpoint commits from the runs, waiting for the next write (group commit with acks).
+    pub(crate) commit_queue: Vec<CommitRequest>,
+    pub(crate) commits_tx: mpsc::UnboundedSender<CommitRequest>,
+    pub(crate) commits_rx: mpsc::UnboundedReceiver<CommitRequest>,
+    /// The create revision of each assignment key as last seen: a run's commits are fenced on
+    /// the key it started under (a move or a removal deletes it).
+    pub(crate) create_revisions: BTreeMap<ChannelName, i64>,
 }
 
 impl Session {
@@ -81,6 +89,7 @@ impl Session {
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (acks_done_tx, acks_done_rx) = mpsc::unbounded_channel();
+        let (commits_tx, commits_rx) = mpsc::unbounded_channel();
         Session {
             store,
             handler,
@@ -106,6 +115,10 @@ impl Session {
             ack_task: None,
             acks_done_tx,
             acks_done_rx,
+            commit_queue: Vec::new(),
+            commits_tx,
+            commits_rx,
+            create_revisions: BTreeMap::new(),
         }
     }
 
@@ -242,11 +255,19 @@ impl Session {
                     self.execute_or_fence(cmds).await;
                 }
                 Some(outcomes) = self.acks_done_rx.recv() => self.acks_done(outcomes).await,
+                Some(first) = self.commits_rx.recv() => {
+                    self.commit_queue.push(first);
+                    while let Ok(more) = self.commits_rx.try_recv() {
+                        self.commit_queue.push(more);
+                    }
+                    self.send_acks();
+                }
                 update = lw.next() => match update {
                     Some(Update::Reset { kvs, revision }) => {
                         self.metrics.relists.inc();
                         debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
-                        let list = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
+                        let list: Vec<_> = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
+                        self.create_revisions = kvs.iter().filter_map(|kv| self.keys.parse_channel(&kv.key).ok().map(|ck| (ck.channel, kv.create_revision))).collect();
                         let cmds = self.machine.reset(list);
                         self.execute_or_fence(cmds).await;
                     }
@@ -255,7 +276,10 @@ impl Session {
                         for ev in events {
                             let event = match ev.kind {
                                 EventKind::Put => match self.decode(&ev.kv.key, &ev.kv.value) {
-                                    Some(info) => NodeEvent::Put { info, mod_revision: ev.kv.mod_revision },
+                                    Some(info) => {
+                                        self.create_revisions.insert(info.channel.clone(), ev.kv.create_revision);
+                                        NodeEvent::Put { info, mod_revision: ev.kv.mod_revision }
+                                    }
                                     None => continue,
                                 },
                                 EventKind::Delete => match self.keys.parse_channel(&ev.kv.key) {
@@ -416,6 +440,21 @@ impl Session {
             last_progress: Arc::new(Mutex::new(None)),
             progress_interval: self.progress_interval,
             generation,
+            resume: None,
+            committer: Some(Committer::new(
+                self.store.clone(),
+                self.commits_tx.clone(),
+                info.channel.clone(),
+                info.epoch,
+                self.keys.checkpoint(&info.channel),
+                self.key(&info.channel),
+                self.create_revisions
+                    .get(&info.channel)
+                    .copied()
+                    .unwrap_or(0),
+                self.clock,
+                self.metrics.commit_latency.clone(),
+            )),
         };
         self.seen_at.insert(info.channel.clone(), self.clock.now());
         self.metrics.running.inc();

@@ -169,7 +169,8 @@ proptest! {
             id: format!("c{id}"), admin_addr: addr, started_at_ms: started, extra: extra.clone(),
         };
         prop_assert_eq!(CoordSession::decode(&coord.encode()).expect("coord"), coord);
-        let cp = Checkpoint { epoch: Epoch(epoch), position: pos, updated_at_ms: started, extra };
+        let state = (capacity % 2 == 0).then(|| serde_json::json!({"count": capacity, "digest": id}));
+        let cp = Checkpoint { epoch: Epoch(epoch), position: pos, state, updated_at_ms: started, extra };
         prop_assert_eq!(Checkpoint::decode(&cp.encode()).expect("checkpoint"), cp);
     }
 

@@ -2,5 +2,6 @@
 //! `chanwatch-testkit` on loopback ports, killed at the end of each test), and the
 //! `embed_node` example on the embedded store.
 
+mod checkpoints;
 mod example;
 mod liveness;

@@ -1,0 +1,174 @@
+//! Fenced checkpoints end to end on the embedded store (issue 12, DESIGN §4): a run resumes
+//! from the last commit, a moved channel's old run can no longer commit, and removing the
+//! channel deletes its checkpoint.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use async_trait::async_trait;
+use chanwatch_coord::Coordinator;
+use chanwatch_core::{ChannelInfo, ChannelName, Checkpoint, Keys, NodeId, VChannelInfo};
+use chanwatch_node::{ChannelContext, ChannelHandler, CommitError, Node};
+use chanwatch_store::{EmbeddedStore, MetaStore};
+use serde_json::json;
+
+/// Keeps each run's context so the test can commit through it, and what it resumed from.
+#[derive(Default)]
+struct Keeper {
+    runs: Mutex<BTreeMap<(u64, String), ChannelContext>>,
+}
+
+impl Keeper {
+    fn run_on(&self, node: NodeId, channel: &str) -> Option<ChannelContext> {
+        let runs = self.runs.lock().ok()?;
+        runs.get(&(node.0, channel.to_owned())).cloned()
+    }
+}
+
+#[async_trait]
+impl ChannelHandler for Keeper {
+    async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
+        let key = (ctx.node.0, ctx.info.channel.to_string());
+        self.runs
+            .lock()
+            .map_err(|e| e.to_string())?
+            .insert(key, ctx);
+        Ok(())
+    }
+    async fn release(&self, _node: NodeId, _info: &ChannelInfo) {}
+    async fn pause(&self, _node: NodeId, _info: &ChannelInfo) {}
+    async fn resume(&self, _node: NodeId, _info: &ChannelInfo) {}
+}
+
+async fn wait_run(keeper: &Keeper, node: NodeId, channel: &str) -> Result<ChannelContext> {
+    for _ in 0..400 {
+        if let Some(ctx) = keeper.run_on(node, channel) {
+            return Ok(ctx);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    bail!("{channel} never ran on node {node}")
+}
+
+async fn checkpoint(store: &dyn MetaStore, channel: &str) -> Result<Option<Checkpoint>> {
+    let key = Keys::default().checkpoint(&ChannelName::new(channel)?);
+    Ok(match store.get(&key).await? {
+        Some(kv) => Some(Checkpoint::decode(&kv.value)?),
+        None => None,
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_moved_channel_resumes_from_its_last_commit_and_the_old_run_is_fenced() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let keeper = Arc::new(Keeper::default());
+    let coordinator = Coordinator::builder(store.clone()).spawn()?;
+    let a = Node::builder(store.clone())
+        .handler(keeper.clone())
+        .session_ttl(Duration::from_secs(3))
+        .spawn()?;
+    let mut ready = coordinator.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
+    let mut a_status = a.watch_status();
+    let a_id = tokio::time::timeout(
+        Duration::from_secs(10),
+        a_status.wait_for(|s| s.id.is_some()),
+    )
+    .await??
+    .id
+    .context("node a has an id")?;
+    let c = ChannelName::new("c")?;
+    coordinator
+        .add_channel(c.clone(), VChannelInfo::default())
+        .await?;
+    let run_a = wait_run(&keeper, a_id, "c").await?;
+    ensure!(
+        run_a.resume_position().is_none(),
+        "a first run starts from the beginning"
+    );
+
+    run_a.commit("10", Some(json!({"count": 10}))).await?;
+    run_a.commit("20", Some(json!({"count": 20}))).await?;
+    let cp = checkpoint(&*store, "c").await?.context("committed")?;
+    ensure!(
+        cp.position == "20" && cp.state == Some(json!({"count": 20})),
+        "{cp:?}"
+    );
+
+    // Node b joins; the channel moves to it (break-before-make).
+    let b = Node::builder(store.clone())
+        .handler(keeper.clone())
+        .session_ttl(Duration::from_secs(3))
+        .spawn()?;
+    let mut b_status = b.watch_status();
+    let b_id = tokio::time::timeout(
+        Duration::from_secs(10),
+        b_status.wait_for(|s| s.id.is_some()),
+    )
+    .await??
+    .id
+    .context("node b has an id")?;
+    for _ in 0..200 {
+        if coordinator.nodes().await?.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    coordinator.move_channel(c.clone(), b_id).await?;
+    let run_b = wait_run(&keeper, b_id, "c").await?;
+    ensure!(
+        run_b.resume_position() == Some("20")
+            && run_b.resume_state() == Some(&json!({"count": 20})),
+        "the new owner resumes from the last commit: {:?} {:?}",
+        run_b.resume_position(),
+        run_b.resume_state()
+    );
+
+    // The old run commits late: refused, and the checkpoint stays.
+    match run_a.commit("25", Some(json!({"count": 25}))).await {
+        Err(CommitError::Fenced(_)) => {}
+        other => bail!("a moved channel's old run must be fenced: {other:?}"),
+    }
+    ensure!(checkpoint(&*store, "c").await?.map(|c| c.position) == Some("20".into()));
+    run_b.commit("30", None).await?;
+    ensure!(checkpoint(&*store, "c").await?.map(|c| c.position) == Some("30".into()));
+
+    // Removing the channel removes its checkpoint.
+    coordinator.remove_channel(c).await?;
+    ensure!(
+        checkpoint(&*store, "c").await?.is_none(),
+        "deleted with the channel"
+    );
+    a.stop().await?;
+    b.stop().await?;
+    coordinator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_state_over_64_kib_is_refused_before_it_is_sent() -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let keeper = Arc::new(Keeper::default());
+    let coordinator = Coordinator::builder(store.clone()).spawn()?;
+    let node = Node::builder(store.clone())
+        .handler(keeper.clone())
+        .spawn()?;
+    let mut ready = coordinator.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
+    let mut status = node.watch_status();
+    let id = tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.id.is_some()))
+        .await??
+        .id
+        .context("id")?;
+    coordinator
+        .add_channel(ChannelName::new("big")?, VChannelInfo::default())
+        .await?;
+    let run = wait_run(&keeper, id, "big").await?;
+    let huge = json!({ "blob": "x".repeat(70_000) });
+    match run.commit("1", Some(huge)).await {
+        Err(CommitError::TooLarge(n)) if n > 64 * 1024 => Ok(()),
+        other => bail!("expected TooLarge: {other:?}"),
+    }
+}
