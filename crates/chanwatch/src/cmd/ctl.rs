@@ -12,21 +12,92 @@ use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, CoordSession, Keys, VChannelInfo};
 use serde_json::{json, Value};
 
-use crate::cli::{CtlArgs, CtlCommand};
+use clap::{Args as ClapArgs, Subcommand};
+
+use crate::flags::{EtcdArgs, RootArg};
 
 mod live;
 
-pub async fn run(args: CtlArgs) -> Result<()> {
-    let keys = crate::cmd::keys(&args.root)?;
+/// Flags of `ctl`.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub root: RootArg,
+    /// Bearer token for the leader's admin API, when it requires one.
+    #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    #[command(subcommand)]
+    pub what: Command,
+}
+
+/// What `ctl` does.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List channels: channel, node (or remaining), state, epoch, age, and whether the node
+    /// says it has paused them (asked over its admin HTTP; etcd cannot know).
+    Channels {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List live nodes, their channel counts and status (running, PAUSED, ? when the node
+    /// did not answer its `/status`).
+    Nodes {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Register a channel; the leader assigns it to the least-loaded node.
+    AddChannel {
+        /// Channel name: 1-255 characters of [A-Za-z0-9._-].
+        name: String,
+        /// What a node needs to restore it, as JSON (at most 64 KiB), e.g.
+        /// '{"collection_id":7,"seek_position":"..."}'.
+        #[arg(long)]
+        vchannel: Option<String>,
+    },
+    /// Remove a channel; its node stops it at once.
+    RemoveChannel {
+        /// Channel name.
+        name: String,
+    },
+    /// Move a channel to a node (break-before-make).
+    Move {
+        /// Channel name.
+        name: String,
+        /// Target node ID.
+        #[arg(long)]
+        to: u64,
+    },
+    /// Move every channel off a node and stop assigning to it.
+    Drain {
+        /// Node ID.
+        node: u64,
+    },
+    /// Even out channels over nodes (max - min <= 1).
+    Balance {
+        /// Print the plan (channel, from, to) without moving anything.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    let keys = args.root.keys()?;
     // Validate input before touching the network.
     match &args.what {
-        CtlCommand::AddChannel { name, vchannel } => {
+        Command::AddChannel { name, vchannel } => {
             ChannelName::new(name.as_str()).map_err(|e| anyhow!("{e}"))?;
             if let Some(v) = vchannel {
                 VChannelInfo::from_json(v.as_bytes()).map_err(|e| anyhow!("--vchannel: {e}"))?;
             }
         }
-        CtlCommand::RemoveChannel { name } | CtlCommand::Move { name, .. } => {
+        Command::RemoveChannel { name } | Command::Move { name, .. } => {
             ChannelName::new(name.as_str()).map_err(|e| anyhow!("{e}"))?;
         }
         _ => {}
@@ -40,7 +111,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         async move { call(&*store, &keys, token.as_deref(), method, &path, body).await }
     };
     match args.what {
-        CtlCommand::Channels { json } => {
+        Command::Channels { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.channel_rows();
             let live = live::ask(&state.node_rows()).await;
@@ -52,7 +123,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             }
             report_corrupt(&state);
         }
-        CtlCommand::Nodes { json } => {
+        Command::Nodes { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.node_rows();
             let live = live::ask(&rows).await;
@@ -65,7 +136,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
                 print_nodes(&rows, &live);
             }
         }
-        CtlCommand::AddChannel { name, vchannel } => {
+        Command::AddChannel { name, vchannel } => {
             let vchannel: Value = match vchannel {
                 Some(v) => serde_json::from_str(&v).context("--vchannel is not JSON")?,
                 None => Value::Null,
@@ -82,7 +153,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             .await?;
             print_transitions(&out);
         }
-        CtlCommand::RemoveChannel { name } => {
+        Command::RemoveChannel { name } => {
             let out = send(
                 reqwest::Method::DELETE,
                 format!("/api/v1/channels/{name}"),
@@ -91,12 +162,12 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             .await?;
             print_transitions(&out);
         }
-        CtlCommand::Move { name, to } => {
+        Command::Move { name, to } => {
             let path = format!("/api/v1/channels/{name}/move");
             let out = send(reqwest::Method::POST, path, Some(json!({ "to": to }))).await?;
             print_transitions(&out);
         }
-        CtlCommand::Drain { node } => {
+        Command::Drain { node } => {
             send(
                 reqwest::Method::POST,
                 format!("/api/v1/nodes/{node}/drain"),
@@ -105,7 +176,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             .await?;
             println!("node {node} is draining: its channels move off, break-before-make");
         }
-        CtlCommand::Balance { dry_run, json } => {
+        Command::Balance { dry_run, json } => {
             let path = format!("/api/v1/balance?dry_run={dry_run}");
             let out = send(reqwest::Method::POST, path, None).await?;
             if json {

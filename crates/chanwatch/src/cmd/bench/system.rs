@@ -16,10 +16,8 @@ use chanwatch_store::{EmbeddedStore, EventKind, MetaStore, Txn, TxnOp};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-use crate::bench::median;
-use crate::cli::{
-    BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, BenchPlannerArgs, EtcdArgs, StoreKind,
-};
+use super::{median, BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, BenchPlannerArgs, StoreKind};
+use crate::flags::EtcdArgs;
 use crate::inproc::{InProc, NodeProc, Timings};
 
 fn round3(x: f64) -> f64 {
