@@ -1,21 +1,23 @@
 //! `chanwatch ctl`: reads state straight from etcd and sends changes to the leader's admin
 //! API (its address is in `{root}/coord/leader`).
 //!
-//! Owns: presentation (tables, `--json`) and the HTTP calls.
+//! Owns: its flags (`Args`, `Command`), checking input before any network call, and
+//! presentation (tables, `--json`). The leader's API, typed, is in `leader`; what the nodes
+//! say about themselves in `live`.
 //! Must not: write to etcd: only the coordinator writes assignments.
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, bail, Context, Result};
-use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
-use chanwatch_core::{ChannelName, CoordSession, Keys, VChannelInfo};
-use serde_json::{json, Value};
-
+use anyhow::{anyhow, Result};
+use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig, Transition};
+use chanwatch_core::{ChannelName, ChannelOwner, ChannelState, Keys, NodeId, VChannelInfo};
 use clap::{Args as ClapArgs, Subcommand};
 
 use crate::flags::{EtcdArgs, RootArg};
+use leader::{BalancePlan, Leader};
 
+mod leader;
 mod live;
 
 /// Flags of `ctl`.
@@ -87,31 +89,75 @@ pub enum Command {
     },
 }
 
+/// A `ctl` command with its input validated and parsed, before any network call.
+enum Checked {
+    Channels {
+        json: bool,
+    },
+    Nodes {
+        json: bool,
+    },
+    Add {
+        name: ChannelName,
+        /// Boxed: up to 64 KiB of JSON, parsed.
+        vchannel: Option<Box<VChannelInfo>>,
+    },
+    Remove {
+        name: ChannelName,
+    },
+    Move {
+        name: ChannelName,
+        to: NodeId,
+    },
+    Drain {
+        node: NodeId,
+    },
+    Balance {
+        dry_run: bool,
+        json: bool,
+    },
+}
+
+impl Checked {
+    fn new(what: Command) -> Result<Self> {
+        let name = |n: String| ChannelName::new(n).map_err(|e| anyhow!("{e}"));
+        Ok(match what {
+            Command::Channels { json } => Checked::Channels { json },
+            Command::Nodes { json } => Checked::Nodes { json },
+            Command::AddChannel { name: n, vchannel } => Checked::Add {
+                name: name(n)?,
+                vchannel: vchannel
+                    .map(|v| VChannelInfo::from_json(v.as_bytes()).map(Box::new))
+                    .transpose()
+                    .map_err(|e| anyhow!("--vchannel: {e}"))?,
+            },
+            Command::RemoveChannel { name: n } => Checked::Remove { name: name(n)? },
+            Command::Move { name: n, to } => Checked::Move {
+                name: name(n)?,
+                to: NodeId(to),
+            },
+            Command::Drain { node } => Checked::Drain { node: NodeId(node) },
+            Command::Balance { dry_run, json } => Checked::Balance { dry_run, json },
+        })
+    }
+}
+
+/// Runs one `ctl` command.
+///
+/// # Errors
+/// Bad input (before any network call), etcd unreachable, no leader, or the leader's refusal.
 pub async fn run(args: Args) -> Result<()> {
     let keys = args.root.keys()?;
     // Validate input before touching the network.
-    match &args.what {
-        Command::AddChannel { name, vchannel } => {
-            ChannelName::new(name.as_str()).map_err(|e| anyhow!("{e}"))?;
-            if let Some(v) = vchannel {
-                VChannelInfo::from_json(v.as_bytes()).map_err(|e| anyhow!("--vchannel: {e}"))?;
-            }
-        }
-        Command::RemoveChannel { name } | Command::Move { name, .. } => {
-            ChannelName::new(name.as_str()).map_err(|e| anyhow!("{e}"))?;
-        }
-        _ => {}
-    }
+    let what = Checked::new(args.what)?;
     let store = args.etcd.connect_under(&keys).await?;
-    let token = args.admin_token.clone();
-    let send = |method: reqwest::Method, path: String, body: Option<Value>| {
-        let store = store.clone();
-        let keys = keys.clone();
-        let token = token.clone();
-        async move { call(&*store, &keys, token.as_deref(), method, &path, body).await }
+    let leader = Leader {
+        store: &*store,
+        keys: &keys,
+        token: args.admin_token.as_deref(),
     };
-    match args.what {
-        Command::Channels { json } => {
+    match what {
+        Checked::Channels { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.channel_rows();
             let live = live::ask(&state.node_rows()).await;
@@ -123,7 +169,7 @@ pub async fn run(args: Args) -> Result<()> {
             }
             report_corrupt(&state);
         }
-        Command::Nodes { json } => {
+        Checked::Nodes { json } => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.node_rows();
             let live = live::ask(&rows).await;
@@ -136,75 +182,21 @@ pub async fn run(args: Args) -> Result<()> {
                 print_nodes(&rows, &live);
             }
         }
-        Command::AddChannel { name, vchannel } => {
-            let vchannel: Value = match vchannel {
-                Some(v) => serde_json::from_str(&v).context("--vchannel is not JSON")?,
-                None => Value::Null,
-            };
-            let mut body = json!({ "name": name });
-            if !vchannel.is_null() {
-                body["vchannel"] = vchannel;
-            }
-            let out = send(
-                reqwest::Method::POST,
-                "/api/v1/channels".to_string(),
-                Some(body),
-            )
-            .await?;
-            print_transitions(&out);
+        Checked::Add { name, vchannel } => {
+            print_transitions(&leader.add_channel(&name, vchannel.as_deref()).await?);
         }
-        Command::RemoveChannel { name } => {
-            let out = send(
-                reqwest::Method::DELETE,
-                format!("/api/v1/channels/{name}"),
-                None,
-            )
-            .await?;
-            print_transitions(&out);
-        }
-        Command::Move { name, to } => {
-            let path = format!("/api/v1/channels/{name}/move");
-            let out = send(reqwest::Method::POST, path, Some(json!({ "to": to }))).await?;
-            print_transitions(&out);
-        }
-        Command::Drain { node } => {
-            send(
-                reqwest::Method::POST,
-                format!("/api/v1/nodes/{node}/drain"),
-                None,
-            )
-            .await?;
+        Checked::Remove { name } => print_transitions(&leader.remove_channel(&name).await?),
+        Checked::Move { name, to } => print_transitions(&leader.move_channel(&name, to).await?),
+        Checked::Drain { node } => {
+            leader.drain(node).await?;
             println!("node {node} is draining: its channels move off, break-before-make");
         }
-        Command::Balance { dry_run, json } => {
-            let path = format!("/api/v1/balance?dry_run={dry_run}");
-            let out = send(reqwest::Method::POST, path, None).await?;
+        Checked::Balance { dry_run, json } => {
+            let plan = leader.balance(dry_run).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&out["moves"])?);
+                println!("{}", serde_json::to_string_pretty(&plan.moves)?);
             } else {
-                let moves = out["moves"].as_array().cloned().unwrap_or_default();
-                if moves.is_empty() {
-                    println!("balanced: nothing to move");
-                } else {
-                    println!("{:<32} {:>8} {:>8}", "CHANNEL", "FROM", "TO");
-                    for m in &moves {
-                        println!(
-                            "{:<32} {:>8} {:>8}",
-                            m["channel"].as_str().unwrap_or("?"),
-                            m["from"],
-                            m["to"]
-                        );
-                    }
-                    println!(
-                        "{} move(s){}",
-                        moves.len(),
-                        if dry_run {
-                            " planned (dry run: nothing moved)"
-                        } else {
-                            " started"
-                        }
-                    );
-                }
+                print_balance(&plan);
             }
         }
     }
@@ -228,72 +220,39 @@ fn report_corrupt(state: &Planner) {
     }
 }
 
-/// Sends a request to the leader's admin API.
-async fn call(
-    store: &dyn chanwatch_store::MetaStore,
-    keys: &Keys,
-    token: Option<&str>,
-    method: reqwest::Method,
-    path: &str,
-    body: Option<Value>,
-) -> Result<Value> {
-    let leader = store.get(&keys.leader()).await?.ok_or_else(|| {
-        anyhow!(
-            "no coordinator is leader ({} is absent); start `chanwatch coord`",
-            keys.leader()
-        )
-    })?;
-    let session = CoordSession::decode(&leader.value)
-        .map_err(|e| anyhow!("{} does not decode: {e}", keys.leader()))?;
-    let url = format!("http://{}{}", session.admin_addr, path);
-    let client = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(30))
-        .build()?;
-    let mut req = client.request(method.clone(), &url);
-    if let Some(t) = token {
-        req = req.bearer_auth(t);
-    }
-    // The API refuses a write without this content type (no cross-site form posts), bodiless
-    // ones included.
-    if method != reqwest::Method::GET {
-        req = req.header(reqwest::header::CONTENT_TYPE, "application/json");
-    }
-    if let Some(b) = body {
-        req = req.json(&b);
-    }
-    let resp = req
-        .send()
-        .await
-        .with_context(|| format!("leader's admin API unreachable at {url}"))?;
-    let status = resp.status();
-    let value: Value = resp.json().await.unwrap_or(Value::Null);
-    if !status.is_success() {
-        let msg = value["error"].as_str().unwrap_or("no error message");
-        bail!("the coordinator refused ({status}): {msg}");
-    }
-    Ok(value)
-}
-
-fn print_transitions(v: &Value) {
-    for t in v.as_array().cloned().unwrap_or_default() {
-        let to = match &t["to"] {
-            Value::Null => "-".to_owned(),
-            other => other.to_string().trim_matches('"').to_owned(),
-        };
-        let state = t["state"].as_str().unwrap_or("deleted");
+fn print_transitions(transitions: &[Transition]) {
+    let owner = |o: Option<ChannelOwner>| o.map_or_else(|| "-".to_owned(), |o| o.to_string());
+    for t in transitions {
         println!(
             "{} {}: node {} -> {} ({}, epoch {})",
-            t["cause"].as_str().unwrap_or("?"),
-            t["channel"].as_str().unwrap_or("?"),
-            match &t["from"] {
-                Value::Null => "-".to_owned(),
-                other => other.to_string().trim_matches('"').to_owned(),
-            },
-            to,
-            state,
-            t["epoch"]
+            t.cause.as_str(),
+            t.channel,
+            owner(t.from),
+            owner(t.to),
+            t.state.map_or("deleted", ChannelState::as_str),
+            t.epoch
         );
     }
+}
+
+fn print_balance(plan: &BalancePlan) {
+    if plan.moves.is_empty() {
+        println!("balanced: nothing to move");
+        return;
+    }
+    println!("{:<32} {:>8} {:>8}", "CHANNEL", "FROM", "TO");
+    for m in &plan.moves {
+        println!("{:<32} {:>8} {:>8}", m.channel.as_str(), m.from, m.to);
+    }
+    println!(
+        "{} move(s){}",
+        plan.moves.len(),
+        if plan.dry_run {
+            " planned (dry run: nothing moved)"
+        } else {
+            " started"
+        }
+    );
 }
 
 fn age(ms: u64) -> String {
@@ -364,57 +323,5 @@ fn print_paused(live: &BTreeMap<u64, live::Live>) {
             live::Live::Unknown(why) => println!("node {id}: status unknown ({why})"),
             live::Live::Running => {}
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    use chanwatch_store::{EmbeddedStore, MetaStore};
-    use reqwest::Method;
-
-    use super::*;
-
-    /// ctl's writes pass the admin API's cross-site guard: the leader's advertised address as
-    /// `Host`, and the JSON content type on every write, bodiless POSTs and DELETEs included
-    /// (without it they got 415).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn ctl_writes_pass_the_admin_apis_cross_site_guard() -> Result<()> {
-        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let handle = chanwatch_coord::Coordinator::builder(store.clone())
-            .admin_addr(listener.local_addr()?.to_string())
-            .session_ttl(Duration::from_secs(3))
-            .spawn()?;
-        let router = chanwatch_coord::api::router(
-            handle.clone(),
-            chanwatch_coord::api::ApiOptions::default(),
-        );
-        tokio::spawn(chanwatch_coord::api::serve(
-            listener,
-            router,
-            std::future::pending(),
-        ));
-        let mut ready = handle.watch_status();
-        tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
-        let keys = Keys::default();
-        let store = &*store;
-        let add = Some(json!({ "name": "c1" }));
-        let out = call(store, &keys, None, Method::POST, "/api/v1/channels", add).await?;
-        assert_eq!(out[0]["channel"], json!("c1"), "{out}");
-        let path = "/api/v1/balance?dry_run=true";
-        let out = call(store, &keys, None, Method::POST, path, None).await?;
-        assert_eq!(out["dry_run"], json!(true), "{out}");
-        let path = "/api/v1/channels/c1";
-        call(store, &keys, None, Method::DELETE, path, None).await?;
-        // Refused for what it asks (no node 9), not for how it asks.
-        let path = "/api/v1/nodes/9/drain";
-        let e = call(store, &keys, None, Method::POST, path, None)
-            .await
-            .expect_err("node 9 does not exist");
-        assert!(e.to_string().contains("not alive"), "{e}");
-        Ok(())
     }
 }

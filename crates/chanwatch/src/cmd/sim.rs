@@ -2,6 +2,7 @@
 //! progress, and prints a summary — or, for a failing seed, its violations, the tail of its
 //! trace and the command that replays it.
 //!
+//! Owns: its flags (`Args`, the hidden `--plant`), running seeds in parallel and the summary.
 //! Must not: simulate anything itself; `chanwatch-sim` does.
 
 use std::collections::BTreeMap;

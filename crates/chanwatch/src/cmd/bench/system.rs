@@ -1,5 +1,6 @@
 //! `chanwatch bench assign|balance|ack`: whole-system benchmarks on an in-process cluster
-//! (coordinator + node tasks) over the embedded store or a real etcd.
+//! (coordinator + node tasks) over the embedded store or a real etcd; and `bench planner`,
+//! the planner alone.
 //!
 //! Owns: the workloads and what they report. Must not: assert on timings.
 
