@@ -152,9 +152,9 @@ pub async fn run(args: Args) -> Result<()> {
     let what = Checked::new(args.what)?;
     let store = args.etcd.connect_under(&keys).await?;
     let leader = Leader {
-        store: &*store,
-        keys: &keys,
-        token: args.admin_token.as_deref(),
+        store: store.clone(),
+        keys: keys.clone(),
+        token: args.admin_token,
     };
     match what {
         Checked::Channels { json } => {

@@ -6,6 +6,7 @@
 //! turning a refusal into one line. Must not: print (that is `ctl`'s presentation) or write
 //! to etcd.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -20,11 +21,11 @@ use serde::{Deserialize, Serialize};
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The leader's admin API, found through the store.
-pub struct Leader<'a> {
-    pub store: &'a dyn MetaStore,
-    pub keys: &'a Keys,
+pub struct Leader {
+    pub store: Arc<dyn MetaStore>,
+    pub keys: Keys,
     /// Bearer token, when the API requires one.
-    pub token: Option<&'a str>,
+    pub token: Option<String>,
 }
 
 /// The answer to `POST /api/v1/balance`.
@@ -54,7 +55,7 @@ struct Refusal {
     error: String,
 }
 
-impl Leader<'_> {
+impl Leader {
     /// Registers a channel.
     pub async fn add_channel(
         &self,
@@ -98,7 +99,7 @@ impl Leader<'_> {
         path: &str,
         body: Option<&B>,
     ) -> Result<T> {
-        let keys = self.keys;
+        let keys = &self.keys;
         let leader = self.store.get(&keys.leader()).await?.ok_or_else(|| {
             anyhow!(
                 "no coordinator is leader ({} is absent); start `chanwatch coord`",
@@ -110,7 +111,7 @@ impl Leader<'_> {
         let url = format!("http://{}{}", session.admin_addr, path);
         let client = reqwest::Client::builder().timeout(CALL_TIMEOUT).build()?;
         let mut req = client.request(method.clone(), &url);
-        if let Some(t) = self.token {
+        if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }
         // The API refuses a write without this content type (no cross-site form posts),
@@ -146,17 +147,15 @@ impl Leader<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use chanwatch_core::planner::Cause;
     use chanwatch_core::{ChannelInfo, ChannelOwner};
     use chanwatch_store::EmbeddedStore;
 
     use super::*;
 
-    /// A leader on the embedded store, its admin API served on a free loopback port.
-    async fn leader_on_embedded_store() -> Result<(Arc<dyn MetaStore>, chanwatch_coord::CoordHandle)>
-    {
+    /// A leader on the embedded store, its admin API served on a free loopback port; the
+    /// handle keeps it running.
+    async fn leader_on_embedded_store() -> Result<(Leader, chanwatch_coord::CoordHandle)> {
         let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let handle = chanwatch_coord::Coordinator::builder(store.clone())
@@ -174,7 +173,12 @@ mod tests {
         ));
         let mut ready = handle.watch_status();
         tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
-        Ok((store, handle))
+        let leader = Leader {
+            store,
+            keys: Keys::default(),
+            token: None,
+        };
+        Ok((leader, handle))
     }
 
     /// ctl's writes pass the admin API's cross-site guard: the leader's advertised address as
@@ -182,13 +186,7 @@ mod tests {
     /// (without it they got 415).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ctl_writes_pass_the_admin_apis_cross_site_guard() -> Result<()> {
-        let (store, _handle) = leader_on_embedded_store().await?;
-        let keys = Keys::default();
-        let leader = Leader {
-            store: &*store,
-            keys: &keys,
-            token: None,
-        };
+        let (leader, _handle) = leader_on_embedded_store().await?;
         let c1 = ChannelName::new("c1")?;
         let out = leader.add_channel(&c1, None).await?;
         assert_eq!(out[0].channel, c1, "{out:?}");
@@ -210,13 +208,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_typed_vchannel_reaches_etcd_unchanged_and_the_answer_reads_back_typed() -> Result<()>
     {
-        let (store, _handle) = leader_on_embedded_store().await?;
-        let keys = Keys::default();
-        let leader = Leader {
-            store: &*store,
-            keys: &keys,
-            token: None,
-        };
+        let (leader, _handle) = leader_on_embedded_store().await?;
         let vchannel = VChannelInfo::from_json(
             br#"{"collection_id":7,"seek_position":"p-42","flushed_segment_ids":[3],
                  "metadata":{"k":"v"},"a_future_field":[1,2]}"#,
@@ -230,7 +222,8 @@ mod tests {
             (&c2, Cause::Assign, None, Some(ChannelOwner::Remaining)),
             "{t:?}"
         );
-        let list = store.range(&keys.all_prefix()).await?;
+        let keys = &leader.keys;
+        let list = leader.store.range(&keys.all_prefix()).await?;
         let stored = list
             .kvs
             .iter()
