@@ -52,6 +52,22 @@ pub fn config_path(args: &[OsString]) -> Option<OsString> {
     std::env::var_os("CHANWATCH_CONFIG")
 }
 
+/// Finds `--config` in the raw arguments (or `CHANWATCH_CONFIG`) and sets the environment
+/// variables its file holds. Call it before any thread exists: it changes the environment.
+///
+/// # Errors
+/// As [`load`].
+pub fn apply(args: impl IntoIterator<Item = OsString>) -> Result<()> {
+    let args: Vec<OsString> = args.into_iter().collect();
+    if let Some(path) = config_path(&args) {
+        // Single-threaded here: no runtime or thread exists yet.
+        load(Path::new(&path))?
+            .into_iter()
+            .for_each(|(k, v)| std::env::set_var(k, v));
+    }
+    Ok(())
+}
+
 /// Reads `path` and returns the environment variables it sets (those not already set).
 ///
 /// # Errors

@@ -8,7 +8,7 @@
 //!
 //! Must not: look at the view. A builder sees only the entry it changes.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, NodeId};
@@ -16,7 +16,7 @@ use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, NodeId};
 use super::view::Entry;
 
 /// Why a channel's assignment changed; used in logs and metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Cause {
     /// A new channel was registered.
@@ -124,18 +124,19 @@ pub enum Op {
     },
 }
 
-/// What a planned txn does to one channel, for logs and metrics.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// What a planned txn does to one channel, for logs and metrics. The admin API answers
+/// with it (owners as a node ID, `"remaining"` or `null`), and `ctl` reads it back typed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transition {
     /// The channel.
     pub channel: ChannelName,
     /// Why.
     pub cause: Cause,
     /// Owner before (`None`: new channel).
-    #[serde(serialize_with = "ser_owner_opt")]
+    #[serde(serialize_with = "ser_owner_opt", deserialize_with = "de_owner_opt")]
     pub from: Option<ChannelOwner>,
     /// Owner after (`None`: removed).
-    #[serde(serialize_with = "ser_owner_opt")]
+    #[serde(serialize_with = "ser_owner_opt", deserialize_with = "de_owner_opt")]
     pub to: Option<ChannelOwner>,
     /// State written (`None`: removed).
     pub state: Option<ChannelState>,
@@ -148,6 +149,25 @@ fn ser_owner_opt<S: serde::Serializer>(o: &Option<ChannelOwner>, s: S) -> Result
         None => s.serialize_none(),
         Some(ChannelOwner::Remaining) => s.serialize_str("remaining"),
         Some(ChannelOwner::Node(id)) => s.serialize_u64(id.0),
+    }
+}
+
+/// The inverse of [`ser_owner_opt`]: `null`, `"remaining"` or a node ID.
+fn de_owner_opt<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ChannelOwner>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Wire {
+        Node(u64),
+        Named(String),
+    }
+    match Option::<Wire>::deserialize(d)? {
+        None => Ok(None),
+        Some(Wire::Node(id)) => Ok(Some(ChannelOwner::Node(NodeId(id)))),
+        Some(Wire::Named(s)) if s == crate::keys::REMAINING => Ok(Some(ChannelOwner::Remaining)),
+        Some(Wire::Named(s)) => Err(serde::de::Error::custom(format!(
+            "owner {s:?} is neither a node ID nor {:?}",
+            crate::keys::REMAINING
+        ))),
     }
 }
 
@@ -336,5 +356,38 @@ mod tests {
             [Op::Put { owner, info }]
                 if *owner == n(1) && info.epoch == Epoch(3) && info.state == ChannelState::ToRelease
         ));
+    }
+
+    /// The admin API answers with transitions as JSON and `ctl` reads them back: every owner
+    /// form (node, `remaining`, none) survives the trip, and an unknown owner is refused.
+    #[test]
+    fn a_transition_reads_back_what_it_writes_as_json() {
+        for (from, to, state) in [
+            (None, Some(n(2)), Some(ChannelState::ToWatch)),
+            (
+                Some(n(1)),
+                Some(ChannelOwner::Remaining),
+                Some(ChannelState::Watched),
+            ),
+            (Some(ChannelOwner::Remaining), None, None),
+        ] {
+            let t = Transition {
+                channel: name("a"),
+                cause: Cause::Failover,
+                from,
+                to,
+                state,
+                epoch: Epoch(4),
+            };
+            let json = serde_json::to_value(&t).expect("serializes");
+            let back: Transition = serde_json::from_value(json.clone()).expect("deserializes");
+            assert_eq!(back, t, "{json}");
+        }
+        let bad = serde_json::json!({
+            "channel": "a", "cause": "assign", "from": "elsewhere", "to": null,
+            "state": null, "epoch": 1
+        });
+        let e = serde_json::from_value::<Transition>(bad).expect_err("no such owner");
+        assert!(e.to_string().contains("elsewhere"), "{e}");
     }
 }

@@ -10,7 +10,7 @@
 
 use std::collections::{btree_map, BTreeMap};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelName, ChannelState, NodeId};
@@ -99,7 +99,7 @@ impl FromIterator<(NodeId, usize)> for Loads {
 }
 
 /// One row of a balance plan: move `channel` from `from` to `to`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedMove {
     /// The channel.
     pub channel: ChannelName,

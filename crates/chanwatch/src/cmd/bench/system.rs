@@ -1,5 +1,6 @@
 //! `chanwatch bench assign|balance|ack`: whole-system benchmarks on an in-process cluster
-//! (coordinator + node tasks) over the embedded store or a real etcd.
+//! (coordinator + node tasks) over the embedded store or a real etcd; and `bench planner`,
+//! the planner alone.
 //!
 //! Owns: the workloads and what they report. Must not: assert on timings.
 
@@ -16,10 +17,8 @@ use chanwatch_store::{EmbeddedStore, EventKind, MetaStore, Txn, TxnOp};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-use crate::bench::median;
-use crate::cli::{
-    BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, BenchPlannerArgs, EtcdArgs, StoreKind,
-};
+use super::{median, BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, BenchPlannerArgs, StoreKind};
+use crate::flags::EtcdArgs;
 use crate::inproc::{InProc, NodeProc, Timings};
 
 fn round3(x: f64) -> f64 {

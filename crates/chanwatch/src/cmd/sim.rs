@@ -2,6 +2,7 @@
 //! progress, and prints a summary — or, for a failing seed, its violations, the tail of its
 //! trace and the command that replays it.
 //!
+//! Owns: its flags (`Args`, the hidden `--plant`), running seeds in parallel and the summary.
 //! Must not: simulate anything itself; `chanwatch-sim` does.
 
 use std::collections::BTreeMap;
@@ -13,10 +14,57 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use chanwatch_sim::{run_seed, PlannerBug, PlantedBug, Report, SimOptions};
 
-use crate::cli::{PlantArg, SimArgs};
+use clap::Args as ClapArgs;
 
-/// Runs the seeds; fails when any seed violated an invariant.
-pub fn run(args: &SimArgs) -> Result<()> {
+/// Flags of `sim`.
+#[derive(Debug, Clone, ClapArgs)]
+pub struct Args {
+    /// How many seeds to run (seeds START, START+1, ...).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    pub seeds: u64,
+    /// First seed.
+    #[arg(long, default_value_t = 0)]
+    pub start: u64,
+    /// Run just this seed (replay a failure); with --trace, print its whole trace.
+    #[arg(long, conflicts_with_all = ["seeds", "start"])]
+    pub seed: Option<u64>,
+    /// Print every line of the trace as it happens (with --seed).
+    #[arg(long, requires = "seed")]
+    pub trace: bool,
+    /// Fault steps per seed before the faults stop and the cluster must settle.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: u32,
+    /// Seeds run at once (default: one per core).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub jobs: Option<u64>,
+    /// Also print the summary as one JSON line on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Switch a safety mechanism off in every node, to see the checker catch it.
+    #[arg(long, value_enum, hide = true)]
+    pub plant: Option<PlantArg>,
+}
+
+/// Bugs `sim --plant` can switch on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlantArg {
+    /// Nodes do not fence themselves when keepalives stop.
+    NoFencing,
+    /// Acks do not compare the mod revision or the session.
+    UnguardedAck,
+    /// The coordinator moves a channel stuck in ToRelease beside its live owner, and nodes
+    /// ignore watch progress (either defence alone keeps one owner).
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
+}
+
+/// Runs the seeds; fails when any seed violated an invariant. Blocking: each seed runs on a
+/// runtime of its own, on plain threads.
+///
+/// # Errors
+/// A seed that violated an invariant, or bad flags.
+pub fn run(args: &Args) -> Result<()> {
     let planted_bug = args.plant.and_then(|p| match p {
         PlantArg::NoFencing => Some(PlantedBug::NoFencing),
         PlantArg::UnguardedAck => Some(PlantedBug::UnguardedAck),
@@ -114,7 +162,7 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn summarize(reports: &[Report], args: &SimArgs, wall_secs: f64) -> Result<()> {
+fn summarize(reports: &[Report], args: &Args, wall_secs: f64) -> Result<()> {
     let failed: Vec<&Report> = reports.iter().filter(|r| !r.passed()).collect();
     let mut faults: BTreeMap<&str, u64> = BTreeMap::new();
     for r in reports {

@@ -1,0 +1,201 @@
+//! `chanwatch coord`: a coordinator built from flags, run until Ctrl-C or SIGTERM.
+//!
+//! Owns: the coordinator's flags (`Args`, the hidden `--plant`), turning them into a
+//! `CoordinatorConfig`, its admin API and its etcd alarm gauge.
+//! Must not: hold control-plane logic (the coord crate does), or flags other subcommands share
+//! (those are in `crate::flags`).
+
+use std::time::Duration;
+
+use anyhow::Result;
+use chanwatch_coord::{Coordinator, CoordinatorConfig};
+use chanwatch_core::planner::PlannerConfig;
+use clap::Args as ClapArgs;
+use tracing::info;
+
+use super::lifecycle::{bind_admin, shared_shutdown, wait_true};
+use crate::flags::{humantime_secs, AdminAccess, EtcdArgs, RootArg};
+
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub root: RootArg,
+    /// Admin HTTP API address (loopback unless you mean otherwise).
+    #[arg(long, env = "CHANWATCH_ADMIN", default_value = "127.0.0.1:9870")]
+    pub admin: String,
+    #[command(flatten)]
+    pub access: AdminAccess,
+    /// Leader lease TTL: a standby takes over within about this long after the leader dies.
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    pub session_ttl: Duration,
+    /// A ToWatch assignment with no progress for this long is reassigned.
+    #[arg(long, env = "CHANWATCH_WATCH_TIMEOUT", value_parser = humantime_secs, default_value = "30s")]
+    pub watch_timeout: Duration,
+    /// Period of the full relist that catches anything a watch missed.
+    #[arg(long, env = "CHANWATCH_RECONCILE_INTERVAL", value_parser = humantime_secs, default_value = "10s")]
+    pub reconcile_interval: Duration,
+    /// Most operations in one etcd txn (etcd's --max-txn-ops).
+    #[arg(long, env = "CHANWATCH_MAX_TXN_OPS", default_value_t = 128, value_parser = clap::value_parser!(u32).range(4..=10_000))]
+    pub max_txn_ops: u32,
+    /// Most balance/drain moves in flight at once.
+    #[arg(long, env = "CHANWATCH_MAX_CONCURRENT_MOVES", default_value_t = 16)]
+    pub max_concurrent_moves: usize,
+    /// A channel asked to release (ToRelease) that is not Released within this long gets its
+    /// node fenced: the leader revokes the node's session lease, and the node's channels move
+    /// one session TTL later, when it has surely stopped them. Must exceed the nodes' TTL.
+    #[arg(long, env = "CHANWATCH_RELEASE_TIMEOUT", value_parser = humantime_secs, default_value = "30s")]
+    pub release_timeout: Duration,
+    /// Balance starts no move for this long after a node joined or left, a load failed or a
+    /// channel timed out, so that a disturbance is not answered with churn.
+    #[arg(long, env = "CHANWATCH_BALANCE_QUIET", value_parser = humantime_secs, default_value = "5s")]
+    pub balance_quiet: Duration,
+    /// Balance does not move a channel that moved (for any reason) within this long.
+    #[arg(long, env = "CHANWATCH_MOVE_COOLDOWN", value_parser = humantime_secs, default_value = "60s")]
+    pub move_cooldown: Duration,
+    /// FOR TESTS: switch one safety rule of the planner off, to prove a black-box test
+    /// catches it (tests/blackbox.rs). Never in production.
+    #[arg(long, value_enum, hide = true)]
+    pub plant: Option<PlantArg>,
+}
+
+/// Planner bugs `coord --plant` can switch on (a subset of `sim --plant`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlantArg {
+    /// A channel stuck in ToRelease is moved beside its live owner, without fencing it.
+    ForceWithoutFence,
+    /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
+    BalanceIgnoresBackoff,
+}
+
+impl PlantArg {
+    /// The planner's switch.
+    pub fn planner_bug(self) -> chanwatch_core::planner::PlannerBug {
+        match self {
+            PlantArg::ForceWithoutFence => chanwatch_core::planner::PlannerBug::ForceWithoutFence,
+            PlantArg::BalanceIgnoresBackoff => {
+                chanwatch_core::planner::PlannerBug::BalanceIgnoresBackoff
+            }
+        }
+    }
+}
+
+/// Runs a coordinator until Ctrl-C or SIGTERM, or until a configuration error ends it.
+///
+/// # Errors
+/// Bad flags, a refused etcd configuration, an admin address that cannot be bound.
+pub async fn run(args: Args) -> Result<()> {
+    let keys = args.root.keys()?;
+    let store = args.etcd.connect_waiting(&keys).await?;
+    let (listener, admin_addr) = bind_admin(&args.admin).await?;
+    let config = CoordinatorConfig {
+        keys,
+        planner: PlannerConfig {
+            watch_timeout_ms: args.watch_timeout.as_millis() as u64,
+            release_timeout_ms: args.release_timeout.as_millis() as u64,
+            // Nodes are expected to run with the coordinators' --session-ttl.
+            fence_wait_ms: args.session_ttl.as_millis() as u64,
+            balance_quiet_ms: args.balance_quiet.as_millis() as u64,
+            move_cooldown_ms: args.move_cooldown.as_millis() as u64,
+            failed_node_backoff_ms: args.watch_timeout.as_millis() as u64,
+            max_txn_ops: args.max_txn_ops as usize,
+            max_concurrent_moves: args.max_concurrent_moves,
+            planted_bug: args.plant.map(PlantArg::planner_bug),
+            ..PlannerConfig::default()
+        },
+        session_ttl: args.session_ttl,
+        reconcile_interval: args.reconcile_interval,
+        admin_addr: admin_addr.clone(),
+        ..CoordinatorConfig::default()
+    };
+    info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");
+    let stop = shared_shutdown();
+    let registry = prometheus::Registry::new();
+    let handle = Coordinator::builder(store.clone())
+        .config(config)
+        .registry(registry.clone())
+        .spawn()?;
+    // chanwatch_etcd_alarm on the coordinator too, with one log line when an alarm is
+    // raised or cleared (nodes export their own).
+    let alarm = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "chanwatch_etcd_alarm",
+            "1 while etcd has raised an alarm of this type (NOSPACE: writes refused).",
+        ),
+        &["type"],
+    )?;
+    for kind in chanwatch_store::AlarmKind::ALL {
+        alarm.with_label_values(&[kind.name()]).set(0);
+    }
+    registry.register(Box::new(alarm.clone()))?;
+    let _alarms = tokio::spawn(chanwatch_store::follow_alarms(
+        store.clone(),
+        std::time::Duration::from_secs(5),
+        move |raised| {
+            for kind in chanwatch_store::AlarmKind::ALL {
+                alarm
+                    .with_label_values(&[kind.name()])
+                    .set(i64::from(raised.contains(&kind)));
+            }
+        },
+    ));
+    let api = chanwatch_coord::api::router(
+        handle.clone(),
+        chanwatch_coord::api::ApiOptions {
+            registry,
+            token: args.access.token_for(listener.local_addr()?)?,
+            allowed_hosts: args.access.admin_host,
+        },
+    );
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        api,
+        wait_true(stop.clone()),
+    ));
+    // Until Ctrl-C, or a configuration error that ends the coordinator by itself.
+    tokio::select! {
+        () = wait_true(stop) => handle.stop().await?,
+        ended = handle.stopped() => ended?,
+    }
+    server.await??;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    /// What the planted bugs do is tested in the planner and in tests/blackbox.rs.
+    #[test]
+    fn coord_plant_reaches_the_planner_and_stays_out_of_help() {
+        use chanwatch_core::planner::PlannerBug;
+        for (flag, bug) in [
+            ("force-without-fence", PlannerBug::ForceWithoutFence),
+            ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
+        ] {
+            let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
+            let Command::Coord(args) = cli.command else {
+                panic!("not the coord command");
+            };
+            assert_eq!(args.plant.map(PlantArg::planner_bug), Some(bug));
+        }
+        let cli = Cli::try_parse_from(["chanwatch", "coord"]).expect("parses");
+        let Command::Coord(args) = cli.command else {
+            panic!("not the coord command");
+        };
+        assert_eq!(args.plant, None, "no bug unless asked for");
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let coord = cmd.find_subcommand_mut("coord").expect("coord subcommand");
+        coord.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        assert!(
+            !help.contains("plant"),
+            "--plant must stay out of --help:\n{help}"
+        );
+    }
+}

@@ -1,0 +1,56 @@
+//! What the long-running subcommands (`coord`, `node`, `standalone`) share while they run:
+//! the shutdown signal (Ctrl-C or SIGTERM) and the admin listener.
+//!
+//! Owns: process lifetime plumbing. Must not: hold flags (those are in `crate::flags`) or
+//! anything one subcommand alone needs.
+
+use anyhow::{Context, Result};
+use tokio::sync::watch;
+use tracing::info;
+
+/// Completes on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    info!("shutdown requested");
+}
+
+/// A shutdown future that can be shared by several tasks.
+pub fn shared_shutdown() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+/// Binds the admin listener; the address it reports is the real one (port 0 resolved).
+pub async fn bind_admin(addr: &str) -> Result<(tokio::net::TcpListener, String)> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --admin {addr}; pick a free address"))?;
+    let local = listener.local_addr()?.to_string();
+    Ok((listener, local))
+}
+
+/// Completes once `rx` holds `true` (or its sender is gone).
+pub async fn wait_true(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}

@@ -1,0 +1,119 @@
+//! `chanwatch standalone`: a coordinator and nodes in one process on the embedded store, with
+//! the admin API, until Ctrl-C or SIGTERM.
+//!
+//! Owns: its flags (`Args`) and wiring the in-process cluster to the admin API.
+//! Must not: hold control-plane logic, or flags other subcommands share (those are in
+//! `crate::flags`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args as ClapArgs;
+use tracing::info;
+
+use super::lifecycle::{bind_admin, shared_shutdown, wait_true};
+use crate::flags::{humantime_secs, AdminAccess, TestLoadArgs};
+
+/// Flags of `standalone`.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// Nodes to run.
+    #[arg(long, env = "CHANWATCH_NODES", default_value_t = 3)]
+    pub nodes: usize,
+    /// Channels to register at start (named ch-000, ch-001, ...).
+    #[arg(long, env = "CHANWATCH_CHANNELS", default_value_t = 0)]
+    pub channels: usize,
+    /// Admin HTTP API address.
+    #[arg(long, env = "CHANWATCH_ADMIN", default_value = "127.0.0.1:9870")]
+    pub admin: String,
+    #[command(flatten)]
+    pub access: AdminAccess,
+    /// Session lease TTL of the in-process nodes and coordinator.
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    pub session_ttl: Duration,
+    /// How long each simulated channel load takes.
+    #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
+    pub load_delay: Duration,
+    #[command(flatten)]
+    pub test_load: TestLoadArgs,
+}
+
+/// Runs coordinator and nodes in this process until Ctrl-C or SIGTERM.
+///
+/// # Errors
+/// Bad flags, an admin address that cannot be bound, a cluster that does not start.
+pub async fn run(args: Args) -> Result<()> {
+    use chanwatch_core::{ChannelName, VChannelInfo};
+    let (listener, admin_addr) = bind_admin(&args.admin).await?;
+    let timings = crate::inproc::Timings {
+        session_ttl: args.session_ttl,
+        watch_timeout: std::time::Duration::from_secs(30),
+        reconcile_interval: std::time::Duration::from_secs(10),
+        tick: std::time::Duration::from_secs(1),
+        progress_interval: std::time::Duration::from_secs(5),
+    };
+    let handler = Arc::new(args.test_load.simulated_load(args.load_delay));
+    let token = args.access.token_for(listener.local_addr()?)?;
+    let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone())?;
+    let stop = shared_shutdown();
+    // The coordinator's registry, with the nodes' metrics added: one /metrics for both.
+    let registry = cluster.handle.registry().clone();
+    cluster.node_metrics.register(&registry)?;
+    let api = chanwatch_coord::api::router(
+        cluster.handle.clone(),
+        chanwatch_coord::api::ApiOptions {
+            registry,
+            token,
+            allowed_hosts: args.access.admin_host,
+        },
+    );
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        api,
+        wait_true(stop.clone()),
+    ));
+    let nodes: Vec<_> = (0..args.nodes).map(|_| cluster.spawn_node()).collect();
+    cluster.ready().await?;
+    for i in 0..args.channels {
+        let name = ChannelName::new(format!("ch-{i:03}"))?;
+        cluster
+            .handle
+            .add_channel(name, VChannelInfo::default())
+            .await
+            .map_err(|e| anyhow::anyhow!("registering channel {i}: {e}"))?;
+    }
+    info!(
+        admin = %admin_addr,
+        nodes = args.nodes,
+        channels = args.channels,
+        "standalone running on the embedded store; try: curl http://{admin_addr}/api/v1/channels ; Ctrl-C stops"
+    );
+    wait_true(stop).await;
+    for n in nodes {
+        n.stop().await;
+    }
+    cluster.shutdown().await;
+    server.await??;
+    info!("standalone stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    /// The hidden switches themselves are tested with `node` (`cmd::node`).
+    #[test]
+    fn without_the_test_switches_standalone_runs_the_plain_load() {
+        let plain = Cli::try_parse_from(["chanwatch", "standalone"]).expect("parses");
+        let Command::Standalone(args) = plain.command else {
+            panic!("not the standalone command");
+        };
+        let load = args.test_load.simulated_load(Duration::ZERO);
+        assert!(load.fail_load.is_empty() && load.hang_load.is_empty());
+    }
+}

@@ -1,0 +1,248 @@
+//! Flag groups more than one subcommand flattens into its `Args`, and the parsers they use.
+//!
+//! Owns: how to reach etcd (`EtcdArgs`, and connecting with them), the key root (`RootArg`),
+//! who may use the admin API (`AdminAccess`: token, allowed hosts, and the refusal to serve a
+//! non-loopback API without a token), the hidden switches of the built-in simulated load
+//! (`TestLoadArgs`), and the duration parser (`humantime_secs`).
+//!
+//! Must not: depend on anything else of the binary (it is the leaf every subcommand uses), or
+//! hold a flag only one subcommand has: that belongs in the subcommand's own `Args`. Flags are
+//! grouped here only where name, environment variable, default and help text are the same
+//! everywhere (each `--session-ttl` says what the TTL means for its part, so it is not here).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use chanwatch_core::Keys;
+use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, TlsFiles};
+use clap::Args;
+
+/// How to reach etcd (used by every subcommand that talks to a real store).
+#[derive(Debug, Clone, Args)]
+pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated.
+    #[arg(
+        long,
+        env = "CHANWATCH_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub endpoints: Vec<String>,
+    /// How long to wait for etcd to answer when connecting.
+    #[arg(long, env = "CHANWATCH_CONNECT_TIMEOUT", value_parser = humantime_secs, default_value = "5s")]
+    pub connect_timeout: Duration,
+    /// etcd username (auth enabled).
+    #[arg(long, env = "CHANWATCH_ETCD_USER", requires = "etcd_password")]
+    pub etcd_user: Option<String>,
+    /// etcd password.
+    #[arg(
+        long,
+        env = "CHANWATCH_ETCD_PASSWORD",
+        requires = "etcd_user",
+        hide_env_values = true
+    )]
+    pub etcd_password: Option<String>,
+    /// CA certificate (PEM) to verify etcd's TLS certificate.
+    #[arg(long, env = "CHANWATCH_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS.
+    #[arg(long, env = "CHANWATCH_ETCD_CERT", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS.
+    #[arg(long, env = "CHANWATCH_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    pub fn config(&self) -> EtcdConfig {
+        let tls = (self.etcd_ca.is_some() || self.etcd_cert.is_some()).then(|| TlsFiles {
+            ca: self.etcd_ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+        });
+        EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            connect_timeout: self.connect_timeout,
+            user: self.etcd_user.clone().zip(self.etcd_password.clone()),
+            tls,
+            ..EtcdConfig::default()
+        }
+    }
+
+    /// Connects to etcd.
+    ///
+    /// # Errors
+    /// One line saying which endpoints did not answer and what to check.
+    pub async fn connect(&self) -> Result<Arc<dyn MetaStore>> {
+        let store = EtcdStore::connect(self.config())
+            .await
+            .with_context(|| format!("etcd unreachable at {}", self.endpoints.join(",")))?;
+        Ok(Arc::new(store))
+    }
+
+    /// Connects to etcd with a connection check that reads only under the root
+    /// (`{root}/id/node`, readable by every part's role), so prefix-limited roles work.
+    ///
+    /// # Errors
+    /// One line saying which endpoints did not answer and what to check.
+    pub async fn connect_under(&self, keys: &Keys) -> Result<Arc<dyn MetaStore>> {
+        let config = EtcdConfig {
+            probe_key: Some(keys.node_id_counter()),
+            ..self.config()
+        };
+        let store = EtcdStore::connect(config)
+            .await
+            .with_context(|| format!("etcd at {}", self.endpoints.join(",")))?;
+        Ok(Arc::new(store))
+    }
+
+    /// Like [`Self::connect_under`], for long-running processes: while etcd is down, out of
+    /// space or otherwise failing in a way that can pass, waits (logging why) and tries
+    /// again; only a configuration error (bad URL, unreadable TLS file, refused credentials
+    /// or role) ends it.
+    ///
+    /// # Errors
+    /// The configuration error.
+    pub async fn connect_waiting(&self, keys: &Keys) -> Result<Arc<dyn MetaStore>> {
+        let config = EtcdConfig {
+            probe_key: Some(keys.node_id_counter()),
+            ..self.config()
+        };
+        let mut wait = Duration::from_millis(500);
+        loop {
+            match EtcdStore::connect(config.clone()).await {
+                Ok(store) => return Ok(Arc::new(store)),
+                Err(e) if !e.is_config() => {
+                    tracing::warn!(error = %e, ?wait, "cannot connect to etcd yet; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("etcd at {}", self.endpoints.join(",")))
+                }
+            }
+        }
+    }
+}
+
+/// Parses `10s`, `500ms`, `2m`, `1h 30m` (humantime syntax).
+pub fn humantime_secs(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration ({e}); use e.g. 10s, 500ms, 2m"))
+}
+
+/// The root prefix of every key.
+#[derive(Debug, Clone, Args)]
+pub struct RootArg {
+    /// Prefix under which chanwatch keeps all its keys.
+    #[arg(long, env = "CHANWATCH_ROOT", default_value = "chanwatch")]
+    pub root: String,
+}
+
+impl RootArg {
+    /// The key layout under `--root`.
+    ///
+    /// # Errors
+    /// A root that is not a valid key prefix, naming the flag.
+    pub fn keys(&self) -> Result<Keys> {
+        Keys::new(self.root.clone()).map_err(|e| anyhow::anyhow!("--root: {e}"))
+    }
+}
+
+/// Who may use a served admin API (coordinator and standalone).
+#[derive(Debug, Clone, Args)]
+pub struct AdminAccess {
+    /// Bearer token required for admin writes; mandatory when --admin is not loopback.
+    #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Host names the admin API answers to besides IP addresses and localhost (comma-separated,
+    /// e.g. the DNS name Prometheus scrapes); any other Host header is refused (DNS rebinding).
+    #[arg(long, env = "CHANWATCH_ADMIN_HOST", value_delimiter = ',')]
+    pub admin_host: Vec<String>,
+}
+
+impl AdminAccess {
+    /// The admin token to require of an API served on `addr`. Refuses to serve a non-loopback
+    /// admin API without one: anyone who can reach it could move every channel.
+    ///
+    /// # Errors
+    /// An empty token, or none for a non-loopback address.
+    pub fn token_for(&self, addr: SocketAddr) -> Result<Option<String>> {
+        match &self.admin_token {
+            Some(t) if t.is_empty() => {
+                anyhow::bail!("--admin-token is empty; give a secret or leave it out")
+            }
+            Some(t) => Ok(Some(t.clone())),
+            None if addr.ip().is_loopback() => Ok(None),
+            None => anyhow::bail!(
+                "refusing to serve the admin API on {addr} (not loopback) without --admin-token \
+                 (or CHANWATCH_ADMIN_TOKEN): anyone who reaches it could move every channel"
+            ),
+        }
+    }
+}
+
+/// Switches for black-box tests of the built-in simulated load, hidden from `--help`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TestLoadArgs {
+    /// FOR TESTS: loads of channels matching these comma-separated globs (`*` = any run of
+    /// characters) fail at once, so the channel becomes WatchFailed.
+    #[arg(
+        long,
+        env = "CHANWATCH_FAIL_LOAD",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub fail_load: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: loads of matching channels never finish and report no progress.
+    #[arg(
+        long,
+        env = "CHANWATCH_HANG_LOAD",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub hang_load: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: matching channels load, run for --fail-running-after, then report
+    /// themselves broken (the node stops them and acknowledges WatchFailed).
+    #[arg(
+        long,
+        env = "CHANWATCH_FAIL_RUNNING",
+        hide = true,
+        value_name = "GLOB,..."
+    )]
+    pub fail_running: Option<chanwatch_node::NamePatterns>,
+    /// FOR TESTS: how long a --fail-running channel runs before it breaks.
+    #[arg(long, env = "CHANWATCH_FAIL_RUNNING_AFTER", hide = true, value_parser = humantime_secs, default_value = "1s")]
+    pub fail_running_after: Duration,
+}
+
+impl TestLoadArgs {
+    /// The simulated load with these switches.
+    pub fn simulated_load(&self, load_delay: Duration) -> chanwatch_node::SimulatedLoad {
+        chanwatch_node::SimulatedLoad {
+            load_delay,
+            fail_load: self.fail_load.clone().unwrap_or_default(),
+            hang_load: self.hang_load.clone().unwrap_or_default(),
+            fail_running: self.fail_running.clone().unwrap_or_default(),
+            fail_running_after: self.fail_running_after,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units_and_refuse_garbage() {
+        assert_eq!(humantime_secs("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(humantime_secs("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(humantime_secs("2m"), Ok(Duration::from_secs(120)));
+        assert!(humantime_secs("ten").is_err());
+        assert!(humantime_secs("5 parsecs").is_err());
+        assert!(humantime_secs("").is_err());
+    }
+}
