@@ -366,7 +366,7 @@ async fn keepalive(
     clock: Clock,
     lost: CancellationToken,
 ) {
-    let margin = (ttl / 5).max(Duration::from_secs(1));
+    let margin = chanwatch_store::fence_margin(ttl);
     let (renewed_tx, mut renewed) = watch::channel(Renewal {
         sent: clock.now(),
         revision: 0,

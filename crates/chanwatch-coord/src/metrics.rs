@@ -257,7 +257,7 @@ impl CoordMetrics {
     }
 
     /// Refreshes the gauges derived from the view. `with_balance` also computes the balance
-    /// plan (a copy of the view), so callers do it at most once per tick.
+    /// plan (a full pass over the loads), so callers do it at most once per tick.
     pub fn observe(&self, state: &Planner, with_balance: bool) {
         let c = &self.cluster;
         let census = state.census();

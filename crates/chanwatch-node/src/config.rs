@@ -65,7 +65,7 @@ impl Default for NodeConfig {
 impl NodeConfig {
     pub(crate) fn margin(&self) -> Duration {
         self.fence_margin
-            .unwrap_or_else(|| (self.session_ttl / 5).max(Duration::from_secs(1)))
+            .unwrap_or_else(|| chanwatch_store::fence_margin(self.session_ttl))
     }
 }
 

@@ -8,7 +8,9 @@
 //! the system; the wall-clock base is read once, at construction, and a simulation passes a
 //! fixed one with [`Clock::with_unix_base`].
 //!
-//! Must not: sleep on its own or be bypassed: code that needs the time takes a `Clock`.
+//! Must not: sleep on its own. Code that needs Unix time takes a `Clock` (never
+//! `SystemTime`); timers may use `tokio::time` directly (`interval`, `timeout`, `sleep_until`
+//! in select loops), which reads the same tokio clock, so paused time still controls them.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -27,6 +27,14 @@ pub struct Renewal {
     pub revision: Revision,
 }
 
+/// How long before a lease could expire its holder stops acting on it (a node pauses, a
+/// leader steps down) when renewals fail: `max(1 s, ttl / 5)`. The one definition for
+/// nodes and coordinators.
+#[must_use]
+pub fn fence_margin(ttl: Duration) -> Duration {
+    (ttl / 5).max(Duration::from_secs(1))
+}
+
 /// How often a failing renewal is tried again.
 const RETRY: Duration = Duration::from_millis(500);
 
