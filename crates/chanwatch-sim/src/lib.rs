@@ -10,7 +10,9 @@
 //!
 //! One seed fully determines a run: no wall clock (the clock is tokio's paused one with a
 //! fixed Unix base), no OS randomness (the RNG is seeded, and the runtimes' own jitter is
-//! hashed from names), no random task order (one thread, `biased` selects, ordered maps). The
+//! hashed from names), no random task order (one thread, `biased` selects, ordered maps, no
+//! tokio `watch` that several tasks wait on: it wakes them in an order drawn from an RNG
+//! tokio seeds from the OS, so [`chanwatch_store::FaultyStore`]'s switches wake in order). The
 //! same seed gives the same trace, byte for byte; a test checks it.
 //!
 //! Owns: the driver ([`run_seed`]), the fault schedule and the trace.

@@ -6,14 +6,16 @@
 //! every call of one client (a frozen process or a stalled connection), to add network
 //! latency (deterministic, from a seed), to expire the client's auth token, and a hook that
 //! attributes commits.
-//! Must not: change the semantics of calls that are let through.
+//! Must not: change the semantics of calls that are let through, or wake waiting calls in an
+//! order that changes from run to run (the simulation replays a seed byte for byte; see
+//! [`Switch`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{
@@ -25,14 +27,14 @@ use crate::{MetaStore, WatchStream};
 pub type CommitHook = Arc<dyn Fn(Revision) + Send + Sync>;
 
 /// Switches of a [`FaultyStore`]. Cheap to clone; clones share the switches.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct Faults {
     keepalive: Arc<AtomicBool>,
     txn: Arc<AtomicBool>,
     keepalive_delay_ms: Arc<AtomicU64>,
-    hold: Arc<watch::Sender<bool>>,
-    partition: Arc<watch::Sender<bool>>,
-    stall_watches: Arc<watch::Sender<bool>>,
+    hold: Arc<Switch>,
+    partition: Arc<Switch>,
+    stall_watches: Arc<Switch>,
     auth_expired: Arc<AtomicBool>,
     /// Most latency per call in µs (0: none), and the seed and counter that pick each one.
     latency_us: Arc<AtomicU64>,
@@ -41,32 +43,15 @@ pub struct Faults {
     on_commit: Arc<Mutex<Option<CommitHook>>>,
 }
 
-impl Default for Faults {
-    fn default() -> Self {
-        Faults {
-            keepalive: Arc::default(),
-            txn: Arc::default(),
-            keepalive_delay_ms: Arc::default(),
-            hold: Arc::new(watch::channel(false).0),
-            partition: Arc::new(watch::channel(false).0),
-            stall_watches: Arc::new(watch::channel(false).0),
-            auth_expired: Arc::default(),
-            latency_us: Arc::default(),
-            latency_seed: Arc::default(),
-            calls: Arc::default(),
-            on_commit: Arc::default(),
-        }
-    }
-}
-
 impl std::fmt::Debug for Faults {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Faults")
             .field("keepalive", &self.keepalive)
             .field("txn", &self.txn)
             .field("keepalive_delay_ms", &self.keepalive_delay_ms)
-            .field("hold", &*self.hold.borrow())
-            .field("partition", &*self.partition.borrow())
+            .field("hold", &self.hold.is_on())
+            .field("partition", &self.partition.is_on())
+            .field("stall_watches", &self.stall_watches.is_on())
             .field("latency_us", &self.latency_us)
             .finish_non_exhaustive()
     }
@@ -89,18 +74,18 @@ impl Faults {
     /// While on, every call waits (is neither sent nor failed) until it is turned off: what
     /// a frozen process (`SIGSTOP`) or a stalled connection looks like from the store.
     pub fn hold(&self, on: bool) {
-        self.hold.send_replace(on);
+        self.hold.set(on);
     }
     /// While on, every call fails as if the store were unreachable, and every open watch
     /// stream ends: a network partition between this client and the store.
     pub fn partition(&self, on: bool) {
-        self.partition.send_replace(on);
+        self.partition.set(on);
     }
     /// While on, every watch stream of this client delivers nothing (no events, no error)
     /// while every other call works: a stalled watch stream behind a proxy, or a watch
     /// starved on an overloaded connection. What was held is delivered when it ends.
     pub fn stall_watches(&self, on: bool) {
-        self.stall_watches.send_replace(on);
+        self.stall_watches.set(on);
     }
     /// While on, every call but a keepalive fails with [`StoreError::AuthTokenExpired`], as
     /// calls with a token etcd no longer knows do until the client authenticates again (etcd
@@ -117,7 +102,7 @@ impl Faults {
     }
     /// Whether calls are being held.
     pub fn held(&self) -> bool {
-        *self.hold.borrow()
+        self.hold.is_on()
     }
     /// Calls `hook` with the revision of every txn that wrote through this wrapper, so a
     /// checker can tell who made each revision.
@@ -138,10 +123,8 @@ impl Faults {
             (self.latency_seed.load(Ordering::SeqCst), n).hash(&mut h);
             tokio::time::sleep(Duration::from_micros(h.finish() % (max + 1))).await;
         }
-        let mut rx = self.hold.subscribe();
-        // The sender lives as long as `self`, so this only ends when the hold is released.
-        let _ = rx.wait_for(|held| !*held).await;
-        if *self.partition.borrow() {
+        self.hold.wait_until(false).await;
+        if self.partition.is_on() {
             return Err(injected("every call (partition)"));
         }
         Ok(())
@@ -154,6 +137,44 @@ impl Faults {
             ));
         }
         Ok(())
+    }
+}
+
+/// An on/off fault switch that calls wait on. Its waiters wake in the order they began to
+/// wait (a [`Notify`]'s `notify_waiters` wakes its list in order), so a run of the simulation
+/// replays the same task order. A `tokio::sync::watch` would not do: it spreads its waiters
+/// over eight lists picked by the runtime's RNG, which tokio seeds from the OS (seeding it
+/// needs `tokio_unstable`), so when a stall ended, the held calls went on in a different
+/// order each run and drew different latencies from the shared call counter.
+#[derive(Debug, Default)]
+struct Switch {
+    on: AtomicBool,
+    flipped: Notify,
+}
+
+impl Switch {
+    fn set(&self, on: bool) {
+        if self.on.swap(on, Ordering::SeqCst) != on {
+            self.flipped.notify_waiters();
+        }
+    }
+
+    fn is_on(&self) -> bool {
+        self.on.load(Ordering::SeqCst)
+    }
+
+    /// Returns once the switch is `on` (at once if it already is).
+    async fn wait_until(&self, on: bool) {
+        loop {
+            let flipped = self.flipped.notified();
+            tokio::pin!(flipped);
+            // Registered before the check, so a flip right after it is not missed.
+            flipped.as_mut().enable();
+            if self.is_on() == on {
+                return;
+            }
+            flipped.await;
+        }
     }
 }
 
@@ -198,7 +219,7 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         self.inner.range(prefix).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
-        if *self.faults.partition.borrow() || self.faults.txn.load(Ordering::SeqCst) {
+        if self.faults.partition.is_on() || self.faults.txn.load(Ordering::SeqCst) {
             return Err(injected("txn"));
         }
         self.faults.auth()?;
@@ -238,16 +259,14 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         let stall = self.faults.stall_watches.clone();
         // Each item waits for the stall to end before it is handed on.
         let stream = futures_util::StreamExt::then(stream, move |item| {
-            let mut rx = stall.subscribe();
+            let stall = stall.clone();
             async move {
-                let _ = rx.wait_for(|stalled| !*stalled).await;
+                stall.wait_until(false).await;
                 item
             }
         });
-        let mut cut = self.faults.partition.subscribe();
-        let partitioned = async move {
-            let _ = cut.wait_for(|p| *p).await;
-        };
+        let cut = self.faults.partition.clone();
+        let partitioned = async move { cut.wait_until(true).await };
         // Ends when a partition begins, as a stream on a broken connection does.
         Ok(Box::pin(futures_util::StreamExt::take_until(
             stream,

@@ -4,6 +4,7 @@
 //! paused tokio clock, and as `etcd::<case>` against a real etcd process started by
 //! `chanwatch-testkit` on loopback ports (a fresh process per case, killed at the end).
 
+mod faults;
 mod liveness;
 mod secure;
 mod suite;
