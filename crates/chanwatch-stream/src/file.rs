@@ -1,8 +1,12 @@
 //! The embedded log: one append-only file per channel under a data dir, no server.
 //!
-//! Owns: the data dir's files (`{dir}/{channel}.log`, records as [`crate::record`] writes
-//! them), an in-memory index of each channel's record offsets, recovery of a torn last
-//! record, and waking readers. Must not: know etcd, keys or checkpoints.
+//! Owns: the data dir's files, an in-memory index of each channel's record offsets,
+//! recovery of a torn last record, and waking readers. Must not: know etcd, keys or
+//! checkpoints.
+//!
+//! * **Files**: `{dir}/{channel}.log`, a sequence of records `len: u32 LE`, `crc: u32 LE`,
+//!   `payload` (`len` bytes), `crc` being CRC-32 (IEEE) over the length bytes and the payload
+//!   (so zeros never pass as a record).
 //!
 //! * **Position** = the record's 1-based index in its file, so positions are dense and
 //!   survive a restart (they are recomputed by scanning the file when a process first touches

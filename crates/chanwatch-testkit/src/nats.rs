@@ -23,7 +23,12 @@ use crate::{data_tempdir, free_port, signal, FixtureError};
 /// [`FixtureError::NoNatsBinary`] with install instructions.
 pub fn nats_binary() -> Result<PathBuf, FixtureError> {
     if let Some(p) = std::env::var_os("CHANWATCH_NATS_BIN") {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(FixtureError::NoNatsBinary)
+        };
     }
     if let Some(path) = std::env::var_os("PATH") {
         for dir in std::env::split_paths(&path) {
