@@ -11,11 +11,15 @@
 //!   nats-server on the same store dir (`-sd`).
 //! * **append** publishes and waits for JetStream's ack (the message is stored), returning
 //!   the ack's sequence.
-//! * **read** after `p` creates an ephemeral pull consumer filtered on the channel's subject,
-//!   delivering from stream sequence `p + 1` with no acks and its state in memory, pulls up
-//!   to `max` (returning once the consumer has nothing pending), then deletes it. So a read
-//!   needs no state between calls, and costs two or three round trips more than a bare
-//!   long-lived consumer (no consumer is cached per channel yet).
+//! * **read** after `p` first asks for the channel's end (one direct get). When there is
+//!   something after `p`, it creates an ephemeral pull consumer filtered on the channel's
+//!   subject, delivering from stream sequence `p + 1` with no acks and its state in memory,
+//!   pulls up to `max` (returning once the consumer has nothing pending), then deletes it.
+//!   When there is nothing and the read may wait, it waits on a plain (core NATS)
+//!   subscription to the subject, taken before the end was read, so an append in between
+//!   is not missed; the server keeps no consumer for an idle reader. A read needs no state
+//!   between calls, and a read that returns messages costs about three round trips more
+//!   than a long-lived consumer would (no consumer is cached per channel yet).
 //! * **end** is the sequence of the channel subject's last message (a direct "last by
 //!   subject" get), or [`Position::START`] when it has none.
 //! * While the server is away, calls fail with [`LogError::Unavailable`] after the request
@@ -127,6 +131,42 @@ impl NatsLog {
     fn unavailable(&self, e: impl std::fmt::Display) -> LogError {
         unavailable(&self.config.url, e)
     }
+
+    /// Reads up to `max` messages of `subject` after `after` through a short-lived consumer;
+    /// `expires` bounds the wait for the first one.
+    async fn read_stored(
+        &self,
+        subject: String,
+        after: Position,
+        max: usize,
+        expires: Duration,
+    ) -> LogResult<Vec<Message>> {
+        let consumer = self
+            .stream
+            .create_consumer(consumer::pull::Config {
+                filter_subject: subject,
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: after.raw() + 1,
+                },
+                ack_policy: consumer::AckPolicy::None,
+                memory_storage: true,
+                // Removed by the server if this call dies before deleting it.
+                inactive_threshold: expires + Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let name = consumer.cached_info().name.clone();
+        let result = pull(&consumer, max, expires)
+            .await
+            .map_err(|e| self.unavailable(e));
+        // The consumer holds server memory until it is deleted or inactive; do not wait.
+        let stream = self.stream.clone();
+        tokio::spawn(async move {
+            let _ = stream.delete_consumer(&name).await;
+        });
+        result
+    }
 }
 
 fn unavailable(url: &str, e: impl std::fmt::Display) -> LogError {
@@ -199,43 +239,39 @@ impl Log for NatsLog {
         wait: Duration,
     ) -> LogResult<Vec<Message>> {
         check_channel(channel)?;
-        let max = max.max(1);
-        let consumer = self
-            .stream
-            .create_consumer(consumer::pull::Config {
-                filter_subject: self.subject(channel),
-                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: after.raw() + 1,
-                },
-                ack_policy: consumer::AckPolicy::None,
-                memory_storage: true,
-                // Removed by the server if this call dies before deleting it.
-                inactive_threshold: wait + Duration::from_secs(30),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| self.unavailable(e))?;
-        let name = consumer.cached_info().name.clone();
-        let pending = consumer.cached_info().num_pending;
-        let result = if pending == 0 && wait.is_zero() {
-            Ok(Vec::new())
+        let deadline = tokio::time::Instant::now() + wait;
+        let subject = self.subject(channel);
+        // Subscribed before looking at the end, so an append in between still wakes us.
+        let mut appended = if wait.is_zero() {
+            None
         } else {
-            // With messages pending they come at once; the expiry only bounds a lost reply.
-            let expires = if pending > 0 {
-                self.config.request_timeout
-            } else {
-                wait
-            };
-            pull(&consumer, max, expires)
-                .await
-                .map_err(|e| self.unavailable(e))
+            Some(
+                self.js
+                    .client()
+                    .subscribe(subject.clone())
+                    .await
+                    .map_err(|e| self.unavailable(e))?,
+            )
         };
-        // The consumer holds server memory until it is deleted or inactive; do not wait.
-        let stream = self.stream.clone();
-        tokio::spawn(async move {
-            let _ = stream.delete_consumer(&name).await;
-        });
-        result
+        let mut expires = self.config.request_timeout;
+        if self.end(channel).await? <= after {
+            let Some(subscriber) = appended.as_mut() else {
+                return Ok(Vec::new());
+            };
+            // Nothing yet: wait for the channel's next publish (no server state but the
+            // subscription), then pull it through a consumer.
+            match tokio::time::timeout_at(deadline, subscriber.next()).await {
+                Ok(Some(_)) => {}
+                Ok(None) => return Err(self.unavailable("the connection closed")),
+                Err(_) => return Ok(Vec::new()),
+            }
+            // A core subscriber can see the message a moment before JetStream stored it.
+            expires = deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(Duration::from_millis(200));
+        }
+        drop(appended);
+        self.read_stored(subject, after, max.max(1), expires).await
     }
 
     async fn end(&self, channel: &str) -> LogResult<Position> {
