@@ -78,6 +78,22 @@
 //! | Channels are independent: messages, positions order and ends do not mix. | `channels_are_independent` |
 //! | Messages and positions survive a restart (reopened dir; nats-server restarted on its store dir). | `positions_survive_a_restart` |
 //! | Bad channel names are refused with `BadChannel`; oversized messages with `TooLarge`. | `bad_names_and_oversized_messages_are_refused` |
+//!
+//! And per backend:
+//!
+//! | guarantee | proven by |
+//! |---|---|
+//! | File log: a torn or zero-filled last record is no message, and the next append cuts it off; damage before the last record is `Corrupt` for reads and appends. | `recovery::a_torn_last_record_is_skipped_then_cut_off_by_the_next_append`, `recovery::a_zero_filled_tail_is_torn_not_corrupt`, `recovery::damage_before_the_last_record_is_corrupt_never_skipped` |
+//! | File log: a waiting reader in another process sees an append within the poll interval. | `recovery::a_reader_in_another_process_sees_appends_within_the_poll_interval` |
+//! | NATS: while the server is down every call is `Unavailable` (retryable); the same client works again once it is back, with every acked message. | `outage::a_nats_log_fails_retryably_while_the_server_is_down_and_recovers_by_itself` |
+//! | [`open`]: `file:DIR` and `nats://…` open their backend; other URLs are `BadUrl` (fatal), an unreachable server `Unavailable`. | `open::a_log_url_opens_its_backend_and_a_bad_one_says_what_is_expected` |
+//!
+//! ## What a retried append can do
+//!
+//! An append that failed as `Unavailable` may still have been stored (the ack was lost, or
+//! the client sent it after reconnecting), so retrying it can store the message twice, at
+//! two positions. A producer that must not duplicate puts a sequence number in its payloads
+//! and a consumer skips what it has seen; neither backend de-duplicates.
 
 pub mod error;
 pub mod file;

@@ -10,7 +10,10 @@
 //!   for all its channels, so a channel's positions grow with gaps; they survive a restart of
 //!   nats-server on the same store dir (`-sd`).
 //! * **append** publishes and waits for JetStream's ack (the message is stored), returning
-//!   the ack's sequence.
+//!   the ack's sequence. nats-server writes its store files at once but fsyncs them only
+//!   every `sync_interval` (2 min by default): an acked message survives a `kill -9` of the
+//!   server (measured: 5,000 of 5,000), not necessarily a machine crash. A message over the
+//!   server's `max_payload` (1 MiB by default) is [`LogError::TooLarge`].
 //! * **read** after `p` first asks for the channel's end (one direct get). When there is
 //!   something after `p`, it creates an ephemeral pull consumer filtered on the channel's
 //!   subject, delivering from stream sequence `p + 1` with no acks and its state in memory,
@@ -215,10 +218,16 @@ fn check_names(config: &NatsConfig) -> LogResult<()> {
 impl Log for NatsLog {
     async fn append(&self, channel: &str, payload: Bytes) -> LogResult<Position> {
         check_channel(channel)?;
-        if payload.len() > MAX_MESSAGE_BYTES {
+        // A server may be configured with a smaller `max_payload` than the crate's limit.
+        let server_max = self.js.client().server_info().max_payload;
+        let max = match server_max {
+            0 => MAX_MESSAGE_BYTES,
+            n => n.min(MAX_MESSAGE_BYTES),
+        };
+        if payload.len() > max {
             return Err(LogError::TooLarge {
                 bytes: payload.len(),
-                max: MAX_MESSAGE_BYTES,
+                max,
             });
         }
         let ack = self

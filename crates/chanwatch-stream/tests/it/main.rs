@@ -5,6 +5,7 @@
 //! and as `nats::<case>` against a real `nats-server -js` started by `chanwatch-testkit` on
 //! loopback ports (a fresh process and store dir per case, killed at the end).
 
+mod open;
 mod outage;
 mod recovery;
 mod suite;
