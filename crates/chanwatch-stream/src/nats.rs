@@ -15,19 +15,21 @@
 //!   server (measured: 5,000 of 5,000), not necessarily a machine crash. A message over the
 //!   server's `max_payload` (1 MiB by default) is [`LogError::TooLarge`].
 //! * **read** after `p` first asks for the channel's end (one direct get). When there is
-//!   something after `p`, it creates an ephemeral pull consumer filtered on the channel's
-//!   subject, delivering from stream sequence `p + 1` with no acks and its state in memory,
-//!   pulls up to `max` (returning once the consumer has nothing pending), then deletes it.
-//!   When there is nothing and the read may wait, it waits on a plain (core NATS)
-//!   subscription to the subject, taken before the end was read, so an append in between
-//!   is not missed; the server keeps no consumer for an idle reader. A read needs no state
-//!   between calls, and a read that returns messages costs about three round trips more
-//!   than a long-lived consumer would (no consumer is cached per channel yet).
+//!   something after `p`, it fetches (`no_wait`, up to `max`) through a **cursor**: an
+//!   ephemeral pull consumer filtered on the channel's subject, delivering from stream
+//!   sequence `p + 1`, without acks, its state in memory. The cursor is kept per channel
+//!   (one per channel per `NatsLog`), so a consumer reading on from where its last read
+//!   ended pays two round trips per batch (end + fetch); a read from anywhere else, or a
+//!   cursor the server dropped (idle for 60 s, or a restart), makes a new one. When there
+//!   is nothing and the read may wait, it waits on a plain (core NATS) subscription to the
+//!   subject, taken before the end was read, so an append in between is not missed.
 //! * **end** is the sequence of the channel subject's last message (a direct "last by
 //!   subject" get), or [`Position::START`] when it has none.
 //! * While the server is away, calls fail with [`LogError::Unavailable`] after the request
 //!   timeout; the client reconnects on its own.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, stream};
@@ -70,7 +72,24 @@ pub struct NatsLog {
     config: NatsConfig,
     js: jetstream::Context,
     stream: stream::Stream,
+    /// Per channel, the consumer the last read left behind and where it stands.
+    cursors: Arc<Mutex<HashMap<String, Cursor>>>,
 }
+
+/// An ephemeral pull consumer of one channel's subject whose next delivery is the first
+/// message after `after` (it does not ack; delivered is consumed).
+#[derive(Debug)]
+struct Cursor {
+    consumer: consumer::Consumer<consumer::pull::Config>,
+    after: Position,
+}
+
+/// How long the server keeps a cursor's consumer that nobody reads.
+const CURSOR_IDLE: Duration = Duration::from_secs(60);
+
+/// How often a woken reader looks again for a message it was told of but JetStream has not
+/// stored yet.
+const STORE_LAG_POLL: Duration = Duration::from_millis(10);
 
 impl NatsLog {
     /// Connects to the server and creates the stream if it does not exist.
@@ -119,7 +138,12 @@ impl NatsLog {
                 config.stream, info.config.subjects
             )));
         }
-        Ok(NatsLog { config, js, stream })
+        Ok(NatsLog {
+            config,
+            js,
+            stream,
+            cursors: Arc::default(),
+        })
     }
 
     /// The subject of `channel` (a valid name): `{prefix}.{channel}`, `.` written `~`.
@@ -135,40 +159,128 @@ impl NatsLog {
         unavailable(&self.config.url, e)
     }
 
-    /// Reads up to `max` messages of `subject` after `after` through a short-lived consumer;
-    /// `expires` bounds the wait for the first one.
+    /// What is stored after `after`, up to `max`, without waiting: nothing when the
+    /// channel's end is not past `after` (one direct get); else a fetch through the cursor
+    /// the last read left at `after`, or through a new one.
     async fn read_stored(
         &self,
-        subject: String,
+        channel: &str,
+        subject: &str,
         after: Position,
         max: usize,
-        expires: Duration,
     ) -> LogResult<Vec<Message>> {
+        if self.end(channel).await? <= after {
+            return Ok(Vec::new());
+        }
+        if let Some(mut cursor) = self.take_cursor(channel, after) {
+            // An empty or failed fetch although the end is past `after`: the consumer is gone
+            // (idle too long, or the server restarted); fall through to a new one.
+            if let Ok(batch) = self.fetch(&mut cursor, max).await {
+                if !batch.is_empty() {
+                    self.put_cursor(channel, cursor);
+                    return Ok(batch);
+                }
+            }
+            self.delete_later(cursor);
+        }
         let consumer = self
             .stream
             .create_consumer(consumer::pull::Config {
-                filter_subject: subject,
+                filter_subject: subject.to_owned(),
                 deliver_policy: consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: after.raw() + 1,
                 },
                 ack_policy: consumer::AckPolicy::None,
                 memory_storage: true,
-                // Removed by the server if this call dies before deleting it.
-                inactive_threshold: expires + Duration::from_secs(30),
+                inactive_threshold: CURSOR_IDLE,
                 ..Default::default()
             })
             .await
             .map_err(|e| self.unavailable(e))?;
-        let name = consumer.cached_info().name.clone();
-        let result = pull(&consumer, max, expires)
+        let mut cursor = Cursor { consumer, after };
+        match self.fetch(&mut cursor, max).await {
+            Ok(batch) => {
+                self.put_cursor(channel, cursor);
+                Ok(batch)
+            }
+            Err(e) => {
+                self.delete_later(cursor);
+                Err(self.unavailable(e))
+            }
+        }
+    }
+
+    /// Fetches what the cursor's consumer has now (a `no_wait` pull: the server answers at
+    /// once and keeps no request open, so nothing is delivered after we stop listening), up
+    /// to `max`, and moves the cursor past it.
+    async fn fetch(&self, cursor: &mut Cursor, max: usize) -> Result<Vec<Message>, String> {
+        let work = async {
+            let mut messages = cursor
+                .consumer
+                .fetch()
+                .max_messages(max)
+                .messages()
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            while let Some(message) = messages.next().await {
+                let message = message.map_err(|e| e.to_string())?;
+                let info = message.info().map_err(|e| e.to_string())?;
+                let (sequence, pending) = (info.stream_sequence, info.pending);
+                out.push(Message {
+                    position: Position::from_raw(sequence),
+                    payload: message.message.payload.clone(),
+                });
+                if pending == 0 || out.len() >= max {
+                    break;
+                }
+            }
+            Ok::<_, String>(out)
+        };
+        let out = tokio::time::timeout(self.config.request_timeout, work)
             .await
-            .map_err(|e| self.unavailable(e));
-        // The consumer holds server memory until it is deleted or inactive; do not wait.
+            .map_err(|_| "no answer to a fetch in time".to_owned())??;
+        if let Some(last) = out.last() {
+            cursor.after = last.position;
+        }
+        Ok(out)
+    }
+
+    fn take_cursor(&self, channel: &str, after: Position) -> Option<Cursor> {
+        let taken = self
+            .cursors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(channel);
+        match taken {
+            Some(cursor) if cursor.after == after => Some(cursor),
+            Some(elsewhere) => {
+                self.delete_later(elsewhere);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn put_cursor(&self, channel: &str, cursor: Cursor) {
+        let replaced = self
+            .cursors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(channel.to_owned(), cursor);
+        if let Some(old) = replaced {
+            self.delete_later(old);
+        }
+    }
+
+    /// Deletes a cursor's consumer in the background (the server would after
+    /// [`CURSOR_IDLE`] anyway).
+    fn delete_later(&self, cursor: Cursor) {
         let stream = self.stream.clone();
+        let name = cursor.consumer.cached_info().name.clone();
         tokio::spawn(async move {
             let _ = stream.delete_consumer(&name).await;
         });
-        result
     }
 }
 
@@ -248,9 +360,10 @@ impl Log for NatsLog {
         wait: Duration,
     ) -> LogResult<Vec<Message>> {
         check_channel(channel)?;
+        let max = max.max(1);
         let deadline = tokio::time::Instant::now() + wait;
         let subject = self.subject(channel);
-        // Subscribed before looking at the end, so an append in between still wakes us.
+        // Subscribed before looking, so an append in between still wakes us.
         let mut appended = if wait.is_zero() {
             None
         } else {
@@ -262,25 +375,26 @@ impl Log for NatsLog {
                     .map_err(|e| self.unavailable(e))?,
             )
         };
-        let mut expires = self.config.request_timeout;
-        if self.end(channel).await? <= after {
-            let Some(subscriber) = appended.as_mut() else {
-                return Ok(Vec::new());
-            };
-            // Nothing yet: wait for the channel's next publish (no server state but the
-            // subscription), then pull it through a consumer.
-            match tokio::time::timeout_at(deadline, subscriber.next()).await {
-                Ok(Some(_)) => {}
-                Ok(None) => return Err(self.unavailable("the connection closed")),
-                Err(_) => return Ok(Vec::new()),
-            }
-            // A core subscriber can see the message a moment before JetStream stored it.
-            expires = deadline
-                .saturating_duration_since(tokio::time::Instant::now())
-                .max(Duration::from_millis(200));
+        let batch = self.read_stored(channel, &subject, after, max).await?;
+        let Some(subscriber) = appended.as_mut().filter(|_| batch.is_empty()) else {
+            return Ok(batch);
+        };
+        // Nothing yet: wait for the channel's next publish (the server keeps nothing for us
+        // but the subscription), then read it.
+        match tokio::time::timeout_at(deadline, subscriber.next()).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return Err(self.unavailable("the connection closed")),
+            Err(_) => return Ok(Vec::new()),
         }
         drop(appended);
-        self.read_stored(subject, after, max.max(1), expires).await
+        // A core subscriber can see a message a moment before JetStream has stored it.
+        loop {
+            let batch = self.read_stored(channel, &subject, after, max).await?;
+            if !batch.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok(batch);
+            }
+            tokio::time::sleep(STORE_LAG_POLL).await;
+        }
     }
 
     async fn end(&self, channel: &str) -> LogResult<Position> {
@@ -297,35 +411,6 @@ impl Log for NatsLog {
             Err(e) => Err(self.unavailable(e)),
         }
     }
-}
-
-/// Pulls up to `max` messages, returning after the first one once the consumer reports
-/// nothing more pending (or the request expires).
-async fn pull(
-    consumer: &consumer::Consumer<consumer::pull::Config>,
-    max: usize,
-    expires: Duration,
-) -> Result<Vec<Message>, async_nats::Error> {
-    let mut messages = consumer
-        .batch()
-        .max_messages(max)
-        .expires(expires)
-        .messages()
-        .await?;
-    let mut out = Vec::new();
-    while let Some(message) = messages.next().await {
-        let message = message?;
-        let info = message.info()?;
-        let (sequence, pending) = (info.stream_sequence, info.pending);
-        out.push(Message {
-            position: Position::from_raw(sequence),
-            payload: message.message.payload.clone(),
-        });
-        if pending == 0 || out.len() >= max {
-            break;
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! The NATS log while nats-server is away: calls fail as retryable, the same client works
-//! again once the server is back, and nothing acked is lost.
+//! again once the server is back (its cursors replaced), and nothing acked is lost.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,9 @@ async fn a_nats_log_fails_retryably_while_the_server_is_down_and_recovers_by_its
     })
     .await?;
     let first = log.append("c", Bytes::from_static(b"before")).await?;
+    // Leaves a cursor (a consumer on the server) after `first`, which the restart loses.
+    let got = log.read("c", Position::START, 10, Duration::ZERO).await?;
+    ensure!(got.len() == 1 && got[0].position == first, "{got:?}");
 
     nats.kill();
     for call in ["append", "read", "end"] {
@@ -50,6 +53,9 @@ async fn a_nats_log_fails_retryably_while_the_server_is_down_and_recovers_by_its
         }
     };
     ensure!(after > first);
+    // Reading on from the cursor's place: the lost consumer is replaced, nothing is skipped.
+    let got = log.read("c", first, 10, Duration::ZERO).await?;
+    ensure!(got.last().map(|m| m.position) == Some(after), "{got:?}");
     let got = log.read("c", Position::START, 10, Duration::ZERO).await?;
     ensure!(got.first().map(|m| m.position) == Some(first), "{got:?}");
     ensure!(got.last().map(|m| m.position) == Some(after), "{got:?}");
