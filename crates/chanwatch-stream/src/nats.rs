@@ -101,10 +101,19 @@ impl NatsLog {
     /// `{prefix}.>`.
     pub async fn connect(config: NatsConfig) -> LogResult<Self> {
         check_names(&config)?;
+        let servers = config
+            .url
+            .split(',')
+            .map(|one| one.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| LogError::BadUrl {
+                url: config.url.clone(),
+                reason: format!("{e}; expected nats://HOST:PORT[,nats://HOST:PORT…]"),
+            })?;
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(config.request_timeout)
             .request_timeout(Some(config.request_timeout))
-            .connect(config.url.as_str())
+            .connect(servers)
             .await
             .map_err(|e| match e.kind() {
                 async_nats::ConnectErrorKind::ServerParse => LogError::BadUrl {

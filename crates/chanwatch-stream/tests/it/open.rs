@@ -17,7 +17,8 @@ async fn a_log_url_opens_its_backend_and_a_bad_one_says_what_is_expected() -> Re
     ensure!(data.join("c.log").is_file() && p == Position::from_raw(1));
 
     let nats = NatsFixture::start().await?;
-    let log = open(nats.url(), "CHANWATCH").await?;
+    // Several servers, comma-separated: the client picks one that answers.
+    let log = open(&format!("{},{}", nats.url(), nats.url()), "CHANWATCH").await?;
     let p = log.append("c", Bytes::from_static(b"x")).await?;
     let got = log.read("c", Position::START, 10, Duration::ZERO).await?;
     ensure!(got.len() == 1 && got[0].position == p, "{got:?}");
