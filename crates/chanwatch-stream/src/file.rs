@@ -14,7 +14,8 @@
 //! * **Durability** ([`FsyncPolicy`]): an append that returned was written to the file
 //!   (`write(2)`), so it survives the crash of this process (`kill -9`). With
 //!   [`FsyncPolicy::Never`] (the default) a crash of the machine may lose the last appends;
-//!   with [`FsyncPolicy::EveryAppend`] `fdatasync` runs before `append` returns.
+//!   with [`FsyncPolicy::EveryAppend`] `fdatasync` runs before `append` returns (and the
+//!   dir is synced when a channel's file is created).
 //! * **Crash recovery**: a last record cut off by a crash (short, bad checksum, or zeros) is
 //!   skipped by readers and truncated by the first append to that channel (logged as a
 //!   warning). Damage *before* the last record is [`LogError::Corrupt`], never skipped.
@@ -212,6 +213,14 @@ impl Channel {
                 .open(&self.path)
                 .map_err(|e| self.io(e))?;
             let len = writer.metadata().map_err(|e| self.io(e))?.len();
+            if len == 0 && self.fsync == FsyncPolicy::EveryAppend {
+                // A new file: its directory entry must reach the disk too.
+                if let Some(dir) = self.path.parent() {
+                    File::open(dir)
+                        .and_then(|d| d.sync_all())
+                        .map_err(|e| self.io(e))?;
+                }
+            }
             if len > index.end {
                 tracing::warn!(
                     file = %self.path.display(),

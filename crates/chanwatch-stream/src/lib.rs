@@ -60,9 +60,14 @@
 //! already there, up to `max`); if none exists it waits up to `wait` and returns an empty
 //! batch when it runs out. `wait` = 0 never waits. An append in the same process wakes a
 //! waiting reader at once; on the file log an append by another process (a producer) is seen
-//! within [`FileLogOptions::poll_interval`]; on NATS the server delivers it at once. An empty
+//! within [`FileLogOptions::poll_interval`]; on NATS a waiting reader holds a subscription to
+//! the channel's subject and is woken by the publish itself. An empty
 //! batch means only "nothing yet", never "the end": channels have no end, [`Log::end`] is the
 //! last position appended so far.
+//!
+//! One reader per channel per log handle reads on fastest: the NATS backend keeps a cursor
+//! (a server-side consumer) per channel where the last read ended; reads of one channel from
+//! two places at once through one handle work but make new cursors.
 //!
 //! ## What every implementation guarantees
 //!

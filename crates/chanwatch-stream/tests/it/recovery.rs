@@ -140,3 +140,21 @@ async fn a_reader_in_another_process_sees_appends_within_the_poll_interval() -> 
     ensure!(waited < Duration::from_secs(2), "seen after {waited:?}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_on_every_append_stores_the_same_records() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let options = FileLogOptions {
+        fsync: chanwatch_stream::FsyncPolicy::EveryAppend,
+        ..FileLogOptions::default()
+    };
+    let log = FileLog::open(dir.path(), options.clone())?;
+    append_n(&log, "c", 3).await?;
+    drop(log);
+    let got = FileLog::open(dir.path(), options)?
+        .read("c", Position::START, 10, Duration::ZERO)
+        .await?;
+    let texts: Vec<&[u8]> = got.iter().map(|m| &m.payload[..]).collect();
+    ensure!(texts == [&b"m0"[..], b"m1", b"m2"], "{got:?}");
+    Ok(())
+}
