@@ -2,13 +2,14 @@
 //!
 //! Over 600 lines on purpose: the single-member fixture and the 3-member cluster share their
 //! process handling; whole-cluster faults are in `cluster_faults.rs`, the proxy in
-//! `grpc_proxy.rs`.
+//! `grpc_proxy.rs`, the nats-server fixture in `nats.rs`.
 //!
 //! Owns: starting a real `etcd` process on free loopback ports with a temporary data dir,
 //! waiting until it serves, and killing it (and removing the dir) when the fixture drops;
 //! faults that keep the data: kill and start again, freeze and thaw (one fixture), kill and
 //! start again (members of a cluster); an HTTP/2 proxy in front of a fixture that can stall
-//! its watch streams while every other call flows ([`GrpcProxy`]).
+//! its watch streams while every other call flows ([`GrpcProxy`]); a `nats-server -js` with
+//! a temporary store dir ([`NatsFixture`]).
 //!
 //! Must not: be used outside tests, or bind anything but 127.0.0.1.
 //!
@@ -25,8 +26,10 @@ use thiserror::Error;
 
 mod cluster_faults;
 mod grpc_proxy;
+mod nats;
 pub use cluster_faults::ClusterOptions;
 pub use grpc_proxy::{GrpcProxy, ProxyError, WATCH_PATH};
+pub use nats::{nats_binary, NatsFixture};
 
 /// Why an etcd fixture could not start.
 #[derive(Debug, Error)]
@@ -37,8 +40,23 @@ pub enum FixtureError {
          install it with `apt-get install -y etcd-server` or set CHANWATCH_ETCD_BIN"
     )]
     NoBinary,
+    /// No nats-server binary was found.
+    #[error(
+        "no nats-server binary found (looked at $CHANWATCH_NATS_BIN, PATH and \
+         /usr/sbin/nats-server); install it with `apt-get install -y nats-server` or set \
+         CHANWATCH_NATS_BIN"
+    )]
+    NoNatsBinary,
+    /// nats-server started but JetStream did not serve in time (or the process exited).
+    #[error("nats-server did not become ready within {timeout:?}; its log:\n{log}")]
+    NatsNotReady {
+        /// How long we waited.
+        timeout: Duration,
+        /// The tail of its log.
+        log: String,
+    },
     /// Starting the process or making its data dir failed.
-    #[error("could not start etcd: {0}")]
+    #[error("could not start etcd or nats-server: {0}")]
     Io(#[from] std::io::Error),
     /// An `etcdctl` command failed.
     #[error("etcdctl {args:?} failed: {stderr}")]
