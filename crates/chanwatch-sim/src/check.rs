@@ -1,5 +1,8 @@
 //! The invariant checker of a simulation (DESIGN.md §6).
 //!
+//! Over 600 lines on purpose: one shadow of the key space that every invariant reads; each
+//! check is a short method beside the others that use the same records.
+//!
 //! Owns: a shadow copy of the key space, rebuilt from every committed revision (through
 //! [`chanwatch_store::EmbeddedStore::observe`], which no fault can break), the record of who
 //! wrote each revision, and the list of violations.

@@ -1,5 +1,8 @@
 //! The simulated cluster and the fault driver.
 //!
+//! Over 600 lines on purpose: every fault kind is a short arm of one driver, and the faults,
+//! their undo list and the settle phase share the world's state; the checks are in `check.rs`.
+//!
 //! Owns: the processes of one run (coordinators and nodes as pausable tasks, each with its
 //! own [`FaultyStore`] over the shared embedded store), the seeded choice of the next fault,
 //! the undo list of timed faults, and the settle phase.
