@@ -1,8 +1,9 @@
 //! Fenced checkpoints (DESIGN §2, §4): where a run resumes, and how a handler commits its
 //! position and state so that only the current owner's commit can land.
 //!
-//! Owns: reading `{root}/checkpoint/{channel}` when a run starts (retried until it answers: a
-//! run must not start from the beginning because the store was slow), the per-run
+//! Owns: reading `{root}/checkpoint/{channel}` on a run's first use of it (retried until the
+//! store answers: a run must not start from the beginning because the store was slow; a
+//! handler that never checkpoints never reads), the per-run
 //! [`Committer`] that builds each commit's guard — (i) the assignment key's create revision
 //! the run started under, (ii) the session (added by the ack writer), (iii) the checkpoint's
 //! mod revision this run last saw, or its absence — and reconciling after a commit whose
@@ -48,6 +49,8 @@ pub(crate) struct CommitRequest {
 /// What this run knows of the checkpoint key.
 #[derive(Debug, Default)]
 struct Seen {
+    /// The checkpoint as read by this run (`None` until read; then `Some(None)` when absent).
+    read: Option<Option<Checkpoint>>,
     /// Its mod revision as last read or written by this run (`None`: absent).
     mod_revision: Option<i64>,
     /// The bytes of a commit whose outcome is unknown: the next commit first reads the key
@@ -55,26 +58,34 @@ struct Seen {
     uncertain: Option<Vec<u8>>,
 }
 
-/// A run's way to commit; lives in its [`ChannelContext`](crate::ChannelContext).
+/// What every run of a session shares: the store, the way to the session's writer, the key
+/// layout, the clock and the latency histogram.
+#[derive(Clone)]
+pub(crate) struct CommitShared {
+    pub(crate) store: Arc<dyn MetaStore>,
+    pub(crate) tx: mpsc::UnboundedSender<CommitRequest>,
+    pub(crate) keys: chanwatch_core::Keys,
+    pub(crate) node: chanwatch_core::NodeId,
+    pub(crate) clock: Clock,
+    pub(crate) latency: prometheus::Histogram,
+}
+
+/// A run's way to read its resume point and commit; lives in its
+/// [`ChannelContext`](crate::ChannelContext). Costs nothing until a handler uses it.
 #[derive(Clone)]
 pub(crate) struct Committer {
-    store: Arc<dyn MetaStore>,
-    tx: mpsc::UnboundedSender<CommitRequest>,
+    shared: Arc<CommitShared>,
     channel: ChannelName,
     epoch: Epoch,
-    key: String,
-    assignment_key: String,
     assignment_create_revision: i64,
-    clock: Clock,
     seen: Arc<Mutex<Seen>>,
-    latency: prometheus::Histogram,
 }
 
 impl std::fmt::Debug for Committer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Committer")
-            .field("key", &self.key)
-            .field("assignment_key", &self.assignment_key)
+            .field("channel", &self.channel)
+            .field("epoch", &self.epoch)
             .field(
                 "assignment_create_revision",
                 &self.assignment_create_revision,
@@ -100,47 +111,53 @@ pub(crate) async fn read(
 }
 
 impl Committer {
-    #[allow(clippy::too_many_arguments)] // each is one part of the guard or the plumbing
     pub(crate) fn new(
-        store: Arc<dyn MetaStore>,
-        tx: mpsc::UnboundedSender<CommitRequest>,
+        shared: Arc<CommitShared>,
         channel: ChannelName,
         epoch: Epoch,
-        key: String,
-        assignment_key: String,
         assignment_create_revision: i64,
-        clock: Clock,
-        latency: prometheus::Histogram,
     ) -> Self {
         Committer {
-            latency,
-            store,
-            tx,
+            shared,
             channel,
             epoch,
-            key,
-            assignment_key,
             assignment_create_revision,
-            clock,
             seen: Arc::default(),
         }
     }
 
-    /// Reads the checkpoint the run resumes from, trying again (every 200 ms, up to 2 s apart)
-    /// until the store answers; remembers its revision for the first commit's guard.
-    pub(crate) async fn resume_point(&self) -> Result<Option<Checkpoint>, String> {
+    fn key(&self) -> String {
+        self.shared.keys.checkpoint(&self.channel)
+    }
+
+    /// The checkpoint this run resumes from: read from the store on first use (trying again,
+    /// every 200 ms up to 2 s apart, until the store answers), then remembered; its revision
+    /// guards the run's first commit.
+    ///
+    /// # Errors
+    /// The checkpoint's value does not decode (fix or delete the key).
+    pub(crate) async fn resume(&self) -> Result<Option<Checkpoint>, String> {
+        if let Some(read) = &self.seen.lock().unwrap_or_else(|e| e.into_inner()).read {
+            return Ok(read.clone());
+        }
+        let key = self.key();
         let mut wait = Duration::from_millis(200);
         loop {
-            match read(&*self.store, &self.key).await {
+            match read(&*self.shared.store, &key).await {
                 Ok(found) => {
                     let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(read) = &seen.read {
+                        return Ok(read.clone()); // a concurrent first use read it first
+                    }
                     seen.mod_revision = found.as_ref().map(|(_, rev)| *rev);
-                    return Ok(found.map(|(cp, _)| cp));
+                    let cp = found.map(|(cp, _)| cp);
+                    seen.read = Some(cp.clone());
+                    return Ok(cp);
                 }
                 Err(e) if e.contains("does not decode") => return Err(e),
                 Err(e) => {
-                    tracing::debug!(key = %self.key, error = %e, "node: cannot read the checkpoint yet; retrying");
-                    self.clock.sleep(wait).await;
+                    tracing::debug!(%key, error = %e, "node: cannot read the checkpoint yet; retrying");
+                    self.shared.clock.sleep(wait).await;
                     wait = (wait * 2).min(Duration::from_secs(2));
                 }
             }
@@ -157,7 +174,7 @@ impl Committer {
             epoch: self.epoch,
             position,
             state,
-            updated_at_ms: self.clock.unix_ms(),
+            updated_at_ms: self.shared.clock.unix_ms(),
             extra: Default::default(),
         };
         if let Some(state) = &cp.state {
@@ -166,28 +183,37 @@ impl Committer {
                 return Err(CommitError::TooLarge(len));
             }
         }
+        // The first commit of a run without a resume read: read now, for the guard.
+        if let Err(e) = self.resume().await {
+            return Err(CommitError::Unavailable(e));
+        }
         self.reconcile().await;
         let bytes = cp.encode();
+        let key = self.key();
+        let assignment_key = self.shared.keys.channel(
+            chanwatch_core::ChannelOwner::Node(self.shared.node),
+            &self.channel,
+        );
         let last = self
             .seen
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .mod_revision;
         let compares = vec![
-            Compare::create_revision(&self.assignment_key, self.assignment_create_revision),
+            Compare::create_revision(&assignment_key, self.assignment_create_revision),
             match last {
-                Some(rev) => Compare::mod_revision(&self.key, rev),
-                None => Compare::absent(&self.key),
+                Some(rev) => Compare::mod_revision(&key, rev),
+                None => Compare::absent(&key),
             },
         ];
         let (reply, answer) = oneshot::channel();
         let request = CommitRequest {
             channel: self.channel.clone(),
             compares,
-            put: TxnOp::put(&self.key, bytes.clone()),
+            put: TxnOp::put(&key, bytes.clone()),
             reply,
         };
-        if self.tx.send(request).is_err() {
+        if self.shared.tx.send(request).is_err() {
             return Err(CommitError::Fenced("the session ended".into()));
         }
         let outcome = answer
@@ -210,7 +236,7 @@ impl Committer {
 
     /// Counts one commit's latency.
     pub(crate) fn observe(&self, took: Duration) {
-        self.latency.observe(took.as_secs_f64());
+        self.shared.latency.observe(took.as_secs_f64());
     }
 
     /// After a commit whose outcome is unknown: if the key holds exactly what it wrote, that
@@ -223,7 +249,7 @@ impl Committer {
             .uncertain
             .clone();
         let Some(bytes) = uncertain else { return };
-        if let Ok(found) = self.store.get(&self.key).await {
+        if let Ok(found) = self.shared.store.get(&self.key()).await {
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(kv) = found.filter(|kv| kv.value == bytes) {
                 seen.mod_revision = Some(kv.mod_revision);

@@ -55,9 +55,7 @@ pub struct ChannelContext {
     /// The runner this context belongs to: a late [`ChannelContext::fail`] of an earlier run
     /// of the same channel is ignored.
     pub(crate) generation: u64,
-    /// The checkpoint this run resumes from (read before `load`).
-    pub(crate) resume: Option<chanwatch_core::Checkpoint>,
-    /// How this run commits (none in contexts made outside a node, e.g. handler tests).
+    /// How this run reads its resume point and commits (none in contexts made outside a node, e.g. handler tests).
     pub(crate) committer: Option<crate::checkpoint::Committer>,
 }
 
@@ -84,15 +82,21 @@ impl ChannelContext {
         });
     }
 
-    /// Where to resume: the position of the channel's last committed checkpoint (`None`: no
-    /// checkpoint yet — start from the beginning of the channel).
-    pub fn resume_position(&self) -> Option<&str> {
-        self.resume.as_ref().map(|c| c.position.as_str())
-    }
-
-    /// The state committed with [`resume_position`](Self::resume_position), if any.
-    pub fn resume_state(&self) -> Option<&serde_json::Value> {
-        self.resume.as_ref().and_then(|c| c.state.as_ref())
+    /// Where to resume: the channel's last committed checkpoint — its `position` and the
+    /// `state` committed with it — or `None` (no checkpoint yet: start from the beginning).
+    /// Read from the store on first use in this run (retried until the store answers), then
+    /// remembered; a handler that never checkpoints never pays for the read.
+    ///
+    /// # Errors
+    /// [`CommitError::Unavailable`] when the stored checkpoint does not decode (fix or delete
+    /// the key), or the context belongs to no node.
+    pub async fn resume(&self) -> Result<Option<chanwatch_core::Checkpoint>, CommitError> {
+        match &self.committer {
+            Some(c) => c.resume().await.map_err(CommitError::Unavailable),
+            None => Err(CommitError::Unavailable(
+                "this context belongs to no node (a test context)".into(),
+            )),
+        }
     }
 
     /// Commits how far this run has consumed, and the handler's state as of there, by fenced

@@ -1,10 +1,9 @@
 //! A channel's runner: one task per assignment that loads through the handler, reports the
 //! outcome, follows the session's pause signal (pause / resume warm) and releases on stop.
 //!
-//! Owns: the handler calls for one channel and the `channels_running` gauge's share; before each
-//! load it reads the checkpoint to resume from (the one store read it makes). Must not write to
-//! the store — it reports to the session through [`RunnerEvent`]s, and commits go through the
-//! session's group commit.
+//! Owns: the handler calls for one channel and the `channels_running` gauge's share. Must not
+//! touch the store — it reports to the session through [`RunnerEvent`]s (a handler's resume
+//! read and commits go through its context's committer).
 
 use std::sync::Arc;
 
@@ -57,14 +56,7 @@ pub(crate) async fn run_channel(
             stopped(&events);
             return;
         }
-        // Where to resume: the last committed checkpoint, read before every load attempt.
-        let load = async {
-            let mut ctx = ctx.clone();
-            if let Some(c) = ctx.committer.clone() {
-                ctx.resume = c.resume_point().await?;
-            }
-            handler.load(ctx).await
-        };
+        let load = handler.load(ctx.clone());
         let loaded = tokio::select! {
             biased;
             () = cancel.cancelled() => None,

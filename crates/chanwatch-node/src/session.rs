@@ -21,7 +21,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::acks::{AckOutcome, What};
-use crate::checkpoint::{CommitRequest, Committer};
+use crate::checkpoint::{CommitRequest, CommitShared, Committer};
 use crate::config::{NodeConfig, NodeStatus, PlantedBug};
 use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
 use crate::register::Registered;
@@ -72,11 +72,12 @@ pub(crate) struct Session {
     pub(crate) acks_done_rx: mpsc::UnboundedReceiver<Vec<(What, AckOutcome)>>,
     /// Checkpoint commits from the runs, waiting for the next write (group commit with acks).
     pub(crate) commit_queue: Vec<CommitRequest>,
-    pub(crate) commits_tx: mpsc::UnboundedSender<CommitRequest>,
     pub(crate) commits_rx: mpsc::UnboundedReceiver<CommitRequest>,
     /// The create revision of each assignment key as last seen: a run's commits are fenced on
     /// the key it started under (a move or a removal deletes it).
     pub(crate) create_revisions: BTreeMap<ChannelName, i64>,
+    /// What every run's committer shares.
+    pub(crate) commit_shared: Arc<CommitShared>,
 }
 
 impl Session {
@@ -90,6 +91,14 @@ impl Session {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (acks_done_tx, acks_done_rx) = mpsc::unbounded_channel();
         let (commits_tx, commits_rx) = mpsc::unbounded_channel();
+        let commit_shared = Arc::new(CommitShared {
+            store: store.clone(),
+            tx: commits_tx.clone(),
+            keys: config.keys.clone(),
+            node: reg.id,
+            clock,
+            latency: config.metrics.commit_latency.clone(),
+        });
         Session {
             store,
             handler,
@@ -116,9 +125,9 @@ impl Session {
             acks_done_tx,
             acks_done_rx,
             commit_queue: Vec::new(),
-            commits_tx,
             commits_rx,
             create_revisions: BTreeMap::new(),
+            commit_shared,
         }
     }
 
@@ -440,20 +449,14 @@ impl Session {
             last_progress: Arc::new(Mutex::new(None)),
             progress_interval: self.progress_interval,
             generation,
-            resume: None,
             committer: Some(Committer::new(
-                self.store.clone(),
-                self.commits_tx.clone(),
+                self.commit_shared.clone(),
                 info.channel.clone(),
                 info.epoch,
-                self.keys.checkpoint(&info.channel),
-                self.key(&info.channel),
                 self.create_revisions
                     .get(&info.channel)
                     .copied()
                     .unwrap_or(0),
-                self.clock,
-                self.metrics.commit_latency.clone(),
             )),
         };
         self.seen_at.insert(info.channel.clone(), self.clock.now());

@@ -20,7 +20,6 @@ fn ctx(node: u64, channel: &str, epoch: u64) -> ChannelContext {
         last_progress: Arc::default(),
         progress_interval: Duration::from_secs(5),
         generation: 7,
-        resume: None,
         committer: None,
     }
 }

@@ -85,7 +85,7 @@ async fn a_moved_channel_resumes_from_its_last_commit_and_the_old_run_is_fenced(
         .await?;
     let run_a = wait_run(&keeper, a_id, "c").await?;
     ensure!(
-        run_a.resume_position().is_none(),
+        run_a.resume().await?.is_none(),
         "a first run starts from the beginning"
     );
 
@@ -118,12 +118,13 @@ async fn a_moved_channel_resumes_from_its_last_commit_and_the_old_run_is_fenced(
     }
     coordinator.move_channel(c.clone(), b_id).await?;
     let run_b = wait_run(&keeper, b_id, "c").await?;
+    let resume = run_b
+        .resume()
+        .await?
+        .context("the new owner finds a checkpoint")?;
     ensure!(
-        run_b.resume_position() == Some("20")
-            && run_b.resume_state() == Some(&json!({"count": 20})),
-        "the new owner resumes from the last commit: {:?} {:?}",
-        run_b.resume_position(),
-        run_b.resume_state()
+        resume.position == "20" && resume.state == Some(json!({"count": 20})),
+        "the new owner resumes from the last commit: {resume:?}"
     );
 
     // The old run commits late: refused, and the checkpoint stays.
