@@ -250,8 +250,9 @@ async fn list_nodes(State(h): State<CoordHandle>) -> HttpResult {
 #[serde(deny_unknown_fields)]
 struct AddChannel {
     name: String,
+    /// Read typed, once; its size is checked below (DESIGN §2: at most 64 KiB).
     #[serde(default)]
-    vchannel: Option<Value>,
+    vchannel: Option<VChannelInfo>,
 }
 
 async fn add_channel(
@@ -260,14 +261,10 @@ async fn add_channel(
 ) -> HttpResult {
     let Json(body) = body?;
     let name = channel_name(&body.name)?;
-    let vchannel = match body.vchannel {
-        None => VChannelInfo::default(),
-        Some(v) => {
-            let bytes =
-                serde_json::to_vec(&v).map_err(|e| HttpError::bad_request(e.to_string()))?;
-            VChannelInfo::from_json(&bytes).map_err(|e| HttpError::bad_request(e.to_string()))?
-        }
-    };
+    let vchannel = body.vchannel.unwrap_or_default();
+    vchannel
+        .check_size()
+        .map_err(|e| HttpError::bad_request(e.to_string()))?;
     let t = h.add_channel(name, vchannel).await?;
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
