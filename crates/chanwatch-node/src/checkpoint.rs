@@ -4,7 +4,7 @@
 //! Owns: reading `{root}/checkpoint/{channel}` on a run's first use of it (retried until the
 //! store answers: a run must not start from the beginning because the store was slow; a
 //! handler that never checkpoints never reads), the per-run
-//! [`Committer`] that builds each commit's guard — (i) the assignment key's create revision
+//! `Committer` that builds each commit's guard — (i) the assignment key's create revision
 //! the run started under, (ii) the session (added by the ack writer), (iii) the checkpoint's
 //! mod revision this run last saw, or its absence — and reconciling after a commit whose
 //! outcome is unknown. The writes themselves are group-committed with the acks (`acks.rs`).

@@ -8,7 +8,7 @@
 //! attributes commits.
 //! Must not: change the semantics of calls that are let through, or wake waiting calls in an
 //! order that changes from run to run (the simulation replays a seed byte for byte; see
-//! [`Switch`]).
+//! `Switch`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
