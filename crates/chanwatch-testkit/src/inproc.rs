@@ -310,7 +310,13 @@ impl CoordProc {
 
     /// Freezes (`true`) or thaws (`false`) it: a process stopped by the OS, or a long GC.
     pub fn pause(&self, paused: bool) {
-        let _ = self.pause.send(paused);
+        self.pause.send_replace(paused);
+    }
+
+    /// The switch that freezes it (`true`), for a fault's undo to thaw it later.
+    #[must_use]
+    pub fn pause_switch(&self) -> watch::Sender<bool> {
+        self.pause.clone()
     }
 
     /// Whether it is frozen.
@@ -378,7 +384,13 @@ impl NodeProc {
 
     /// Freezes (`true`) or thaws (`false`) it.
     pub fn pause(&self, paused: bool) {
-        let _ = self.pause.send(paused);
+        self.pause.send_replace(paused);
+    }
+
+    /// The switch that freezes it (`true`), for a fault's undo to thaw it later.
+    #[must_use]
+    pub fn pause_switch(&self) -> watch::Sender<bool> {
+        self.pause.clone()
     }
 
     /// Whether it is frozen.
