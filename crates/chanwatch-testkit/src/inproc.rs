@@ -344,6 +344,16 @@ impl CoordProc {
         let _ = self.task.await;
     }
 
+    /// Waits until it ends — by itself (a configuration error at start-up) or after
+    /// [`CoordHandle::stop`] — and returns how [`Coordinator::run`] ended.
+    ///
+    /// # Errors
+    /// A [`JoinError`](tokio::task::JoinError) when its task panicked; inside, the
+    /// [`CoordError`] `run` returned.
+    pub async fn ended(self) -> Result<Result<(), CoordError>, tokio::task::JoinError> {
+        self.task.await
+    }
+
     /// Waits up to `limit` until it leads and has recovered.
     ///
     /// # Errors

@@ -114,10 +114,6 @@ impl Cluster {
         }
     }
 
-    pub fn coord_config(&self) -> CoordinatorConfig {
-        self.harness.coord_config(&self.harness.coord_config.id)
-    }
-
     pub fn spawn_coord(&self, id: &str) -> Coord {
         self.spawn_coord_on(id, self.store.clone(), |_| {})
     }
