@@ -126,13 +126,46 @@ async fn pausable<T>(f: impl Future<Output = T>, mut gate: watch::Receiver<bool>
     }
 }
 
-/// Spawns `body` on a task of its own; the returned sender freezes it (`true`).
-fn spawn_pausable<T: Send + 'static>(
-    body: impl Future<Output = T> + Send + 'static,
-) -> (JoinHandle<T>, watch::Sender<bool>) {
-    let (pause, gate) = watch::channel(false);
-    let task = tokio::spawn(pausable(body, gate));
-    (task, pause)
+/// The task of one process, which can be frozen: what [`CoordProc`] and [`NodeProc`] share
+/// (they dereference to it).
+#[derive(Debug)]
+pub struct Task<T> {
+    task: JoinHandle<T>,
+    pause: watch::Sender<bool>,
+}
+
+impl<T: Send + 'static> Task<T> {
+    /// Spawns `body` on a task of its own, not frozen.
+    fn spawn(body: impl Future<Output = T> + Send + 'static) -> Self {
+        let (pause, gate) = watch::channel(false);
+        let task = tokio::spawn(pausable(body, gate));
+        Task { task, pause }
+    }
+}
+
+impl<T> Task<T> {
+    /// Freezes (`true`) or thaws (`false`) it: a process stopped by the OS, or a long GC.
+    pub fn pause(&self, paused: bool) {
+        self.pause.send_replace(paused);
+    }
+
+    /// The switch that freezes it (`true`), for a fault's undo to thaw it later.
+    #[must_use]
+    pub fn pause_switch(&self) -> watch::Sender<bool> {
+        self.pause.clone()
+    }
+
+    /// Whether it is frozen.
+    #[must_use]
+    pub fn paused(&self) -> bool {
+        *self.pause.borrow()
+    }
+
+    /// Whether it has ended (killed, stopped, or failed).
+    #[must_use]
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
 }
 
 /// The processes' common settings: each coordinator and node starts from these.
@@ -230,7 +263,7 @@ impl Cluster {
                 source,
             })?;
         let name = id.clone();
-        let (task, pause) = spawn_pausable(async move {
+        let task = Task::spawn(async move {
             let r = coordinator.run().await;
             if let Err(e) = &r {
                 tracing::error!(coordinator = %name, error = %e, "in-process coordinator ended");
@@ -243,7 +276,6 @@ impl Cluster {
             metrics,
             id,
             task,
-            pause,
         })
     }
 
@@ -268,7 +300,7 @@ impl Cluster {
         let (status_tx, status) = watch::channel(NodeStatus::default());
         let (stop, stopped) = oneshot::channel::<()>();
         let clock = self.clock;
-        let (task, pause) = spawn_pausable(async move {
+        let task = Task::spawn(async move {
             let shutdown = async {
                 let _ = stopped.await;
             };
@@ -282,7 +314,6 @@ impl Cluster {
             status,
             stop: Some(stop),
             task,
-            pause,
         }
     }
 }
@@ -297,8 +328,14 @@ pub struct CoordProc {
     /// Its metrics.
     pub metrics: Arc<CoordMetrics>,
     id: String,
-    task: JoinHandle<Result<(), CoordError>>,
-    pause: watch::Sender<bool>,
+    task: Task<Result<(), CoordError>>,
+}
+
+impl std::ops::Deref for CoordProc {
+    type Target = Task<Result<(), CoordError>>;
+    fn deref(&self) -> &Self::Target {
+        &self.task
+    }
 }
 
 impl CoordProc {
@@ -308,32 +345,9 @@ impl CoordProc {
         &self.id
     }
 
-    /// Freezes (`true`) or thaws (`false`) it: a process stopped by the OS, or a long GC.
-    pub fn pause(&self, paused: bool) {
-        self.pause.send_replace(paused);
-    }
-
-    /// The switch that freezes it (`true`), for a fault's undo to thaw it later.
-    #[must_use]
-    pub fn pause_switch(&self) -> watch::Sender<bool> {
-        self.pause.clone()
-    }
-
-    /// Whether it is frozen.
-    #[must_use]
-    pub fn paused(&self) -> bool {
-        *self.pause.borrow()
-    }
-
-    /// Whether its task has ended (killed, stopped, or failed).
-    #[must_use]
-    pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
-    }
-
     /// Dies without cleaning up, as a crash: no lease revoke, tasks dropped.
     pub fn kill(self) {
-        self.task.abort();
+        self.task.task.abort();
     }
 
     /// Stops it (a leader revokes its lease so a standby takes over at once) and waits. An
@@ -341,7 +355,7 @@ impl CoordProc {
     pub async fn stop(self) {
         self.pause(false);
         let _ = self.handle.stop().await;
-        let _ = self.task.await;
+        let _ = self.task.task.await;
     }
 
     /// Waits until it ends — by itself (a configuration error at start-up) or after
@@ -351,7 +365,7 @@ impl CoordProc {
     /// A [`JoinError`](tokio::task::JoinError) when its task panicked; inside, the
     /// [`CoordError`] `run` returned.
     pub async fn ended(self) -> Result<Result<(), CoordError>, tokio::task::JoinError> {
-        self.task.await
+        self.task.task.await
     }
 
     /// Waits up to `limit` until it leads and has recovered.
@@ -381,8 +395,14 @@ pub struct NodeProc {
     /// Its status as it changes.
     pub status: watch::Receiver<NodeStatus>,
     stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), NodeError>>,
-    pause: watch::Sender<bool>,
+    task: Task<Result<(), NodeError>>,
+}
+
+impl std::ops::Deref for NodeProc {
+    type Target = Task<Result<(), NodeError>>;
+    fn deref(&self) -> &Self::Target {
+        &self.task
+    }
 }
 
 impl NodeProc {
@@ -392,33 +412,10 @@ impl NodeProc {
         self.status.borrow().id
     }
 
-    /// Freezes (`true`) or thaws (`false`) it.
-    pub fn pause(&self, paused: bool) {
-        self.pause.send_replace(paused);
-    }
-
-    /// The switch that freezes it (`true`), for a fault's undo to thaw it later.
-    #[must_use]
-    pub fn pause_switch(&self) -> watch::Sender<bool> {
-        self.pause.clone()
-    }
-
-    /// Whether it is frozen.
-    #[must_use]
-    pub fn paused(&self) -> bool {
-        *self.pause.borrow()
-    }
-
-    /// Whether its task has ended (killed, stopped, or failed).
-    #[must_use]
-    pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
-    }
-
     /// Dies without revoking its lease: its channels move after the TTL.
     pub fn kill(mut self) {
         // Aborted before the stop signal goes (dropped), so it cannot stop gracefully.
-        self.task.abort();
+        self.task.task.abort();
         self.stop.take();
     }
 
@@ -429,7 +426,7 @@ impl NodeProc {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
-        let _ = self.task.await;
+        let _ = self.task.task.await;
     }
 
     /// Waits up to `limit` until it has registered, and returns its ID.
