@@ -3,29 +3,25 @@
 //! Over 600 lines on purpose: every fault kind is a short arm of one driver, and the faults,
 //! their undo list and the settle phase share the world's state; the checks are in `check.rs`.
 //!
-//! Owns: the processes of one run (coordinators and nodes as pausable tasks, each with its
-//! own [`FaultyStore`] over the shared embedded store), the seeded choice of the next fault,
+//! Owns: the processes of one run (coordinators and nodes as pausable tasks started by the
+//! testkit's harness, [`chanwatch_testkit::inproc`], each with its own [`FaultyStore`] over
+//! the shared embedded store), the seeded choice of the next fault,
 //! the undo list of timed faults, and the settle phase.
 //! Must not: check invariants itself (the [`Checker`] does) or use anything but the seeded
 //! RNG and tokio's paused clock.
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chanwatch_coord::{CoordHandle, CoordMetrics, Coordinator, CoordinatorConfig};
-use chanwatch_core::planner::PlannerConfig;
+use chanwatch_coord::CoordHandle;
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
-use chanwatch_node::{
-    Behaviour, ChannelHandler, NodeConfig, NodeMetrics, NodeStatus, RecordingHandler,
-};
+use chanwatch_node::{Behaviour, ChannelHandler, RecordingHandler};
 use chanwatch_store::{Clock, EmbeddedStore, Faults, FaultyStore, MetaStore};
+use chanwatch_testkit::inproc::{self, Timings};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::check::{overlaps, Checker, Excuse, Scope, Writer, Writers};
@@ -42,66 +38,24 @@ const LATENCY: Duration = Duration::from_millis(15);
 /// How long an admin request may take before its outcome counts as unknown.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Runs `f` except while the gate says paused: a frozen process.
-async fn pausable(f: impl Future<Output = ()>, mut gate: watch::Receiver<bool>) {
-    tokio::pin!(f);
-    loop {
-        if *gate.borrow_and_update() {
-            if gate.changed().await.is_err() {
-                return f.await;
-            }
-            continue;
-        }
-        tokio::select! {
-            biased;
-            () = &mut f => return,
-            changed = gate.changed() => if changed.is_err() { return f.await; },
-        }
-    }
-}
-
-/// Spawns a process's body on its own store; the returned sender freezes it (`true`).
-fn spawn_process<F>(
-    store: FaultyStore<EmbeddedStore>,
-    body: impl FnOnce(Arc<dyn MetaStore>) -> F,
-) -> (JoinHandle<()>, watch::Sender<bool>)
-where
-    F: Future<Output = ()> + Send + 'static,
-{
-    spawn_pausable(body(Arc::new(store)))
-}
-
-/// Spawns a process's body; the returned sender freezes it (`true`).
-fn spawn_pausable(
-    body: impl Future<Output = ()> + Send + 'static,
-) -> (JoinHandle<()>, watch::Sender<bool>) {
-    let (pause, gate) = watch::channel(false);
-    let task = tokio::spawn(pausable(body, gate));
-    (task, pause)
-}
-
 struct NodeProc {
     slot: usize,
-    task: JoinHandle<()>,
+    proc: inproc::NodeProc,
     faults: Faults,
     /// While set, every load on this node fails (a node with a broken disk or dependency).
     sick: Arc<AtomicBool>,
-    pause: watch::Sender<bool>,
-    status: watch::Receiver<NodeStatus>,
 }
 
 impl NodeProc {
     fn id(&self) -> Option<NodeId> {
-        self.status.borrow().id
+        self.proc.id()
     }
 }
 
 struct CoordProc {
     name: String,
-    task: JoinHandle<()>,
+    proc: inproc::CoordProc,
     faults: Faults,
-    pause: watch::Sender<bool>,
-    handle: CoordHandle,
 }
 
 /// A timed fault's end.
@@ -122,13 +76,13 @@ struct World {
     seed: u64,
     rng: XorShiftRng,
     options: SimOptions,
-    keys: Keys,
     clock: Clock,
     start: Instant,
     store: EmbeddedStore,
     writers: Writers,
     handler: RecordingHandler,
-    node_metrics: Arc<NodeMetrics>,
+    /// Starts the processes (the testkit's harness); each runs on a `FaultyStore` of its own.
+    harness: inproc::Cluster,
     nodes: Vec<NodeProc>,
     coords: Vec<CoordProc>,
     next_slot: usize,
@@ -154,18 +108,19 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
     let mut checker = Checker::new(keys.clone(), store.observe(), writers.clone());
     checker.failed_node_backoff = WATCH_TIMEOUT;
     let clock = Clock::with_unix_base(BASE_MS);
+    let handler = RecordingHandler::new(clock);
+    let harness = harness(&store, &keys, clock, &handler, &options);
     let mut w = World {
         seed,
         rng: XorShiftRng::seed_from_u64(seed),
         trace: Trace::new(options.keep_trace, options.echo_trace),
         options,
-        keys,
         clock,
         start: Instant::now(),
         store,
         writers,
-        handler: RecordingHandler::new(clock),
-        node_metrics: Arc::new(NodeMetrics::new()),
+        handler,
+        harness,
         nodes: Vec::new(),
         coords: Vec::new(),
         next_slot: 0,
@@ -191,6 +146,38 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
     };
     w.run().await;
     w.finish()
+}
+
+/// The harness with the simulation's settings: short TTLs, a planner whose balance and
+/// cooldown fit them, the planted bugs of `options`, one set of node metrics.
+fn harness(
+    store: &EmbeddedStore,
+    keys: &Keys,
+    clock: Clock,
+    handler: &RecordingHandler,
+    options: &SimOptions,
+) -> inproc::Cluster {
+    let timings = Timings {
+        session_ttl: SESSION_TTL,
+        watch_timeout: WATCH_TIMEOUT,
+        reconcile_interval: Duration::from_secs(3),
+        tick: Duration::from_millis(250),
+        progress_interval: Duration::from_millis(500),
+    };
+    let mut h = inproc::Cluster::new(
+        Arc::new(store.clone()),
+        keys.clone(),
+        clock,
+        &timings,
+        Arc::new(handler.clone()),
+    );
+    let planner = &mut h.coord_config.planner;
+    planner.balance_quiet_ms = 1_000;
+    planner.move_cooldown_ms = 10_000;
+    planner.planted_bug = options.planner_bug;
+    h.coord_config.pipeline = 4;
+    h.node_config.planted_bug = options.planted_bug;
+    h
 }
 
 impl World {
@@ -243,34 +230,22 @@ impl World {
         let (store, faults) = FaultyStore::new(self.store.clone());
         faults.latency(LATENCY, self.seed ^ (slot as u64) << 8);
         self.attribute(&faults, Writer::Node(slot));
-        let config = NodeConfig {
-            keys: self.keys.clone(),
-            session_ttl: SESSION_TTL,
-            progress_interval: Duration::from_millis(500),
-            admin_addr: format!("proc{slot}"),
-            metrics: self.node_metrics.clone(),
-            planted_bug: self.options.planted_bug,
-            ..NodeConfig::default()
-        };
-        let (status_tx, status) = watch::channel(NodeStatus::default());
+        let mut config = self.harness.node_config.clone();
+        config.admin_addr = format!("proc{slot}");
         let sick = Arc::new(AtomicBool::new(false));
         let handler: Arc<dyn ChannelHandler> = Arc::new(Sickly {
             inner: self.handler.clone(),
             sick: sick.clone(),
         });
-        let clock = self.clock;
-        let (task, pause) = spawn_process(store, move |store| async move {
-            let never = std::future::pending();
-            let _ = chanwatch_node::run(store, handler, config, clock, status_tx, never).await;
-        });
+        let proc = self
+            .harness
+            .spawn_node_with(Arc::new(store), handler, config);
         self.log(&format!("start proc{slot}"));
         self.nodes.push(NodeProc {
             slot,
-            task,
+            proc,
             faults,
             sick,
-            pause,
-            status,
         });
     }
 
@@ -280,61 +255,33 @@ impl World {
         let (store, faults) = FaultyStore::new(self.store.clone());
         faults.latency(LATENCY, self.seed ^ u64::from(self.incarnations) << 32);
         self.attribute(&faults, Writer::Coord(name.clone()));
-        let timeout_ms = u64::try_from(WATCH_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
-        let config = CoordinatorConfig {
-            keys: self.keys.clone(),
-            planner: PlannerConfig {
-                watch_timeout_ms: timeout_ms,
-                release_timeout_ms: timeout_ms,
-                fence_wait_ms: u64::try_from(SESSION_TTL.as_millis()).unwrap_or(u64::MAX),
-                balance_quiet_ms: 1_000,
-                move_cooldown_ms: 10_000,
-                failed_node_backoff_ms: timeout_ms,
-                planted_bug: self.options.planner_bug,
-                ..PlannerConfig::default()
-            },
-            session_ttl: SESSION_TTL,
-            reconcile_interval: Duration::from_secs(3),
-            tick: Duration::from_millis(250),
-            pipeline: 4,
-            id: name.clone(),
-            admin_addr: name.clone(),
-            metrics: Arc::new(CoordMetrics::new()),
-        };
-        // Built, not spawned: the world pauses and kills it through its task. Its handle
-        // lives as long as the task, so it is never stopped otherwise.
-        let built = Coordinator::builder(Arc::new(store))
-            .config(config)
-            .clock(self.clock)
-            .build();
-        let (coordinator, handle) = match built {
-            Ok(b) => b,
+        let mut config = self.harness.coord_config(&name);
+        config.admin_addr.clone_from(&name);
+        // Its own task: the world pauses and kills it there. Its handle lives as long as the
+        // task, so it is never stopped otherwise.
+        let proc = match self.harness.spawn_coord_with(Arc::new(store), config) {
+            Ok(p) => p,
+            Err(inproc::InProcError::Coord { source, .. }) => {
+                self.log(&format!("start {name} failed: {source}"));
+                return;
+            }
             Err(e) => {
                 self.log(&format!("start {name} failed: {e}"));
                 return;
             }
         };
-        let (task, pause) = spawn_pausable(async move {
-            let _ = coordinator.run().await;
-        });
         self.log(&format!("start {name}"));
-        self.coords.push(CoordProc {
-            name,
-            task,
-            faults,
-            pause,
-            handle,
-        });
+        self.coords.push(CoordProc { name, proc, faults });
     }
 
     fn leader(&self) -> Option<CoordHandle> {
         self.coords
             .iter()
             .find(|c| {
-                let s = c.handle.status();
-                s.leader && s.ready && !*c.pause.borrow()
+                let s = c.proc.handle.status();
+                s.leader && s.ready && !c.proc.paused()
             })
-            .map(|c| c.handle.clone())
+            .map(|c| c.proc.handle.clone())
     }
 
     fn pick(&mut self, n: usize) -> Option<usize> {
@@ -513,8 +460,8 @@ impl World {
                 // Crash: the process dies without revoking its lease.
                 if let Some(i) = self.pick(self.nodes.len()) {
                     let node = self.nodes.remove(i);
-                    node.task.abort();
                     let id = node.id();
+                    node.proc.kill();
                     if let Some(id) = id {
                         self.handler.mark_dead(id);
                     }
@@ -539,13 +486,13 @@ impl World {
                     let ttl = u64::try_from(SESSION_TTL.as_millis()).unwrap_or(4_000);
                     let d = self.ms(1_000, 3 * ttl);
                     let node = &self.nodes[i];
-                    if *node.pause.borrow() {
+                    if node.proc.paused() {
                         return;
                     }
                     let (slot, id) = (node.slot, node.id());
-                    node.pause.send_replace(true);
+                    node.proc.pause(true);
                     node.faults.hold(true);
-                    let (pause, faults) = (node.pause.clone(), node.faults.clone());
+                    let (pause, faults) = (node.proc.pause_switch(), node.faults.clone());
                     if let Some(id) = id {
                         self.excuse(Scope::Node(id), d.as_millis() as u64 + ttl);
                     }
@@ -563,7 +510,7 @@ impl World {
             55..=57 => {
                 let Some(i) = self.leader_index() else { return };
                 let c = self.coords.remove(i);
-                c.task.abort();
+                c.proc.kill();
                 self.fault("coord-crash", &c.name);
             }
             58..=61 => {
@@ -578,9 +525,10 @@ impl World {
                 let Some(i) = self.leader_index() else { return };
                 let d = self.ms(4_000, 12_000);
                 let c = &self.coords[i];
-                c.pause.send_replace(true);
+                c.proc.pause(true);
                 c.faults.hold(true);
-                let (pause, faults, name) = (c.pause.clone(), c.faults.clone(), c.name.clone());
+                let (pause, faults) = (c.proc.pause_switch(), c.faults.clone());
+                let name = c.name.clone();
                 self.fault("coord-pause", &format!("{name} for {d:?}"));
                 self.schedule(
                     d,
@@ -818,7 +766,9 @@ impl World {
     }
 
     fn leader_index(&self) -> Option<usize> {
-        self.coords.iter().position(|c| c.handle.status().leader)
+        self.coords
+            .iter()
+            .position(|c| c.proc.handle.status().leader)
     }
 
     fn any_actor(&mut self) -> (String, Option<Faults>) {
@@ -923,12 +873,12 @@ impl World {
         let exited: Vec<String> = self
             .nodes
             .iter()
-            .filter(|n| n.task.is_finished())
+            .filter(|n| n.proc.is_finished())
             .map(|n| format!("liveness: proc{} exited on its own", n.slot))
             .chain(
                 self.coords
                     .iter()
-                    .filter(|c| c.task.is_finished())
+                    .filter(|c| c.proc.is_finished())
                     .map(|c| format!("liveness: {} exited on its own", c.name)),
             )
             .collect();
@@ -944,10 +894,10 @@ impl World {
         report.trace_lines = self.trace.count;
         report.trace = self.trace.lines.into_iter().collect();
         for n in self.nodes {
-            n.task.abort();
+            n.proc.kill();
         }
         for c in self.coords {
-            c.task.abort();
+            c.proc.kill();
         }
         report
     }

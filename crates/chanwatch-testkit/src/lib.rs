@@ -9,9 +9,12 @@
 //! faults that keep the data: kill and start again, freeze and thaw (one fixture), kill and
 //! start again (members of a cluster); an HTTP/2 proxy in front of a fixture that can stall
 //! its watch streams while every other call flows ([`GrpcProxy`]); a `nats-server -js` with
-//! a temporary store dir ([`NatsFixture`]).
+//! a temporary store dir ([`NatsFixture`]); with feature `inproc`, a whole cluster as tasks
+//! of this process ([`inproc::Cluster`]), which the binary's `demo`, `standalone` and benches
+//! use too.
 //!
-//! Must not: be used outside tests, or bind anything but 127.0.0.1.
+//! Must not: be used outside tests (the `inproc` harness excepted), or bind anything but
+//! 127.0.0.1.
 //!
 //! The binary is `$CHANWATCH_ETCD_BIN` if set, else `etcd` on `PATH`, else `/usr/bin/etcd`.
 //! A missing binary is an error that says how to install it: integration tests fail rather
@@ -26,6 +29,8 @@ use thiserror::Error;
 
 mod cluster_faults;
 mod grpc_proxy;
+#[cfg(feature = "inproc")]
+pub mod inproc;
 mod nats;
 pub use cluster_faults::ClusterOptions;
 pub use grpc_proxy::{GrpcProxy, ProxyError, WATCH_PATH};

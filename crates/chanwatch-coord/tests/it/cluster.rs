@@ -1,18 +1,19 @@
 //! A whole chanwatch cluster inside a test: one store (embedded or a real etcd process),
-//! coordinators and nodes as tasks, one recording handler shared by every node.
+//! coordinators and nodes as tasks started by the testkit's harness
+//! ([`chanwatch_testkit::inproc`]), one recording handler shared by every node; and what the
+//! tests ask of it (the store's view decoded, waits, requests retried while not ready).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use chanwatch_coord::{CoordHandle, CoordStatus, Coordinator, CoordinatorConfig};
+use chanwatch_coord::{CoordHandle, CoordinatorConfig};
 use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, ChannelState, Keys, NodeId, VChannelInfo};
-use chanwatch_node::{NodeConfig, NodeStatus, RecordingHandler};
+use chanwatch_node::{NodeMetrics, RecordingHandler};
 use chanwatch_store::{Clock, EmbeddedStore, EtcdConfig, EtcdStore, MetaStore};
+use chanwatch_testkit::inproc::{self, CoordProc, NodeProc, Timings};
 use chanwatch_testkit::EtcdFixture;
-use tokio::sync::{oneshot, watch};
-use tokio::task::JoinHandle;
 
 /// Session TTL of every process in these tests.
 pub const TTL: Duration = Duration::from_secs(3);
@@ -26,48 +27,28 @@ pub enum Backend {
     Etcd(EtcdFixture),
 }
 
-pub struct Proc<S> {
-    pub status: watch::Receiver<S>,
-    /// `None` for a coordinator: dropping its handle stops it.
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
-}
-
-impl<S> Proc<S> {
-    /// Dies without cleaning up: no lease revoke, tasks dropped.
-    pub fn kill(mut self) {
-        self.stop.take();
-        self.task.abort();
-    }
-    /// Graceful stop.
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        let _ = self.task.await;
-    }
-}
-
 pub struct Cluster {
     pub backend: Backend,
     pub store: Arc<dyn MetaStore>,
     pub clock: Clock,
     pub keys: Keys,
     pub handler: RecordingHandler,
+    /// The testkit's harness, which starts every process.
+    harness: inproc::Cluster,
 }
 
 pub struct Node {
-    pub proc: Proc<NodeStatus>,
+    pub proc: NodeProc,
 }
 
 impl Node {
     pub fn id(&self) -> Option<NodeId> {
-        self.proc.status.borrow().id
+        self.proc.id()
     }
 }
 
 pub struct Coord {
-    pub proc: Proc<CoordStatus>,
+    pub proc: CoordProc,
     pub handle: CoordHandle,
     pub metrics: Arc<chanwatch_coord::CoordMetrics>,
 }
@@ -103,31 +84,33 @@ impl Cluster {
             .with_test_writer()
             .try_init();
         let clock = Clock::with_unix_base(1_700_000_000_000);
+        let keys = Keys::default();
+        let handler = RecordingHandler::new(clock);
+        let timings = Timings {
+            session_ttl: TTL,
+            watch_timeout: WATCH_TIMEOUT,
+            reconcile_interval: Duration::from_secs(2),
+            tick: Duration::from_millis(200),
+            progress_interval: Duration::from_millis(300),
+        };
+        let mut harness = inproc::Cluster::new(
+            store.clone(),
+            keys.clone(),
+            clock,
+            &timings,
+            Arc::new(handler.clone()),
+        );
+        let planner = &mut harness.coord_config.planner;
+        planner.balance_quiet_ms = 0;
+        planner.move_cooldown_ms = 0;
+        planner.failed_node_backoff_ms = 5_000;
         Cluster {
             backend,
             store,
             clock,
-            keys: Keys::default(),
-            handler: RecordingHandler::new(clock),
-        }
-    }
-
-    pub fn coord_config(&self) -> CoordinatorConfig {
-        CoordinatorConfig {
-            keys: self.keys.clone(),
-            planner: PlannerConfig {
-                watch_timeout_ms: WATCH_TIMEOUT.as_millis() as u64,
-                release_timeout_ms: WATCH_TIMEOUT.as_millis() as u64,
-                fence_wait_ms: TTL.as_millis() as u64,
-                balance_quiet_ms: 0,
-                move_cooldown_ms: 0,
-                failed_node_backoff_ms: 5_000,
-                ..PlannerConfig::default()
-            },
-            session_ttl: TTL,
-            reconcile_interval: Duration::from_secs(2),
-            tick: Duration::from_millis(200),
-            ..CoordinatorConfig::default()
+            keys,
+            handler,
+            harness,
         }
     }
 
@@ -143,31 +126,17 @@ impl Cluster {
         store: Arc<dyn MetaStore>,
         tweak: impl FnOnce(&mut CoordinatorConfig),
     ) -> Coord {
-        let mut config = self.coord_config();
-        config.id = id.to_owned();
+        let mut config = self.harness.coord_config(id);
         config.admin_addr = format!("{id}.invalid:1");
         tweak(&mut config);
-        let metrics = config.metrics.clone();
-        // Built, not spawned: a test kills coordinators by aborting their task.
-        let (coordinator, handle) = Coordinator::builder(store)
-            .config(config)
-            .clock(self.clock)
-            .build()
+        let proc = self
+            .harness
+            .spawn_coord_with(store, config)
             .expect("a registry of its own takes the metrics");
-        let status = handle.watch_status();
-        let task = tokio::spawn(async move {
-            if let Err(e) = coordinator.run().await {
-                panic!("coordinator failed: {e}");
-            }
-        });
         Coord {
-            proc: Proc {
-                status,
-                stop: None,
-                task,
-            },
-            handle,
-            metrics,
+            handle: proc.handle.clone(),
+            metrics: proc.metrics.clone(),
+            proc,
         }
     }
 
@@ -187,33 +156,14 @@ impl Cluster {
         store: Arc<dyn MetaStore>,
         planted_bug: Option<chanwatch_node::PlantedBug>,
     ) -> Node {
-        let config = NodeConfig {
-            keys: self.keys.clone(),
-            session_ttl: TTL,
-            progress_interval: Duration::from_millis(300),
-            planted_bug,
-            ..NodeConfig::default()
-        };
-        let (status_tx, status) = watch::channel(NodeStatus::default());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let clock = self.clock;
-        let handler = Arc::new(self.handler.clone());
-        let task = tokio::spawn(async move {
-            let r = chanwatch_node::run(store, handler, config, clock, status_tx, async {
-                let _ = stopped.await;
-            })
-            .await;
-            if let Err(e) = r {
-                panic!("node failed: {e}");
-            }
-        });
-        Node {
-            proc: Proc {
-                status,
-                stop: Some(stop),
-                task,
-            },
-        }
+        let mut config = self.harness.node_config.clone();
+        config.planted_bug = planted_bug;
+        // Metrics of its own, as a node process has.
+        config.metrics = Arc::new(NodeMetrics::new());
+        let proc = self
+            .harness
+            .spawn_node_with(store, self.harness.handler.clone(), config);
+        Node { proc }
     }
 
     /// Kills a node the hard way and tells the recorder its channels stopped now.
@@ -227,10 +177,7 @@ impl Cluster {
     }
 
     pub async fn wait_node_id(&self, node: &Node) -> Result<NodeId> {
-        let mut status = node.proc.status.clone();
-        let s = tokio::time::timeout(Duration::from_secs(20), status.wait_for(|s| s.id.is_some()))
-            .await??;
-        Ok(s.id.unwrap_or(NodeId(0)))
+        Ok(node.proc.wait_id(Duration::from_secs(20)).await?)
     }
 
     /// What the store holds now, decoded.
@@ -302,9 +249,7 @@ impl Cluster {
     }
 
     pub async fn wait_leader_ready(&self, coord: &Coord) -> Result<()> {
-        let mut status = coord.proc.status.clone();
-        tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.ready)).await??;
-        Ok(())
+        Ok(coord.proc.wait_ready(Duration::from_secs(30)).await?)
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use chanwatch_coord::{CoordHandle, CoordStatus, Coordinator};
+use chanwatch_coord::CoordStatus;
 use chanwatch_core::{ChannelName, CoordSession, VChannelInfo};
 use chanwatch_store::{
     EmbeddedStore, EventKind, FaultyStore, KeyValue, Lease, LeaseId, Limits, MetaStore,
@@ -215,24 +215,6 @@ impl MetaStore for FailingGrants {
     }
 }
 
-/// Runs a coordinator on `store` and returns its handle and how `run` ended.
-fn spawn_raw(
-    c: &Cluster,
-    store: Arc<dyn MetaStore>,
-) -> (
-    CoordHandle,
-    tokio::task::JoinHandle<Result<(), chanwatch_coord::CoordError>>,
-) {
-    let mut config = c.coord_config();
-    config.id = "raw".into();
-    let (coordinator, handle) = Coordinator::builder(store)
-        .config(config)
-        .clock(c.clock)
-        .build()
-        .expect("a registry of its own takes the metrics");
-    (handle, tokio::spawn(coordinator.run()))
-}
-
 pub async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() -> Result<()> {
     let c = Cluster::embedded().await?;
     // What etcd's NOSPACE alarm and an expired auth token look like to the store layer today.
@@ -242,15 +224,15 @@ pub async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() ->
     ];
     for error in errors {
         let store = Arc::new(FailingGrants::new(c.store.clone(), 5, error));
-        let (handle, task) = spawn_raw(&c, store);
-        let mut status = handle.watch_status();
+        let coord = c.spawn_coord_on("raw", store, |_| {});
+        let mut status = coord.proc.status.clone();
         tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.ready))
             .await
             .with_context(|| format!("never led after grants failed with {}", error()))?
             .map_err(|_| anyhow::anyhow!("the coordinator exited on a grant error: {}", error()))?;
-        ensure!(!task.is_finished(), "the coordinator exited");
-        handle.stop().await?;
-        task.await??;
+        ensure!(!coord.proc.is_finished(), "the coordinator exited");
+        coord.handle.stop().await?;
+        coord.proc.ended().await??;
     }
     Ok(())
 }
@@ -260,8 +242,8 @@ pub async fn a_configuration_error_at_start_up_stops_the_coordinator() -> Result
     let store = Arc::new(FailingGrants::new(c.store.clone(), 1, || {
         StoreError::Config("unreadable TLS file".into())
     }));
-    let (_handle, task) = spawn_raw(&c, store);
-    match tokio::time::timeout(Duration::from_secs(10), task).await?? {
+    let coord = c.spawn_coord_on("raw", store, |_| {});
+    match tokio::time::timeout(Duration::from_secs(10), coord.proc.ended()).await?? {
         Err(chanwatch_coord::CoordError::Store(StoreError::Config(_))) => Ok(()),
         other => bail!("expected a configuration error, got {other:?}"),
     }
