@@ -4,7 +4,7 @@
 //! all start their processes here.
 //!
 //! Owns: turning [`Timings`] into coordinator and node settings, spawning each process on a
-//! task that can be frozen ([`CoordProc::pause`], [`NodeProc::pause`]), killed (no lease
+//! task that can be frozen ([`Task::pause`], reached through both `CoordProc` and `NodeProc`), killed (no lease
 //! revoke, as a crash) or stopped (channels released, lease revoked), and waiting until a
 //! coordinator leads or a node has registered.
 //! Must not: decide anything (the coordinator and the nodes do), pick a store, a clock or a
