@@ -417,6 +417,9 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
     }
 }
 
+pub mod consumer;
+pub use consumer::{ConsumerOptions, StreamConsumer, StreamState};
+
 #[cfg(any(test, feature = "testing"))]
 mod recording;
 #[cfg(any(test, feature = "testing"))]
