@@ -1,5 +1,6 @@
 //! The data plane through the real binary (issue 12): `standalone --handler stream` consumes
-//! what `produce` appends to a file log, and `audit` finds every channel exact.
+//! what `produce` appends to a file log while the node owning a channel is drained (its
+//! channels move mid-stream), and `audit` finds every channel exact.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,8 +15,51 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// `curl` the standalone's admin API; the body, or `None` on failure.
+fn curl(args: &[&str]) -> Option<String> {
+    let out = Command::new("curl")
+        .args(["-sf", "--max-time", "5"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Drains the node that owns `channel`, once it has one; its channels move to the other node.
+fn drain_owner_of(admin: &str, channel: &str) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let rows: serde_json::Value = curl(&[&format!("http://{admin}/api/v1/channels")])
+            .and_then(|b| serde_json::from_str(&b).ok())
+            .unwrap_or_default();
+        let owner = rows.as_array().into_iter().flatten().find_map(|r| {
+            (r["channel"] == channel && r["state"] == "Watched")
+                .then(|| r["node"].as_u64())
+                .flatten()
+        });
+        if let Some(node) = owner {
+            if curl(&[
+                "-X",
+                "POST",
+                "-H",
+                "Content-Type: application/json",
+                &format!("http://{admin}/api/v1/nodes/{node}/drain"),
+            ])
+            .is_some()
+            {
+                return node;
+            }
+        }
+        assert!(Instant::now() < deadline, "{channel} never watched: {rows}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
-fn standalone_consumes_what_produce_appends_and_audit_finds_it_exact() {
+fn standalone_consumes_what_produce_appends_through_a_drain_and_audit_finds_it_exact() {
     let dir = tempfile::tempdir().expect("tempdir");
     let log = format!("file:{}", dir.path().join("log").display());
     let port = free_port();
@@ -36,7 +80,7 @@ fn standalone_consumes_what_produce_appends_and_audit_finds_it_exact() {
     );
     let produced = dir.path().join("produced.json");
     let started = Instant::now();
-    let out = Command::new(bin())
+    let producer = Command::new(bin())
         .args([
             "produce",
             &format!("--log={log}"),
@@ -46,8 +90,13 @@ fn standalone_consumes_what_produce_appends_and_audit_finds_it_exact() {
             &format!("--out={}", produced.display()),
         ])
         .stdin(Stdio::null())
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("produce runs");
+    std::thread::sleep(Duration::from_millis(1000));
+    let drained = drain_owner_of(&admin, "ch-000");
+    let out = producer.wait_with_output().expect("produce ends");
     assert!(
         out.status.success(),
         "produce failed: {}",
@@ -80,5 +129,5 @@ fn standalone_consumes_what_produce_appends_and_audit_finds_it_exact() {
     assert_eq!(verdict["duplicated"], 0, "{stdout}");
     assert!(audit.status.success(), "{stdout}");
     assert!(started.elapsed() < Duration::from_secs(60));
-    eprintln!("{stdout}");
+    eprintln!("drained node {drained} mid-stream\n{stdout}");
 }
