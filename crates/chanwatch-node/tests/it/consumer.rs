@@ -1,6 +1,7 @@
-//! The stream consumer end to end on the embedded store and the file log (issue 12): messages
-//! are consumed while a channel moves and a node stops, and every channel's committed state is
-//! exactly the messages up to its committed position — none lost, none folded twice.
+//! The stream consumer end to end on the embedded store, with the file log and with a real
+//! nats-server (issue 12): messages are consumed while a channel moves and a node stops (and,
+//! on NATS, while the server restarts), and every channel's committed state is exactly the
+//! messages up to its committed position — none lost, none folded twice.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,6 +78,25 @@ async fn produce(log: &dyn Log, from: u64, to: u64) -> Result<()> {
 async fn consumed_state_is_exactly_once_across_a_move_and_a_stopped_node() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let log: Arc<dyn Log> = Arc::new(FileLog::open(dir.path(), FileLogOptions::default())?);
+    scenario(log, None).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumed_state_is_exactly_once_on_nats_across_a_move_a_stopped_node_and_a_server_restart(
+) -> Result<()> {
+    let nats = chanwatch_testkit::NatsFixture::start().await?;
+    let log = chanwatch_stream::open(nats.url(), "consumer_it").await?;
+    scenario(log, Some(nats)).await
+}
+
+/// Produces 3,000 messages to each of four channels in three phases: before node b joins and
+/// one channel moves to it; before node a stops; and after (a nats-server, if given, restarts
+/// just before the last phase). Then every channel's committed state must equal the fold of
+/// the log up to its committed position, which must be the channel's end.
+async fn scenario(
+    log: Arc<dyn Log>,
+    mut nats: Option<chanwatch_testkit::NatsFixture>,
+) -> Result<()> {
     let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
     let options = ConsumerOptions {
         commit_every: 50,
@@ -109,6 +129,9 @@ async fn consumed_state_is_exactly_once_across_a_move_and_a_stopped_node() -> Re
     produce(&*log, 1001, 2001).await?;
     // Node a stops mid-stream: its channels move to b and resume from a's last commits.
     a.stop().await?;
+    if let Some(nats) = nats.as_mut() {
+        nats.restart().await?;
+    }
     produce(&*log, 2001, 3001).await?;
 
     let started = Instant::now();
