@@ -153,7 +153,8 @@ pub async fn run(args: Args) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(5)).await;
             continue;
         }
-        while sent < due {
+        // Behind the rate (appends slower than asked): catch up, but never past --duration.
+        while sent < due && (sent % 64 != 0 || started.elapsed() < args.duration) {
             let i = next;
             next = (next + 1) % channels.len();
             let seq = states[i].count + 1;
