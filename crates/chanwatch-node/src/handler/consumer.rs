@@ -278,6 +278,8 @@ async fn consume(
     let channel = ctx.info.channel.to_string();
     let mut committed_at = at;
     let mut pending: u64 = 0;
+    // After a commit that did not land, the next waits a whole interval (no retry storm).
+    let mut backing_off = false;
     let mut last_commit = clock.now();
     let wait = options
         .commit_interval
@@ -317,14 +319,18 @@ async fn consume(
             }
         }
         let due = clock.now().saturating_duration_since(last_commit) >= options.commit_interval;
-        if at != committed_at && (pending >= options.commit_every || due) {
+        if at != committed_at && ((pending >= options.commit_every && !backing_off) || due) {
             match commit(&ctx, at, &state).await {
                 Committed::Landed => {
                     committed_at = at;
                     last_commit = clock.now();
                     pending = 0;
+                    backing_off = false;
                 }
-                Committed::Later => last_commit = clock.now(),
+                Committed::Later => {
+                    last_commit = clock.now();
+                    backing_off = true;
+                }
                 Committed::Stop => return,
             }
         }

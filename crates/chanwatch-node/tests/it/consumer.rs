@@ -164,3 +164,58 @@ async fn scenario(
     coordinator.stop().await?;
     Ok(())
 }
+
+/// The store goes away for a while mid-stream: the node pauses its channels, commits do not
+/// land, and the consumer keeps its state and carries on once the store is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_keeps_its_state_through_a_store_outage() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let log: Arc<dyn Log> = Arc::new(FileLog::open(dir.path(), FileLogOptions::default())?);
+    let embedded = Arc::new(EmbeddedStore::new());
+    let store: Arc<dyn MetaStore> = embedded.clone();
+    let consumer = Arc::new(StreamConsumer::new(
+        log.clone(),
+        ConsumerOptions {
+            commit_every: 20,
+            commit_interval: Duration::from_millis(100),
+            ..ConsumerOptions::default()
+        },
+    ));
+    let coordinator = Coordinator::builder(store.clone()).spawn()?;
+    let mut ready = coordinator.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
+    let (a, _) = spawn_node(&store, consumer).await?;
+    for c in CHANNELS {
+        coordinator
+            .add_channel(ChannelName::new(c)?, VChannelInfo::default())
+            .await?;
+    }
+    produce(&*log, 1, 501).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    embedded.set_outage(true);
+    produce(&*log, 501, 1001).await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    embedded.set_outage(false);
+    produce(&*log, 1001, 1501).await?;
+    let started = Instant::now();
+    for c in CHANNELS {
+        let end = log.end(c).await?;
+        loop {
+            let cp = checkpoint(&*store, c).await.ok().flatten();
+            if let Some(cp) = cp.filter(|cp| cp.position.parse::<Position>().ok() == Some(end)) {
+                let state = StreamState::from_json(cp.state.as_ref().context("has state")?)
+                    .map_err(anyhow::Error::msg)?;
+                ensure!(state == expected(&*log, c, end).await?, "{c}: {state:?}");
+                ensure!(state.count == 1500, "{c}: {state:?}");
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                bail!("{c} never caught up to {end} after the outage");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    a.stop().await?;
+    coordinator.stop().await?;
+    Ok(())
+}
