@@ -134,6 +134,8 @@ struct Run {
     paused: watch::Sender<bool>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
+    /// Where the run's in-memory fold is (not necessarily committed).
+    folded: Arc<Mutex<(Position, StreamState)>>,
 }
 
 /// The consumer handler: see the module docs. One instance serves every channel (and every
@@ -166,6 +168,18 @@ impl StreamConsumer {
         self.runs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// How far the run of `channel` on `node` has read and folded (in memory; what it last
+    /// committed may be behind), or `None` when it does not run here.
+    pub fn folded(&self, node: NodeId, channel: &ChannelName) -> Option<(Position, StreamState)> {
+        let runs = self.runs();
+        let run = runs.get(&(node, channel.clone()))?;
+        let folded = *run
+            .folded
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(folded)
     }
 
     async fn stop_run(&self, node: NodeId, channel: &ChannelName) {
@@ -206,17 +220,24 @@ impl ChannelHandler for StreamConsumer {
         self.stop_run(ctx.node, &channel).await;
         let (paused, paused_rx) = watch::channel(false);
         let (stop, stop_rx) = watch::channel(false);
+        let folded = Arc::new(Mutex::new((at, state)));
         let task = tokio::spawn(consume(
             self.log.clone(),
             self.options,
             ctx.clone(),
-            at,
-            state,
+            folded.clone(),
             paused_rx,
             stop_rx,
         ));
-        self.runs()
-            .insert((ctx.node, channel), Run { paused, stop, task });
+        self.runs().insert(
+            (ctx.node, channel),
+            Run {
+                paused,
+                stop,
+                task,
+                folded,
+            },
+        );
         Ok(())
     }
 
@@ -269,11 +290,13 @@ async fn consume(
     log: Arc<dyn Log>,
     options: ConsumerOptions,
     ctx: ChannelContext,
-    mut at: Position,
-    mut state: StreamState,
+    folded: Arc<Mutex<(Position, StreamState)>>,
     mut paused: watch::Receiver<bool>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let (mut at, mut state) = *folded
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let clock = ctx.clock();
     let channel = ctx.info.channel.to_string();
     let mut committed_at = at;
@@ -308,6 +331,9 @@ async fn consume(
                     at = m.position;
                 }
                 pending += batch.len() as u64;
+                *folded
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = (at, state);
             }
             Err(e) if e.is_retryable() => {
                 tracing::debug!(%channel, error = %e, "consumer: log unavailable; retrying");

@@ -165,10 +165,12 @@ async fn scenario(
     Ok(())
 }
 
-/// The store goes away for a while mid-stream: the node pauses its channels, commits do not
-/// land, and the consumer keeps its state and carries on once the store is back.
+/// The store goes away for a while mid-stream: the node pauses its channels, a paused run reads
+/// nothing, commits do not land, and the consumer keeps its state and carries on once the
+/// store is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_consumer_keeps_its_state_through_a_store_outage() -> Result<()> {
+async fn a_paused_consumer_reads_nothing_and_keeps_its_state_through_a_store_outage() -> Result<()>
+{
     let dir = tempfile::tempdir()?;
     let log: Arc<dyn Log> = Arc::new(FileLog::open(dir.path(), FileLogOptions::default())?);
     let embedded = Arc::new(EmbeddedStore::new());
@@ -184,7 +186,7 @@ async fn the_consumer_keeps_its_state_through_a_store_outage() -> Result<()> {
     let coordinator = Coordinator::builder(store.clone()).spawn()?;
     let mut ready = coordinator.watch_status();
     tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
-    let (a, _) = spawn_node(&store, consumer).await?;
+    let (a, a_id) = spawn_node(&store, consumer.clone()).await?;
     for c in CHANNELS {
         coordinator
             .add_channel(ChannelName::new(c)?, VChannelInfo::default())
@@ -193,8 +195,24 @@ async fn the_consumer_keeps_its_state_through_a_store_outage() -> Result<()> {
     produce(&*log, 1, 501).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     embedded.set_outage(true);
+    let mut status = a.watch_status();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.paused.is_some()),
+    )
+    .await??;
+    // Paused: the runs read nothing more (their state stays in memory).
+    let s0 = ChannelName::new("s-0")?;
+    let before = consumer.folded(a_id, &s0).context("s-0 runs on a")?;
     produce(&*log, 501, 1001).await?;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = consumer
+        .folded(a_id, &s0)
+        .context("s-0 still loaded on a")?;
+    ensure!(
+        before == during,
+        "a paused run read on: {before:?} -> {during:?}"
+    );
     embedded.set_outage(false);
     produce(&*log, 1001, 1501).await?;
     let started = Instant::now();
