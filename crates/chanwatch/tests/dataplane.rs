@@ -1,6 +1,8 @@
 //! The data plane through the real binary (issue 12): `standalone --handler stream` consumes
 //! what `produce` appends to a file log while the node owning a channel is drained (its
-//! channels move mid-stream), and `audit` finds every channel exact.
+//! channels move mid-stream), and `audit` finds every channel exact; and the same on real etcd
+//! with `coord` and two `node --handler stream` processes, one killed mid-stream, with
+//! `produce --all` and `audit --endpoints`.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -130,4 +132,109 @@ fn standalone_consumes_what_produce_appends_through_a_drain_and_audit_finds_it_e
     assert!(audit.status.success(), "{stdout}");
     assert!(started.elapsed() < Duration::from_secs(60));
     eprintln!("drained node {drained} mid-stream\n{stdout}");
+}
+
+/// Runs `chanwatch ARGS` to its end; (success, stdout, stderr).
+fn run(args: &[String]) -> (bool, String, String) {
+    let out = Command::new(bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("chanwatch runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_on_etcd_consume_exactly_once_through_a_killed_node_and_audit_reads_etcd() {
+    let etcd = chanwatch_testkit::EtcdFixture::start().await.expect("etcd");
+    let endpoint = format!("--endpoints={}", etcd.endpoint());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = format!("--log=file:{}", dir.path().join("log").display());
+    let _coord = spawn(
+        dir.path(),
+        "coord",
+        &[
+            "coord".into(),
+            endpoint.clone(),
+            format!("--admin=127.0.0.1:{}", free_port()),
+            "--session-ttl=2s".into(),
+            "--release-timeout=5s".into(),
+        ],
+    );
+    let node = |name: &str| {
+        spawn(
+            dir.path(),
+            name,
+            &[
+                "node".into(),
+                endpoint.clone(),
+                "--session-ttl=2s".into(),
+                "--handler=stream".into(),
+                log.clone(),
+                "--commit-interval=200ms".into(),
+            ],
+        )
+    };
+    let mut a = node("node-a");
+    let b = node("node-b");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for c in ["d-0", "d-1", "d-2", "d-3"] {
+        loop {
+            let (ok, _, err) = run(&[
+                "ctl".into(),
+                endpoint.clone(),
+                "add-channel".into(),
+                c.into(),
+            ]);
+            if ok {
+                break;
+            }
+            assert!(Instant::now() < deadline, "add-channel {c}: {err}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+    let produced = dir.path().join("produced.json");
+    let producer = Command::new(bin())
+        .args([
+            "produce",
+            &log,
+            "--all",
+            &endpoint,
+            "--rate=1000",
+            "--duration=4s",
+            &format!("--out={}", produced.display()),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("produce runs");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(a.running(), "{}", a.output());
+    // kill -9 (Proc's drop): its channels move after the TTL and resume from its commits.
+    drop(std::mem::replace(&mut a, node("node-c")));
+    let out = producer.wait_with_output().expect("produce ends");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (ok, stdout, stderr) = run(&[
+        "audit".into(),
+        log.clone(),
+        endpoint.clone(),
+        format!("--produced={}", produced.display()),
+        "--wait=30s".into(),
+    ]);
+    let last = stdout.lines().last().unwrap_or_default();
+    let verdict: serde_json::Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("audit's last line is JSON ({e}):\n{stdout}\n{stderr}"));
+    assert_eq!(verdict["channels"], 4, "{stdout}");
+    assert_eq!(verdict["exact"], 4, "{stdout}\n{stderr}\n{}", b.output());
+    assert!(ok, "{stdout}");
+    eprintln!("{stdout}");
 }
