@@ -1,7 +1,9 @@
 //! The work a node does for a channel, behind the [`ChannelHandler`] trait, and the built-in
 //! handlers: [`SimulatedLoad`] (the default: a load that takes `--load-delay`, and for
 //! black-box tests fails or hangs for channels matching [`NamePatterns`]), [`AuditLog`] (writes
-//! the handler log around another handler) and, with the `testing` feature, `RecordingHandler`
+//! the handler log around another handler), [`StreamConsumer`] (`consumer`: reads a channel of a
+//! `chanwatch_stream::Log` from its checkpoint and commits fenced checkpoints) and, with the
+//! `testing` feature, `RecordingHandler`
 //! (records when each node ran each channel, so tests can check single ownership).
 //!
 //! Must not: touch the store. A handler reports progress through its [`ChannelContext`].
@@ -416,6 +418,9 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
         self.inner.resume(node, info).await;
     }
 }
+
+pub mod consumer;
+pub use consumer::{ConsumerOptions, StreamConsumer, StreamState};
 
 #[cfg(any(test, feature = "testing"))]
 mod recording;

@@ -83,6 +83,7 @@
 //! | Channels are independent: messages, positions order and ends do not mix. | `channels_are_independent` |
 //! | Messages and positions survive a restart (reopened dir; nats-server restarted on its store dir). | `positions_survive_a_restart` |
 //! | Bad channel names are refused with `BadChannel`; oversized messages with `TooLarge`. | `bad_names_and_oversized_messages_are_refused` |
+//! | A reader following a channel while another task appends gets every message once, in order. | `a_reader_following_concurrent_appends_misses_nothing` |
 //!
 //! And per backend:
 //!

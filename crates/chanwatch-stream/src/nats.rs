@@ -235,12 +235,16 @@ impl NatsLog {
             while let Some(message) = messages.next().await {
                 let message = message.map_err(|e| e.to_string())?;
                 let info = message.info().map_err(|e| e.to_string())?;
-                let (sequence, pending) = (info.stream_sequence, info.pending);
+                let sequence = info.stream_sequence;
                 out.push(Message {
                     position: Position::from_raw(sequence),
                     payload: message.message.payload.clone(),
                 });
-                if pending == 0 || out.len() >= max {
+                // Not `pending == 0`: a message appended meanwhile may still be delivered
+                // after it, and the server's cursor would then be past `cursor.after` — the
+                // next fetch would skip that message. The batch ends by itself (the server's
+                // no-wait status) or at `max`.
+                if out.len() >= max {
                     break;
                 }
             }

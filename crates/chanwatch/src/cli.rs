@@ -58,6 +58,12 @@ pub enum Command {
     Node(cmd::node::Args),
     /// Inspect and change the cluster (reads etcd, sends changes to the leader).
     Ctl(cmd::ctl::Args),
+    /// Append sequence-numbered messages to channels of a log at a steady rate; write what
+    /// was produced per channel to a JSON file (for `audit`).
+    Produce(cmd::produce::Args),
+    /// Check that the consumer's committed state of every produced channel is exactly what
+    /// was produced up to its committed position; a table, then one JSON line.
+    Audit(cmd::audit::Args),
     /// Benchmarks; one JSON line per result on stdout, a table on stderr.
     Bench(cmd::bench::Args),
     /// Deterministic simulation: whole clusters (2 coordinators, nodes, embedded store) on
@@ -84,7 +90,11 @@ pub fn init_logging(global: &Global, default_level: &str) {
 pub fn main(cli: Cli) -> ExitCode {
     // The demo and ctl print tables for a person; their logs would only clutter them.
     let default_level = match cli.command {
-        Command::Demo | Command::Ctl(_) | Command::Bench(_) => "warn",
+        Command::Demo
+        | Command::Ctl(_)
+        | Command::Bench(_)
+        | Command::Produce(_)
+        | Command::Audit(_) => "warn",
         // Thousands of simulated failures would log thousands of warnings.
         Command::Sim(_) => "off",
         _ => "info",
@@ -121,6 +131,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Node(args) => cmd::node::run(args).await,
         Command::Ctl(args) => cmd::ctl::run(args).await,
         Command::Bench(args) => cmd::bench::run(args).await,
+        Command::Produce(args) => cmd::produce::run(args).await,
+        Command::Audit(args) => cmd::audit::run(args).await,
         // Each seed runs on a runtime of its own, on plain threads.
         Command::Sim(args) => tokio::task::spawn_blocking(move || cmd::sim::run(&args))
             .await

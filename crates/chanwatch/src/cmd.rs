@@ -5,11 +5,13 @@
 //! Must not: hold flags shared across subcommands (those are in `crate::flags`) or dispatch
 //! (that is `crate::cli`).
 
+pub mod audit;
 pub mod bench;
 pub mod coord;
 pub mod ctl;
 pub mod demo;
 mod lifecycle;
 pub mod node;
+pub mod produce;
 pub mod sim;
 pub mod standalone;

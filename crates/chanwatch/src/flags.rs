@@ -3,7 +3,8 @@
 //! Owns: how to reach etcd (`EtcdArgs`, and connecting with them), the key root (`RootArg`),
 //! who may use the admin API (`AdminAccess`: token, allowed hosts, and the refusal to serve a
 //! non-loopback API without a token), the hidden switches of the built-in simulated load
-//! (`TestLoadArgs`), and the duration parser (`humantime_secs`).
+//! (`TestLoadArgs`), the data plane's log and handler choice (`LogArgs`, `HandlerArgs`), and the
+//! duration parser (`humantime_secs`).
 //!
 //! Must not: depend on anything else of the binary (it is the leaf every subcommand uses), or
 //! hold a flag only one subcommand has: that belongs in the subcommand's own `Args`. Flags are
@@ -229,6 +230,129 @@ impl TestLoadArgs {
             fail_running: self.fail_running.clone().unwrap_or_default(),
             fail_running_after: self.fail_running_after,
         }
+    }
+}
+
+/// Which log the data plane uses (`node`, `standalone`, `produce`, `audit`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct LogArgs {
+    /// The channels' log: `file:DIR` (the embedded file log) or `nats://HOST:PORT` (NATS
+    /// JetStream, `nats-server -js`).
+    #[arg(long = "log", env = "CHANWATCH_LOG", value_name = "URL")]
+    pub log: Option<String>,
+    /// The JetStream stream (one per root; subjects `{stream}.{channel}`); default: the root
+    /// with every character but `[A-Za-z0-9_-]` made `_`. Unused by the file log.
+    #[arg(long, env = "CHANWATCH_STREAM")]
+    pub stream: Option<String>,
+}
+
+impl LogArgs {
+    /// The URL given, or `default`.
+    ///
+    /// # Errors
+    /// Neither given.
+    pub fn url(&self, default: Option<String>) -> Result<String> {
+        self.log
+            .clone()
+            .or(default)
+            .context("--log is required: file:DIR or nats://HOST:PORT")
+    }
+
+    /// Opens the log (`default` when no `--log`), waiting while it cannot be reached (a NATS
+    /// server not up yet) and failing at once for a bad URL.
+    ///
+    /// # Errors
+    /// No URL, a URL of no known kind, an unusable directory.
+    pub async fn open(
+        &self,
+        keys: &Keys,
+        default: Option<String>,
+    ) -> Result<Arc<dyn chanwatch_stream::Log>> {
+        let url = self.url(default)?;
+        let stream = self.stream.clone().unwrap_or_else(|| {
+            keys.root()
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect::<String>()
+                .trim_matches('_')
+                .to_owned()
+        });
+        let stream = if stream.is_empty() {
+            "chanwatch".to_owned()
+        } else {
+            stream
+        };
+        let mut wait = Duration::from_millis(200);
+        loop {
+            match chanwatch_stream::open(&url, &stream).await {
+                Ok(log) => return Ok(log),
+                Err(e) if matches!(e, chanwatch_stream::LogError::Unavailable { .. }) => {
+                    tracing::warn!(%url, error = %e, "cannot reach the log yet; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(anyhow::anyhow!("--log {url}: {e}")),
+            }
+        }
+    }
+}
+
+/// Which handler runs the channels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HandlerKind {
+    /// The built-in simulated load (a timer; consumes nothing).
+    #[default]
+    Simulated,
+    /// The stream consumer: reads each channel from `--log` at its checkpoint, folds every
+    /// message, commits (position, state) by fenced txn.
+    Stream,
+}
+
+/// The handler a node runs, and the stream consumer's settings (`node`, `standalone`).
+#[derive(Debug, Clone, Args)]
+pub struct HandlerArgs {
+    /// The channel handler: `simulated` (a timed load) or `stream` (consume `--log`).
+    #[arg(long, env = "CHANWATCH_HANDLER", value_enum, default_value_t = HandlerKind::Simulated)]
+    pub handler: HandlerKind,
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// The stream consumer commits after this many messages…
+    #[arg(long, env = "CHANWATCH_COMMIT_EVERY", default_value_t = 100)]
+    pub commit_every: u64,
+    /// …or this long after its last commit, whichever comes first.
+    #[arg(long, env = "CHANWATCH_COMMIT_INTERVAL", value_parser = humantime_secs, default_value = "1s")]
+    pub commit_interval: Duration,
+}
+
+impl HandlerArgs {
+    /// The stream consumer on its log (`default_log` when no `--log`), or `None` for the
+    /// simulated load.
+    ///
+    /// # Errors
+    /// As [`LogArgs::open`].
+    pub async fn consumer(
+        &self,
+        keys: &Keys,
+        default_log: Option<String>,
+    ) -> Result<Option<chanwatch_node::handler::StreamConsumer>> {
+        if self.handler != HandlerKind::Stream {
+            return Ok(None);
+        }
+        let log = self.log.open(keys, default_log).await?;
+        Ok(Some(chanwatch_node::handler::StreamConsumer::new(
+            log,
+            chanwatch_node::handler::ConsumerOptions {
+                commit_every: self.commit_every.max(1),
+                commit_interval: self.commit_interval,
+                ..chanwatch_node::handler::ConsumerOptions::default()
+            },
+        )))
     }
 }
 

@@ -3,5 +3,6 @@
 //! `embed_node` example on the embedded store.
 
 mod checkpoints;
+mod consumer;
 mod example;
 mod liveness;

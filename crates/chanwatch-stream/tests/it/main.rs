@@ -89,4 +89,5 @@ all_backends!(
     channels_are_independent,
     positions_survive_a_restart,
     bad_names_and_oversized_messages_are_refused,
+    a_reader_following_concurrent_appends_misses_nothing,
 );

@@ -1,21 +1,21 @@
-//! `chanwatch node`: a node running the built-in simulated load, built from flags, run until
-//! Ctrl-C or SIGTERM.
+//! `chanwatch node`: a node running the built-in simulated load or the stream consumer
+//! (`--handler stream --log URL`), built from flags, run until Ctrl-C or SIGTERM.
 //!
-//! Owns: the node's flags (`Args`, the hidden `--plant`), its handler (simulated load, with
-//! the optional `--handler-log` audit) and serving its admin HTTP.
+//! Owns: the node's flags (`Args`, the hidden `--plant`), its handler (simulated load or
+//! stream consumer, with the optional `--handler-log` audit) and serving its admin HTTP.
 //! Must not: hold node logic (the node crate does), or flags other subcommands share (those
 //! are in `crate::flags`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use chanwatch_store::Clock;
 use clap::Args as ClapArgs;
 use tracing::info;
 
 use super::lifecycle::{bind_admin, shared_shutdown, wait_true};
-use crate::flags::{humantime_secs, EtcdArgs, RootArg, TestLoadArgs};
+use crate::flags::{humantime_secs, EtcdArgs, HandlerArgs, RootArg, TestLoadArgs};
 
 #[derive(Debug, ClapArgs)]
 pub struct Args {
@@ -39,6 +39,8 @@ pub struct Args {
     /// (`start|stop|pause|resume NODE CHANNEL EPOCH UNIX_MS`), to audit single ownership.
     #[arg(long, env = "CHANWATCH_HANDLER_LOG")]
     pub handler_log: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub handler: HandlerArgs,
     #[command(flatten)]
     pub test_load: TestLoadArgs,
     /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
@@ -66,12 +68,21 @@ pub async fn run(args: Args) -> Result<()> {
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let stop = shared_shutdown();
     info!(admin = %admin_addr, store = %store.describe(), "node starting");
+    let consumer = args.handler.consumer(&keys, None).await?;
     let load = args.test_load.simulated_load(args.load_delay);
-    let handler: Arc<dyn chanwatch_node::ChannelHandler> = match &args.handler_log {
-        None => Arc::new(load),
-        Some(path) => Arc::new(
+    let audit = |path: &std::path::Path, e: std::io::Error| {
+        anyhow::anyhow!("cannot append to --handler-log {}: {e}", path.display())
+    };
+    let handler: Arc<dyn chanwatch_node::ChannelHandler> = match (consumer, &args.handler_log) {
+        (None, None) => Arc::new(load),
+        (Some(consumer), None) => Arc::new(consumer),
+        (None, Some(path)) => Arc::new(
             chanwatch_node::AuditLog::open(load, path, Clock::system())
-                .with_context(|| format!("cannot append to --handler-log {}", path.display()))?,
+                .map_err(|e| audit(path, e))?,
+        ),
+        (Some(consumer), Some(path)) => Arc::new(
+            chanwatch_node::AuditLog::open(consumer, path, Clock::system())
+                .map_err(|e| audit(path, e))?,
         ),
     };
     let planted_bug = args.plant.map(|p| match p {

@@ -1,7 +1,9 @@
 //! `chanwatch standalone`: a coordinator and nodes in one process on the embedded store, with
 //! the admin API, until Ctrl-C or SIGTERM.
 //!
-//! Owns: its flags (`Args`) and wiring the in-process cluster to the admin API.
+//! Owns: its flags (`Args`), wiring the in-process cluster to the admin API, and the
+//! read-only `GET /api/v1/checkpoints` it serves beside it (the embedded store's checkpoints,
+//! for `audit --admin`).
 //! Must not: hold control-plane logic, or flags other subcommands share (those are in
 //! `crate::flags`).
 
@@ -13,7 +15,7 @@ use clap::Args as ClapArgs;
 use tracing::info;
 
 use super::lifecycle::{bind_admin, shared_shutdown, wait_true};
-use crate::flags::{humantime_secs, AdminAccess, TestLoadArgs};
+use crate::flags::{humantime_secs, AdminAccess, HandlerArgs, TestLoadArgs};
 
 /// Flags of `standalone`.
 #[derive(Debug, ClapArgs)]
@@ -36,6 +38,8 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
     pub load_delay: Duration,
     #[command(flatten)]
+    pub handler: HandlerArgs,
+    #[command(flatten)]
     pub test_load: TestLoadArgs,
 }
 
@@ -53,7 +57,21 @@ pub async fn run(args: Args) -> Result<()> {
         tick: std::time::Duration::from_secs(1),
         progress_interval: std::time::Duration::from_secs(5),
     };
-    let handler = Arc::new(args.test_load.simulated_load(args.load_delay));
+    // The stream consumer's default log: a file log in the temp dir, kept across runs.
+    let default_log = format!(
+        "file:{}",
+        std::env::temp_dir()
+            .join("chanwatch-standalone-log")
+            .display()
+    );
+    let handler: Arc<dyn chanwatch_node::ChannelHandler> = match args
+        .handler
+        .consumer(&chanwatch_core::Keys::default(), Some(default_log))
+        .await?
+    {
+        Some(consumer) => Arc::new(consumer),
+        None => Arc::new(args.test_load.simulated_load(args.load_delay)),
+    };
     let token = args.access.token_for(listener.local_addr()?)?;
     let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone())?;
     let stop = shared_shutdown();
@@ -68,6 +86,10 @@ pub async fn run(args: Args) -> Result<()> {
             allowed_hosts: args.access.admin_host,
         },
     );
+    let api = api.merge(checkpoints_route(
+        cluster.store.clone(),
+        cluster.keys.clone(),
+    ));
     let server = tokio::spawn(chanwatch_coord::api::serve(
         listener,
         api,
@@ -97,6 +119,38 @@ pub async fn run(args: Args) -> Result<()> {
     server.await??;
     info!("standalone stopped");
     Ok(())
+}
+
+/// `GET /api/v1/checkpoints`: `{channel: checkpoint}` for every checkpoint in the embedded
+/// store — what `audit --admin` reads, since no etcd holds a standalone's keys.
+fn checkpoints_route(
+    store: Arc<dyn chanwatch_store::MetaStore>,
+    keys: chanwatch_core::Keys,
+) -> axum::Router {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    axum::Router::new().route(
+        "/api/v1/checkpoints",
+        axum::routing::get(move || {
+            let (store, keys) = (store.clone(), keys.clone());
+            async move {
+                let prefix = keys.checkpoints_prefix();
+                match store.range(&prefix).await {
+                    Ok(kvs) => {
+                        let mut out = serde_json::Map::new();
+                        for kv in kvs.kvs {
+                            let name = kv.key.strip_prefix(&prefix).unwrap_or(&kv.key).to_owned();
+                            let value = serde_json::from_slice(&kv.value)
+                                .unwrap_or(serde_json::Value::Null);
+                            out.insert(name, value);
+                        }
+                        axum::Json(serde_json::Value::Object(out)).into_response()
+                    }
+                    Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+                }
+            }
+        }),
+    )
 }
 
 #[cfg(test)]

@@ -1,0 +1,423 @@
+//! The stream consumer handler (issue 12, DESIGN §7): runs each channel by reading it from a
+//! [`chanwatch_stream::Log`], folding every message into a small [`StreamState`], and
+//! committing `(position, state)` by fenced txn through the run's [`ChannelContext`].
+//!
+//! Owns: the per-run consuming task, when it commits (every `commit_every` messages or
+//! `commit_interval`, whichever comes first), what it does on each [`CommitError`], and the
+//! fold itself ([`StreamState`], [`payload_hash`], [`payload_seq`]) that `produce` and `audit`
+//! share so that all three agree on what "the same messages" means.
+//! Must not: touch the store (commits go through the context), or decide ownership.
+//!
+//! ## Why the committed state is exactly-once
+//!
+//! The state and the position it is "as of" land in one fenced txn; a run resumes from the
+//! committed position (reads are exclusive of it) with the committed state. Whatever a run
+//! folded after its last landed commit is thrown away with the run, and the next owner
+//! re-reads those messages — so every message up to the committed position is folded into
+//! the committed state exactly once, whatever failed in between.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chanwatch_core::{ChannelInfo, ChannelName, NodeId};
+use chanwatch_stream::{Log, Position};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{ChannelContext, ChannelHandler, CommitError};
+
+/// The length of the sequence number at the front of every payload `produce` writes
+/// (big-endian `u64`).
+pub const SEQ_BYTES: usize = 8;
+
+/// The sequence number a payload carries in its first [`SEQ_BYTES`] bytes (big-endian), or
+/// `None` for a shorter payload.
+pub fn payload_seq(payload: &[u8]) -> Option<u64> {
+    let head: [u8; SEQ_BYTES] = payload.get(..SEQ_BYTES)?.try_into().ok()?;
+    Some(u64::from_be_bytes(head))
+}
+
+/// A 64-bit FNV-1a hash of a payload: stable across processes, builds and platforms (the
+/// digest is compared between `produce`, the consumer and `audit`).
+pub fn payload_hash(payload: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in payload {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// What the consumer keeps per channel: how many messages it folded, the highest sequence
+/// number found in them, and an order-independent digest (the wrapping sum of each payload's
+/// [`payload_hash`]). Folding a message twice changes `count` and `digest`; missing one does
+/// too — which is what `audit` checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamState {
+    /// Messages folded.
+    pub count: u64,
+    /// The highest sequence number seen (0 when none carried one).
+    pub max_seq: u64,
+    /// Wrapping sum of the payloads' hashes.
+    pub digest: u64,
+}
+
+impl StreamState {
+    /// Folds one message in.
+    pub fn fold(&mut self, payload: &[u8]) {
+        self.count += 1;
+        if let Some(seq) = payload_seq(payload) {
+            self.max_seq = self.max_seq.max(seq);
+        }
+        self.digest = self.digest.wrapping_add(payload_hash(payload));
+    }
+
+    /// The checkpoint form: `{"count", "max_seq", "digest"}` (the digest as a hex string, so
+    /// that no JSON reader rounds it).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "count": self.count,
+            "max_seq": self.max_seq,
+            "digest": format!("{:016x}", self.digest),
+        })
+    }
+
+    /// Reads the checkpoint form back.
+    ///
+    /// # Errors
+    /// A value that is not what [`StreamState::to_json`] writes, saying which field.
+    pub fn from_json(v: &Value) -> Result<Self, String> {
+        let num = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .ok_or_else(|| format!("checkpoint state has no unsigned `{k}`: {v}"))
+        };
+        let digest = v
+            .get("digest")
+            .and_then(Value::as_str)
+            .and_then(|s| u64::from_str_radix(s, 16).ok())
+            .ok_or_else(|| format!("checkpoint state has no hex `digest`: {v}"))?;
+        Ok(StreamState {
+            count: num("count")?,
+            max_seq: num("max_seq")?,
+            digest,
+        })
+    }
+}
+
+/// When the consumer commits.
+#[derive(Debug, Clone, Copy)]
+pub struct ConsumerOptions {
+    /// Commit after this many messages folded since the last commit (default 100).
+    pub commit_every: u64,
+    /// Commit this long after the last commit when anything was folded (default 1 s).
+    pub commit_interval: Duration,
+    /// Largest batch read at once (default 256).
+    pub batch: usize,
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        ConsumerOptions {
+            commit_every: 100,
+            commit_interval: Duration::from_secs(1),
+            batch: 256,
+        }
+    }
+}
+
+/// One running channel.
+struct Run {
+    paused: watch::Sender<bool>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+    /// Where the run's in-memory fold is (not necessarily committed).
+    folded: Arc<Mutex<(Position, StreamState)>>,
+}
+
+/// The consumer handler: see the module docs. One instance serves every channel (and every
+/// node of an in-process cluster); runs are keyed by node and channel.
+pub struct StreamConsumer {
+    log: Arc<dyn Log>,
+    options: ConsumerOptions,
+    runs: Mutex<HashMap<(NodeId, ChannelName), Run>>,
+}
+
+impl std::fmt::Debug for StreamConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamConsumer")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StreamConsumer {
+    /// A consumer of `log`.
+    pub fn new(log: Arc<dyn Log>, options: ConsumerOptions) -> Self {
+        StreamConsumer {
+            log,
+            options,
+            runs: Mutex::default(),
+        }
+    }
+
+    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<(NodeId, ChannelName), Run>> {
+        self.runs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// How far the run of `channel` on `node` has read and folded (in memory; what it last
+    /// committed may be behind), or `None` when it does not run here.
+    pub fn folded(&self, node: NodeId, channel: &ChannelName) -> Option<(Position, StreamState)> {
+        let runs = self.runs();
+        let run = runs.get(&(node, channel.clone()))?;
+        let folded = *run
+            .folded
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(folded)
+    }
+
+    async fn stop_run(&self, node: NodeId, channel: &ChannelName) {
+        let run = self.runs().remove(&(node, channel.clone()));
+        let Some(mut run) = run else { return };
+        let _ = run.stop.send(true);
+        // The last commit attempt gets a bounded time; release must be quick.
+        if tokio::time::timeout(Duration::from_secs(3), &mut run.task)
+            .await
+            .is_err()
+        {
+            run.task.abort();
+        }
+    }
+}
+
+#[async_trait]
+impl ChannelHandler for StreamConsumer {
+    async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
+        let channel = ctx.info.channel.clone();
+        chanwatch_stream::check_channel(channel.as_str()).map_err(|e| e.to_string())?;
+        let resumed = ctx.resume().await.map_err(|e| e.to_string())?;
+        let (at, state) = match resumed {
+            None => (Position::START, StreamState::default()),
+            Some(cp) => {
+                let at: Position = cp
+                    .position
+                    .parse()
+                    .map_err(|e| format!("checkpoint of {channel}: {e}"))?;
+                let state = match &cp.state {
+                    Some(v) => StreamState::from_json(v)?,
+                    None => StreamState::default(),
+                };
+                (at, state)
+            }
+        };
+        // A run left over under the same key (should not happen: the runner releases first).
+        self.stop_run(ctx.node, &channel).await;
+        let (paused, paused_rx) = watch::channel(false);
+        let (stop, stop_rx) = watch::channel(false);
+        let folded = Arc::new(Mutex::new((at, state)));
+        let task = tokio::spawn(consume(
+            self.log.clone(),
+            self.options,
+            ctx.clone(),
+            folded.clone(),
+            paused_rx,
+            stop_rx,
+        ));
+        self.runs().insert(
+            (ctx.node, channel),
+            Run {
+                paused,
+                stop,
+                task,
+                folded,
+            },
+        );
+        Ok(())
+    }
+
+    async fn release(&self, node: NodeId, info: &ChannelInfo) {
+        self.stop_run(node, &info.channel).await;
+    }
+
+    async fn pause(&self, node: NodeId, info: &ChannelInfo) {
+        if let Some(run) = self.runs().get(&(node, info.channel.clone())) {
+            let _ = run.paused.send(true);
+        }
+    }
+
+    async fn resume(&self, node: NodeId, info: &ChannelInfo) {
+        if let Some(run) = self.runs().get(&(node, info.channel.clone())) {
+            let _ = run.paused.send(false);
+        }
+    }
+}
+
+/// How a commit went, for the loop.
+enum Committed {
+    Landed,
+    Later,
+    Stop,
+}
+
+async fn commit(ctx: &ChannelContext, at: Position, state: &StreamState) -> Committed {
+    match ctx.commit(at.to_string(), Some(state.to_json())).await {
+        Ok(()) => Committed::Landed,
+        Err(CommitError::Unavailable(e)) => {
+            tracing::debug!(channel = %ctx.info.channel, error = %e, "consumer: commit not landed; retrying later");
+            Committed::Later
+        }
+        // Someone else owns the channel now (or will): stop; the node sees the move itself.
+        Err(CommitError::Fenced(e)) => {
+            tracing::info!(channel = %ctx.info.channel, reason = %e, "consumer: fenced; stopping");
+            Committed::Stop
+        }
+        // Cannot happen with this state's size; report the channel broken if it does.
+        Err(e @ CommitError::TooLarge(_)) => {
+            ctx.fail(e.to_string());
+            Committed::Stop
+        }
+    }
+}
+
+/// One run: read, fold, commit, until stopped or fenced.
+async fn consume(
+    log: Arc<dyn Log>,
+    options: ConsumerOptions,
+    ctx: ChannelContext,
+    folded: Arc<Mutex<(Position, StreamState)>>,
+    mut paused: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (mut at, mut state) = *folded
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let clock = ctx.clock();
+    let channel = ctx.info.channel.to_string();
+    let mut committed_at = at;
+    let mut pending: u64 = 0;
+    // After a commit that did not land, the next waits a whole interval (no retry storm).
+    let mut backing_off = false;
+    let mut last_commit = clock.now();
+    let wait = options
+        .commit_interval
+        .clamp(Duration::from_millis(10), Duration::from_millis(500));
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        if *paused.borrow() {
+            // Hold everything (state stays in memory) until resumed or stopped.
+            tokio::select! {
+                _ = paused.wait_for(|p| !p) => {}
+                _ = stop.wait_for(|s| *s) => {}
+            }
+            continue;
+        }
+        let read = tokio::select! {
+            r = log.read(&channel, at, options.batch, wait) => r,
+            _ = stop.wait_for(|s| *s) => break,
+            _ = paused.wait_for(|p| *p) => continue,
+        };
+        match read {
+            Ok(batch) => {
+                for m in &batch {
+                    state.fold(&m.payload);
+                    at = m.position;
+                }
+                pending += batch.len() as u64;
+                *folded
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = (at, state);
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::debug!(%channel, error = %e, "consumer: log unavailable; retrying");
+                clock.sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => {
+                ctx.fail(format!("cannot read the log: {e}"));
+                return;
+            }
+        }
+        let due = clock.now().saturating_duration_since(last_commit) >= options.commit_interval;
+        if at != committed_at && ((pending >= options.commit_every && !backing_off) || due) {
+            match commit(&ctx, at, &state).await {
+                Committed::Landed => {
+                    committed_at = at;
+                    last_commit = clock.now();
+                    pending = 0;
+                    backing_off = false;
+                }
+                Committed::Later => {
+                    last_commit = clock.now();
+                    backing_off = true;
+                }
+                Committed::Stop => return,
+            }
+        }
+    }
+    // Released: one last attempt, so that the next owner re-reads less.
+    if at != committed_at && !*paused.borrow() {
+        let _ = commit(&ctx, at, &state).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payload(seq: u64, rest: &[u8]) -> Vec<u8> {
+        let mut p = seq.to_be_bytes().to_vec();
+        p.extend_from_slice(rest);
+        p
+    }
+
+    #[test]
+    fn the_fold_counts_tracks_the_highest_sequence_and_ignores_order() {
+        let msgs: Vec<_> = (1..=5).map(|i| payload(i, &[i as u8; 3])).collect();
+        let mut forward = StreamState::default();
+        msgs.iter().for_each(|m| forward.fold(m));
+        let mut backward = StreamState::default();
+        msgs.iter().rev().for_each(|m| backward.fold(m));
+        assert_eq!(forward, backward);
+        assert_eq!((forward.count, forward.max_seq), (5, 5));
+    }
+
+    #[test]
+    fn a_message_folded_twice_or_missed_changes_the_state() {
+        let msgs: Vec<_> = (1..=4).map(|i| payload(i, b"xyz")).collect();
+        let mut once = StreamState::default();
+        msgs.iter().for_each(|m| once.fold(m));
+        let mut twice = once;
+        twice.fold(&msgs[2]);
+        assert_ne!(once, twice);
+        let mut missed = StreamState::default();
+        msgs[..3].iter().for_each(|m| missed.fold(m));
+        assert_ne!(once, missed);
+        assert_ne!(once.digest, missed.digest);
+    }
+
+    #[test]
+    fn the_state_round_trips_through_its_checkpoint_form_exactly() {
+        let s = StreamState {
+            count: 7,
+            max_seq: 9,
+            digest: u64::MAX - 3,
+        };
+        assert_eq!(StreamState::from_json(&s.to_json()), Ok(s));
+        assert!(StreamState::from_json(&json!({"count": 1})).is_err());
+    }
+
+    #[test]
+    fn the_hash_and_the_sequence_are_stable() {
+        assert_eq!(payload_hash(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(payload_hash(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(payload_seq(&payload(42, b"r")), Some(42));
+        assert_eq!(payload_seq(b"short"), None);
+    }
+}
