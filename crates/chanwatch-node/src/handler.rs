@@ -12,35 +12,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use chanwatch_core::node::NodeEvent;
 use chanwatch_core::{ChannelInfo, ChannelName, Epoch, NodeId, Progress};
 use chanwatch_store::Clock;
 use tokio::sync::mpsc;
 
 pub use crate::checkpoint::CommitError;
 
-/// What a runner tells the node loop.
+/// What a runner tells the node loop: an event for the node machine, from the run
+/// `generation` (so that a late report of an earlier run of the same channel is ignored).
 #[derive(Debug)]
-pub(crate) enum RunnerEvent {
-    LoadDone {
-        channel: ChannelName,
-        epoch: Epoch,
-        result: Result<(), String>,
-    },
-    Progress {
-        channel: ChannelName,
-        epoch: Epoch,
-        progress: Progress,
-    },
-    Stopped {
-        channel: ChannelName,
-        generation: u64,
-    },
-    Broke {
-        channel: ChannelName,
-        epoch: Epoch,
-        reason: String,
-        generation: u64,
-    },
+pub(crate) struct RunnerEvent {
+    pub(crate) generation: u64,
+    pub(crate) event: NodeEvent,
 }
 
 /// Given to [`ChannelHandler::load`]: the assignment and a way to report progress.
@@ -74,12 +58,15 @@ impl ChannelContext {
             return;
         }
         *last = Some(now);
-        let _ = self.events.send(RunnerEvent::Progress {
-            channel: self.info.channel.clone(),
-            epoch: self.info.epoch,
-            progress: Progress {
-                percent: percent.min(100),
-                updated_at_ms: self.clock.unix_ms(),
+        let _ = self.events.send(RunnerEvent {
+            generation: self.generation,
+            event: NodeEvent::Progress {
+                channel: self.info.channel.clone(),
+                epoch: self.info.epoch,
+                progress: Progress {
+                    percent: percent.min(100),
+                    updated_at_ms: self.clock.unix_ms(),
+                },
             },
         });
     }
@@ -138,11 +125,13 @@ impl ChannelContext {
     /// `WatchFailed` with `reason`, and the coordinator moves it elsewhere (cause `failed`).
     /// Ignored once this run has ended. A load that fails returns its error instead.
     pub fn fail(&self, reason: impl Into<String>) {
-        let _ = self.events.send(RunnerEvent::Broke {
-            channel: self.info.channel.clone(),
-            epoch: self.info.epoch,
-            reason: reason.into(),
+        let _ = self.events.send(RunnerEvent {
             generation: self.generation,
+            event: NodeEvent::Broke {
+                channel: self.info.channel.clone(),
+                epoch: self.info.epoch,
+                reason: reason.into(),
+            },
         });
     }
 }

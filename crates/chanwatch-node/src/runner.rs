@@ -11,6 +11,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use chanwatch_core::node::NodeEvent;
+
 use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
 
 pub(crate) struct Runner {
@@ -44,9 +46,11 @@ pub(crate) async fn run_channel(
     let info = ctx.info.clone();
     let events = ctx.events.clone();
     let stopped = |events: &mpsc::UnboundedSender<RunnerEvent>| {
-        let _ = events.send(RunnerEvent::Stopped {
-            channel: info.channel.clone(),
+        let _ = events.send(RunnerEvent {
             generation,
+            event: NodeEvent::Stopped {
+                channel: info.channel.clone(),
+            },
         });
     };
     // Load, again after each pause that caught the load in progress (a paused node must not
@@ -68,10 +72,13 @@ pub(crate) async fn run_channel(
         };
         let Some(result) = loaded else { break };
         let ok = result.is_ok();
-        let _ = events.send(RunnerEvent::LoadDone {
-            channel: info.channel.clone(),
-            epoch: info.epoch,
-            result,
+        let _ = events.send(RunnerEvent {
+            generation,
+            event: NodeEvent::LoadDone {
+                channel: info.channel.clone(),
+                epoch: info.epoch,
+                result,
+            },
         });
         if !ok {
             break;

@@ -311,69 +311,40 @@ impl Session {
     }
 
     fn on_runner_event(&mut self, ev: RunnerEvent) -> Vec<NodeCommand> {
-        let event = match ev {
-            RunnerEvent::LoadDone {
+        let RunnerEvent { generation, event } = ev;
+        let current = |s: &Self, channel: &ChannelName| {
+            s.runners
+                .get(channel)
+                .is_some_and(|r| r.generation == generation)
+        };
+        match &event {
+            NodeEvent::LoadDone {
                 channel,
                 epoch,
                 result,
-            } => {
-                match &result {
-                    Ok(()) => {
-                        info!(node = %self.reg.id, %channel, %epoch, "node: channel loaded; acknowledging Watched")
-                    }
-                    Err(reason) => {
-                        warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: load failed; acknowledging WatchFailed")
-                    }
+            } => match result {
+                Ok(()) => {
+                    info!(node = %self.reg.id, %channel, %epoch, "node: channel loaded; acknowledging Watched")
                 }
-                NodeEvent::LoadDone {
-                    channel,
-                    epoch,
-                    result,
+                Err(reason) => {
+                    warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: load failed; acknowledging WatchFailed")
                 }
-            }
-            RunnerEvent::Progress {
-                channel,
-                epoch,
-                progress,
-            } => NodeEvent::Progress {
-                channel,
-                epoch,
-                progress,
             },
-            RunnerEvent::Stopped {
-                channel,
-                generation,
-            } => {
-                if self
-                    .runners
-                    .get(&channel)
-                    .is_some_and(|r| r.generation == generation)
-                {
-                    self.runners.remove(&channel);
-                }
-                NodeEvent::Stopped { channel }
+            NodeEvent::Stopped { channel } if current(self, channel) => {
+                self.runners.remove(channel);
             }
-            RunnerEvent::Broke {
+            NodeEvent::Broke {
                 channel,
                 epoch,
                 reason,
-                generation,
             } => {
-                let current = self
-                    .runners
-                    .get(&channel)
-                    .is_some_and(|r| r.generation == generation);
-                if !current {
+                if !current(self, channel) {
                     return vec![]; // an earlier run of the channel: long stopped
                 }
                 warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: the handler reports the running channel broken; stopping it, then acknowledging WatchFailed");
-                NodeEvent::Broke {
-                    channel,
-                    epoch,
-                    reason,
-                }
             }
-        };
+            _ => {}
+        }
         self.machine.step(event)
     }
 

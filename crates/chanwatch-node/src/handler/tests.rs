@@ -89,11 +89,14 @@ async fn the_fail_running_switch_reports_a_loaded_channel_broken_after_the_delay
     let t0 = tokio::time::Instant::now();
     assert_eq!(load.load(c.clone()).await, Ok(()), "it loads");
     match rx.recv().await {
-        Some(RunnerEvent::Broke {
-            channel,
-            epoch,
-            reason,
+        Some(RunnerEvent {
             generation,
+            event:
+                chanwatch_core::node::NodeEvent::Broke {
+                    channel,
+                    epoch,
+                    reason,
+                },
         }) => {
             assert_eq!(
                 (channel.as_str(), epoch, generation),

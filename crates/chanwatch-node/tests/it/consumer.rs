@@ -201,7 +201,9 @@ async fn a_paused_consumer_reads_nothing_and_keeps_its_state_through_a_store_out
         status.wait_for(|s| s.paused.is_some()),
     )
     .await??;
-    // Paused: the runs read nothing more (their state stays in memory).
+    // Paused: the runs read nothing more (their state stays in memory). A batch read just
+    // before the pause reached the runner may still be folded: look once that has settled.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let s0 = ChannelName::new("s-0")?;
     let before = consumer.folded(a_id, &s0).context("s-0 runs on a")?;
     produce(&*log, 501, 1001).await?;
