@@ -120,6 +120,8 @@ async fn stalled_drain_of(stay_blind: bool, b_notices: bool) {
     }
     let a = c.node_id("a").await;
     let b = c.node_id("b").await;
+    // Balance is off in this test: both nodes must be the leader's before channels come.
+    c.wait_coord_nodes(2).await;
     let names: Vec<String> = (0..20).map(|i| format!("sd-{i:02}")).collect();
     c.add_channels(&names).await;
     let before = c
@@ -276,6 +278,7 @@ async fn a_channel_failing_on_one_node_settles_elsewhere_without_ping_pong_or_ch
     let fail = format!("--fail-load={X}");
     c.node("a", &direct, &[&ttl, &fail]);
     let a = c.node_id("a").await;
+    c.wait_coord_nodes(3).await;
     let names: Vec<String> = (0..14).map(|i| format!("pp-{i:02}")).collect();
     c.add_channels(&names).await;
     c.wait_settled(14, Duration::from_secs(30), |_, _| true)

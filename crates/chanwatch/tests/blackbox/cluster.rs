@@ -234,6 +234,31 @@ impl Cluster {
     }
 
     /// Adds channels through the leader's admin API, retrying until a leader answers.
+    /// Waits (up to 30 s) until the leader itself lists `n` live nodes (`GET /api/v1/nodes`):
+    /// a session in etcd is not yet a node the leader places channels on.
+    pub async fn wait_coord_nodes(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = self
+                .http
+                .get(format!("http://{}/api/v1/nodes", self.admin))
+                .send()
+                .await;
+            if let Ok(resp) = r {
+                if let Ok(rows) = resp.json::<Vec<serde_json::Value>>().await {
+                    if rows.len() >= n {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the leader never listed {n} nodes"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn add_channels(&self, names: &[String]) {
         let deadline = Instant::now() + Duration::from_secs(30);
         for name in names {
