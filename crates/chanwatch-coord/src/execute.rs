@@ -22,7 +22,10 @@ impl Term<'_> {
     pub(crate) fn to_store(&self, t: &PlannedTxn) -> Txn {
         let keys = &self.config.keys;
         let mut compares = Vec::with_capacity(t.guards.len() + 1);
-        compares.push(Compare::create_revision(keys.leader(), self.leader_rev));
+        // The leader never rewrites its key, so its mod revision is the revision that created
+        // it: any write to the key since — a blind overwrite keeps the create revision — and
+        // every txn of this term is refused.
+        compares.push(Compare::mod_revision(keys.leader(), self.leader_rev));
         compares.extend(t.guards.iter().map(|g: &Guard| {
             let key = keys.channel(g.owner, &g.channel);
             if g.mod_revision == 0 {
@@ -88,7 +91,7 @@ impl Term<'_> {
     ) -> Result<(), String> {
         let mut reads = resp.responses.iter();
         match reads.next() {
-            Some(OpResponse::Get { kv: Some(kv) }) if kv.create_revision == self.leader_rev => {}
+            Some(OpResponse::Get { kv: Some(kv) }) if kv.mod_revision == self.leader_rev => {}
             Some(OpResponse::Get { .. }) => {
                 return Err("the leader key belongs to someone else: deposed".into())
             }

@@ -70,6 +70,11 @@ mod leader_key {
 /// Scenarios that need exact simulated time run on the embedded store only.
 mod embedded_only {
     #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_key_is_overwritten_in_place_cannot_write() -> anyhow::Result<()> {
+        crate::scenarios::a_leader_whose_key_is_overwritten_in_place_cannot_write().await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_operators_lease_revoke_stops_the_nodes_channels_before_they_run_elsewhere(
     ) -> anyhow::Result<()> {
         crate::scenarios::an_operators_lease_revoke_stops_the_nodes_channels_before_they_run_elsewhere()

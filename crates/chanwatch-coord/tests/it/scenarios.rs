@@ -489,6 +489,51 @@ pub async fn a_deposed_leader_cannot_write(c: Cluster) -> Result<()> {
     Ok(())
 }
 
+/// Embedded only: someone overwrites the leader key in place (`etcdctl put` of the key, with
+/// a lease of its own) while the leader's watch is stalled, so it cannot notice and step down.
+/// The create revision stays the same, so only a txn guard on the key's *mod* revision refuses
+/// its next write. CI once saw a write of a deposed leader land this way: it re-won between a
+/// delete and a put that then overwrote its new key (`a_deposed_leader_cannot_write`).
+pub async fn a_leader_whose_key_is_overwritten_in_place_cannot_write() -> Result<()> {
+    use chanwatch_store::{EmbeddedStore, FaultyStore, MetaStore};
+    use std::sync::Arc;
+    let inner = EmbeddedStore::new();
+    let c = Cluster::with_stores(
+        Backend::Embedded(inner.clone()),
+        Arc::new(inner.clone()) as Arc<dyn MetaStore>,
+    );
+    let (faulty, faults) = FaultyStore::new(inner);
+    let coord = c.spawn_coord_on("c1", Arc::new(faulty), |_| {});
+    c.wait_leader_ready(&coord).await?;
+    let n = c.spawn_node();
+    c.wait_node_id(&n).await?;
+    c.wait_coord_nodes(&coord, 1).await?;
+    faults.stall_watches(true);
+    let key = c.keys.leader();
+    let usurper = c.store.grant(Duration::from_secs(60)).await?;
+    c.store
+        .txn(Txn::new().and_then([TxnOp::put_with_lease(
+            &key,
+            br#"{"id":"usurper","admin_addr":"u:1","started_at_ms":0}"#.to_vec(),
+            usurper.id,
+        )]))
+        .await?;
+    let r = coord
+        .handle
+        .add_channel(ChannelName::new("nope")?, VChannelInfo::default())
+        .await;
+    ensure!(
+        r.is_err(),
+        "a leader whose key was overwritten wrote: {r:?}"
+    );
+    ensure!(
+        c.view().await?.channels.is_empty(),
+        "a deposed leader wrote a channel"
+    );
+    faults.stall_watches(false);
+    Ok(())
+}
+
 pub async fn a_corrupt_value_is_reported_and_left_alone_while_the_rest_works(
     c: Cluster,
 ) -> Result<()> {
