@@ -919,6 +919,10 @@ impl World {
         while self.coords.len() < 2 {
             self.spawn_coord();
         }
+        // The data plane must be consumed to catch up: with no node left, start one.
+        if self.data.is_some() && self.nodes.is_empty() {
+            self.spawn_node();
+        }
         for (name, b) in &self.behaviours {
             self.handler.set(name.as_str(), *b);
         }
