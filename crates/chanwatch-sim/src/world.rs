@@ -919,9 +919,18 @@ impl World {
         while self.coords.len() < 2 {
             self.spawn_coord();
         }
-        // The data plane must be consumed to catch up: with no node left, start one.
-        if self.data.is_some() && self.nodes.is_empty() {
-            self.spawn_node();
+        // The data plane must be consumed to catch up: with no node left that takes
+        // channels (none, or all draining), start one.
+        if self.data.is_some() {
+            let draining = self.checker.draining();
+            let takers = self
+                .nodes
+                .iter()
+                .filter(|n| n.id().is_none_or(|id| !draining.contains(&id)))
+                .count();
+            if takers == 0 {
+                self.spawn_node();
+            }
         }
         for (name, b) in &self.behaviours {
             self.handler.set(name.as_str(), *b);
