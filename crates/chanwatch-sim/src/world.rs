@@ -926,7 +926,7 @@ impl World {
             let takers = self
                 .nodes
                 .iter()
-                .filter(|n| n.id().is_none_or(|id| !draining.contains(&id)))
+                .filter(|n| n.id().map_or(true, |id| !draining.contains(&id)))
                 .count();
             if takers == 0 {
                 self.spawn_node();
