@@ -787,3 +787,126 @@ pub fn overlaps(intervals: &[Interval], excuses: &[Excuse]) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chanwatch_core::{Checkpoint, NodeSession, VChannelInfo};
+    use chanwatch_store::{EmbeddedStore, MetaStore, Txn, TxnOp};
+
+    /// Writes `key = value` as `writer` and lets the checker see it.
+    async fn write(
+        store: &EmbeddedStore,
+        writers: &Writers,
+        checker: &mut Checker,
+        writer: Writer,
+        key: String,
+        value: Vec<u8>,
+    ) {
+        let next = store.revision() + 1;
+        writers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(next, writer);
+        let r = store
+            .txn(Txn::new().and_then([TxnOp::put(&key, value)]))
+            .await;
+        assert!(r.is_ok(), "{r:?}");
+        checker.poll(&mut |_, _| {});
+    }
+
+    fn checkpoint(position: u64) -> Vec<u8> {
+        Checkpoint {
+            epoch: Epoch(1),
+            position: position.to_string(),
+            state: None,
+            updated_at_ms: 0,
+            extra: Default::default(),
+        }
+        .encode()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn checkpoints_only_from_the_owner_and_positions_only_forward() {
+        let store = EmbeddedStore::new();
+        let keys = Keys::default();
+        let writers = Writers::default();
+        let mut c = Checker::new(keys.clone(), store.observe(), writers.clone());
+        let ch = ChannelName::new("ch-000").unwrap_or_else(|_| unreachable!());
+        for (id, slot) in [(1, 0), (2, 1)] {
+            let s = NodeSession {
+                id: NodeId(id),
+                admin_addr: format!("proc{slot}"),
+                version: String::new(),
+                started_at_ms: 0,
+                capacity: 0,
+                extra: Default::default(),
+            };
+            write(
+                &store,
+                &writers,
+                &mut c,
+                Writer::Node(slot),
+                keys.session(NodeId(id)),
+                s.encode(),
+            )
+            .await;
+        }
+        c.requested_adds.insert(ch.clone());
+        let info = ChannelInfo::new(ch.clone(), Epoch(1), 0, VChannelInfo::default());
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Coord("coord1".into()),
+            keys.channel(ChannelOwner::Node(NodeId(1)), &ch),
+            info.encode(),
+        )
+        .await;
+        c.violations.retain(|v| !v.contains("leader key"));
+        let cp = keys.checkpoint(&ch);
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Node(0),
+            cp.clone(),
+            checkpoint(10),
+        )
+        .await;
+        assert_eq!(c.violations, Vec::<String>::new());
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Node(0),
+            cp.clone(),
+            checkpoint(7),
+        )
+        .await;
+        assert!(
+            c.violations
+                .iter()
+                .any(|v| v.contains("went back from 10 to 7")),
+            "{:?}",
+            c.violations
+        );
+        c.violations.clear();
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Node(1),
+            cp,
+            checkpoint(12),
+        )
+        .await;
+        assert!(
+            c.violations
+                .iter()
+                .any(|v| v.contains("stale checkpoint: proc1")),
+            "{:?}",
+            c.violations
+        );
+    }
+}
