@@ -68,6 +68,9 @@ pub(crate) struct CommitShared {
     pub(crate) node: chanwatch_core::NodeId,
     pub(crate) clock: Clock,
     pub(crate) latency: prometheus::Histogram,
+    /// Test-only: [`PlantedBug::UnguardedCommit`](crate::PlantedBug::UnguardedCommit) drops
+    /// guard (i).
+    pub(crate) planted_bug: Option<crate::PlantedBug>,
 }
 
 /// A run's way to read its resume point and commit; lives in its
@@ -199,13 +202,16 @@ impl Committer {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .mod_revision;
-        let compares = vec![
+        let mut compares = vec![
             Compare::create_revision(&assignment_key, self.assignment_create_revision),
             match last {
                 Some(rev) => Compare::mod_revision(&key, rev),
                 None => Compare::absent(&key),
             },
         ];
+        if self.shared.planted_bug == Some(crate::PlantedBug::UnguardedCommit) {
+            compares.remove(0);
+        }
         let (reply, answer) = oneshot::channel();
         let request = CommitRequest {
             channel: self.channel.clone(),

@@ -45,6 +45,9 @@ pub enum PlantedBug {
     /// Ignore watch progress: a watch that stalls silently while keepalives succeed goes
     /// unnoticed (the node still pauses when keepalives or the list-watch fail).
     NoWatchProgress,
+    /// Commit a checkpoint without comparing the assignment key's create revision: a run
+    /// whose channel moved away can still land its commit while the session lives.
+    UnguardedCommit,
 }
 
 impl Default for NodeConfig {

@@ -98,6 +98,7 @@ impl Session {
             node: reg.id,
             clock,
             latency: config.metrics.commit_latency.clone(),
+            planted_bug: config.planted_bug,
         });
         Session {
             store,

@@ -108,6 +108,9 @@ pub struct Checker {
     /// so a new leader knows only failures it sees in the store (one retry per leader
     /// change is within invariant 7: at most one move per fault).
     term_since: Option<tokio::time::Instant>,
+    /// The last committed checkpoint position of each channel (data plane), dropped when its
+    /// checkpoint is deleted.
+    positions: BTreeMap<ChannelName, u64>,
 }
 
 impl Checker {
@@ -128,6 +131,7 @@ impl Checker {
             failed: BTreeMap::new(),
             outage: None,
             term_since: None,
+            positions: BTreeMap::new(),
         }
     }
 
@@ -152,6 +156,7 @@ impl Checker {
             }
             self.check_churn(rev, at, &writer, &events);
             self.check_static_stability(rev, at, &writer, &events);
+            self.check_checkpoints(rev, &writer, &events);
             self.check_revision(rev, &writer, &events);
         }
     }
@@ -328,6 +333,145 @@ impl Checker {
                 }
                 _ => {}
             }
+        }
+    }
+
+    /// Fenced checkpoints (invariant 3 for data): a put to `{root}/checkpoint/{c}` lands only
+    /// from the process whose live session owns `c`'s assignment key right before it, and a
+    /// channel's committed position never goes back.
+    fn check_checkpoints(&mut self, rev: Revision, writer: &Writer, events: &[WatchEvent]) {
+        for e in events {
+            let Ok(channel) = self.keys.parse_checkpoint(&e.kv.key) else {
+                continue;
+            };
+            if e.kind == EventKind::Delete {
+                self.positions.remove(&channel);
+                continue;
+            }
+            let Writer::Node(slot) = writer else {
+                self.violation(rev, format!("{writer} wrote the checkpoint of {channel}"));
+                continue;
+            };
+            let proc = format!("proc{slot}");
+            let owner = self
+                .owners
+                .get(&channel)
+                .and_then(|o| o.iter().next().copied());
+            let owner_proc = match owner {
+                Some(ChannelOwner::Node(n)) => self
+                    .kv
+                    .get(&self.keys.session(n))
+                    .and_then(|kv| chanwatch_core::NodeSession::decode(&kv.value).ok())
+                    .map(|s| (n, s.admin_addr)),
+                _ => None,
+            };
+            match owner_proc {
+                Some((_, p)) if p == proc => {}
+                other => self.violation(
+                    rev,
+                    format!(
+                        "stale checkpoint: {proc} committed {channel} while its assignment is {}",
+                        match (owner, other) {
+                            (Some(o), Some((_, p))) => format!("on {o} ({p})"),
+                            (Some(o), None) => format!("on {o} (no live session)"),
+                            (None, _) => "gone".to_owned(),
+                        }
+                    ),
+                ),
+            }
+            match chanwatch_core::Checkpoint::decode(&e.kv.value)
+                .ok()
+                .and_then(|cp| cp.position.parse::<u64>().ok())
+            {
+                Some(pos) => {
+                    let last = self.positions.insert(channel.clone(), pos);
+                    if let Some(last) = last.filter(|l| *l > pos) {
+                        self.violation(
+                            rev,
+                            format!("{channel}: committed position went back from {last} to {pos} (by {proc})"),
+                        );
+                    }
+                }
+                None => self.violation(
+                    rev,
+                    format!("{channel}: checkpoint by {proc} has no numeric position"),
+                ),
+            }
+        }
+    }
+
+    /// Data plane, after the producer stopped: why some present channel's committed position
+    /// is not yet the end of its log (`None`: every one caught up).
+    pub fn data_behind(&self, log: &crate::MemLog) -> Option<String> {
+        let mut behind = Vec::new();
+        for (channel, owners) in &self.owners {
+            if owners.is_empty() {
+                continue;
+            }
+            let end = log
+                .messages(
+                    channel.as_str(),
+                    chanwatch_stream::Position::from_raw(u64::MAX),
+                )
+                .len() as u64;
+            let at = self.positions.get(channel).copied().unwrap_or(0);
+            if at != end {
+                behind.push(format!("{channel} at {at} of {end}"));
+            }
+        }
+        (!behind.is_empty())
+            .then(|| format!("committed positions behind the log: {}", behind.join(", ")))
+    }
+
+    /// Invariant 8: every present channel's committed state is exactly the fold of its log up
+    /// to its committed position. Each difference becomes a violation.
+    pub fn check_data(&mut self, log: &crate::MemLog) {
+        let mut found = Vec::new();
+        for (channel, owners) in &self.owners {
+            if owners.is_empty() {
+                continue;
+            }
+            let Some(kv) = self.kv.get(&self.keys.checkpoint(channel)) else {
+                if !log
+                    .messages(channel.as_str(), chanwatch_stream::Position::from_raw(1))
+                    .is_empty()
+                {
+                    found.push(format!("{channel}: messages in the log but no checkpoint"));
+                }
+                continue;
+            };
+            let cp = match chanwatch_core::Checkpoint::decode(&kv.value) {
+                Ok(cp) => cp,
+                Err(e) => {
+                    found.push(format!("{channel}: checkpoint does not decode: {e}"));
+                    continue;
+                }
+            };
+            let Ok(at) = cp.position.parse::<chanwatch_stream::Position>() else {
+                found.push(format!(
+                    "{channel}: checkpoint position {:?} is not a position",
+                    cp.position
+                ));
+                continue;
+            };
+            let mut expected = chanwatch_node::handler::StreamState::default();
+            for m in log.messages(channel.as_str(), at) {
+                expected.fold(&m);
+            }
+            let got = cp
+                .state
+                .as_ref()
+                .map(chanwatch_node::handler::StreamState::from_json)
+                .unwrap_or(Ok(chanwatch_node::handler::StreamState::default()));
+            if got.as_ref() != Ok(&expected) {
+                found.push(format!(
+                    "not exactly-once: {channel} at {at} committed {got:?}, the log folds to {expected:?}"
+                ));
+            }
+        }
+        let rev = self.revision;
+        for f in found {
+            self.violation(rev, f);
         }
     }
 
@@ -642,4 +786,127 @@ pub fn overlaps(intervals: &[Interval], excuses: &[Excuse]) -> Vec<String> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chanwatch_core::{Checkpoint, NodeSession, VChannelInfo};
+    use chanwatch_store::{EmbeddedStore, MetaStore, Txn, TxnOp};
+
+    /// Writes `key = value` as `writer` and lets the checker see it.
+    async fn write(
+        store: &EmbeddedStore,
+        writers: &Writers,
+        checker: &mut Checker,
+        writer: Writer,
+        key: String,
+        value: Vec<u8>,
+    ) {
+        let next = store.revision() + 1;
+        writers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(next, writer);
+        let r = store
+            .txn(Txn::new().and_then([TxnOp::put(&key, value)]))
+            .await;
+        assert!(r.is_ok(), "{r:?}");
+        checker.poll(&mut |_, _| {});
+    }
+
+    fn checkpoint(position: u64) -> Vec<u8> {
+        Checkpoint {
+            epoch: Epoch(1),
+            position: position.to_string(),
+            state: None,
+            updated_at_ms: 0,
+            extra: Default::default(),
+        }
+        .encode()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn checkpoints_only_from_the_owner_and_positions_only_forward() {
+        let store = EmbeddedStore::new();
+        let keys = Keys::default();
+        let writers = Writers::default();
+        let mut c = Checker::new(keys.clone(), store.observe(), writers.clone());
+        let ch = ChannelName::new("ch-000").unwrap_or_else(|_| unreachable!());
+        for (id, slot) in [(1, 0), (2, 1)] {
+            let s = NodeSession {
+                id: NodeId(id),
+                admin_addr: format!("proc{slot}"),
+                version: String::new(),
+                started_at_ms: 0,
+                capacity: 0,
+                extra: Default::default(),
+            };
+            write(
+                &store,
+                &writers,
+                &mut c,
+                Writer::Node(slot),
+                keys.session(NodeId(id)),
+                s.encode(),
+            )
+            .await;
+        }
+        c.requested_adds.insert(ch.clone());
+        let info = ChannelInfo::new(ch.clone(), Epoch(1), 0, VChannelInfo::default());
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Coord("coord1".into()),
+            keys.channel(ChannelOwner::Node(NodeId(1)), &ch),
+            info.encode(),
+        )
+        .await;
+        c.violations.retain(|v| !v.contains("leader key"));
+        let cp = keys.checkpoint(&ch);
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Node(0),
+            cp.clone(),
+            checkpoint(10),
+        )
+        .await;
+        assert_eq!(c.violations, Vec::<String>::new());
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Node(0),
+            cp.clone(),
+            checkpoint(7),
+        )
+        .await;
+        assert!(
+            c.violations
+                .iter()
+                .any(|v| v.contains("went back from 10 to 7")),
+            "{:?}",
+            c.violations
+        );
+        c.violations.clear();
+        write(
+            &store,
+            &writers,
+            &mut c,
+            Writer::Node(1),
+            cp,
+            checkpoint(12),
+        )
+        .await;
+        assert!(
+            c.violations
+                .iter()
+                .any(|v| v.contains("stale checkpoint: proc1")),
+            "{:?}",
+            c.violations
+        );
+    }
 }

@@ -15,13 +15,20 @@
 //! tokio seeds from the OS, so [`chanwatch_store::FaultyStore`]'s switches wake in order). The
 //! same seed gives the same trace, byte for byte; a test checks it.
 //!
+//! With [`SimOptions::data_plane`], every node runs the stream consumer on a [`MemLog`] fed by
+//! a producer task at a steady rate until the faults stop; without it nothing of the data
+//! plane runs, and a seed's trace is what it was before the data plane existed.
+//!
 //! Owns: the driver ([`run_seed`]), the fault schedule and the trace.
 //! Must not: reach into the coordinator or the nodes other than through their public entry
 //! points, their stores (via [`chanwatch_store::FaultyStore`]) and their handler — a fault is
 //! something a real process could suffer.
 
 pub mod check;
+mod memlog;
 mod world;
+
+pub use memlog::MemLog;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::Hasher;
@@ -48,6 +55,11 @@ pub struct SimOptions {
     pub keep_trace: bool,
     /// Print each trace line to stderr as it happens (to follow a run that hangs).
     pub echo_trace: bool,
+    /// Run the data plane: nodes consume every channel from an in-memory log with the
+    /// stream consumer while a producer appends to every channel until the faults stop; the
+    /// checker then also proves checkpoints fenced, positions monotonic and every committed
+    /// state exactly the fold of the log up to its position (invariants 3 and 8).
+    pub data_plane: bool,
 }
 
 impl Default for SimOptions {
@@ -61,6 +73,7 @@ impl Default for SimOptions {
             planner_bug: None,
             keep_trace: false,
             echo_trace: false,
+            data_plane: false,
         }
     }
 }

@@ -17,15 +17,17 @@ use std::time::Duration;
 
 use chanwatch_coord::CoordHandle;
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
+use chanwatch_node::handler::{ConsumerOptions, StreamConsumer};
 use chanwatch_node::{Behaviour, ChannelHandler, RecordingHandler};
 use chanwatch_store::{Clock, EmbeddedStore, Faults, FaultyStore, MetaStore};
+use chanwatch_stream::Log;
 use chanwatch_testkit::inproc::{self, Timings};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 use tokio::time::Instant;
 
 use crate::check::{overlaps, Checker, Excuse, Scope, Writer, Writers};
-use crate::{Report, SimOptions, Trace};
+use crate::{MemLog, Report, SimOptions, Trace};
 
 /// Unix ms of simulated time zero (fixed, so values written to the store are identical).
 const BASE_MS: u64 = 1_800_000_000_000;
@@ -37,6 +39,8 @@ const SETTLE: Duration = Duration::from_secs(40);
 const LATENCY: Duration = Duration::from_millis(15);
 /// How long an admin request may take before its outcome counts as unknown.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Data plane: the producer appends one message to every channel this often.
+const PRODUCE_EVERY: Duration = Duration::from_millis(200);
 
 struct NodeProc {
     slot: usize,
@@ -99,6 +103,67 @@ struct World {
     checker: Checker,
     trace: Trace,
     report: Report,
+    /// The data plane, when [`SimOptions::data_plane`] is set.
+    data: Option<DataPlane>,
+}
+
+/// The data plane of a run: the log, the consumer every node runs, and the producer.
+struct DataPlane {
+    log: MemLog,
+    consumer: Arc<StreamConsumer>,
+    /// Channels the producer appends to (every channel asked for, in name order).
+    channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>>,
+    /// Set when the producer must stop.
+    stop: Arc<AtomicBool>,
+}
+
+impl DataPlane {
+    fn new(seed: u64) -> Self {
+        let log = MemLog::new();
+        let consumer = Arc::new(StreamConsumer::new(
+            Arc::new(log.clone()),
+            ConsumerOptions::default(),
+        ));
+        let channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        tokio::spawn(produce(log.clone(), channels.clone(), stop.clone(), seed));
+        DataPlane {
+            log,
+            consumer,
+            channels,
+            stop,
+        }
+    }
+}
+
+/// The producer: every [`PRODUCE_EVERY`], one message to every channel, with the channel's
+/// next sequence number (big-endian, first 8 bytes) and bytes hashed from the seed.
+async fn produce(
+    log: MemLog,
+    channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>>,
+    stop: Arc<AtomicBool>,
+    seed: u64,
+) {
+    let mut seqs: std::collections::BTreeMap<ChannelName, u64> = Default::default();
+    while !stop.load(Ordering::SeqCst) {
+        let now: Vec<ChannelName> = channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect();
+        for c in now {
+            let seq = seqs.entry(c.clone()).or_default();
+            *seq += 1;
+            let mut payload = seq.to_be_bytes().to_vec();
+            let salt = chanwatch_node::handler::consumer::payload_hash(
+                format!("{seed}/{c}/{seq}").as_bytes(),
+            );
+            payload.extend_from_slice(&salt.to_be_bytes());
+            let _ = log.append(c.as_str(), payload.into()).await;
+        }
+        tokio::time::sleep(PRODUCE_EVERY).await;
+    }
 }
 
 pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
@@ -110,7 +175,9 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
     let clock = Clock::with_unix_base(BASE_MS);
     let handler = RecordingHandler::new(clock);
     let harness = harness(&store, &keys, clock, &handler, &options);
+    let data = options.data_plane.then(|| DataPlane::new(seed));
     let mut w = World {
+        data,
         seed,
         rng: XorShiftRng::seed_from_u64(seed),
         trace: Trace::new(options.keep_trace, options.echo_trace),
@@ -233,8 +300,15 @@ impl World {
         let mut config = self.harness.node_config.clone();
         config.admin_addr = format!("proc{slot}");
         let sick = Arc::new(AtomicBool::new(false));
+        let inner: Arc<dyn ChannelHandler> = match &self.data {
+            None => Arc::new(self.handler.clone()),
+            Some(d) => Arc::new(Consuming {
+                recording: self.handler.clone(),
+                consumer: d.consumer.clone(),
+            }),
+        };
         let handler: Arc<dyn ChannelHandler> = Arc::new(Sickly {
-            inner: self.handler.clone(),
+            inner,
             sick: sick.clone(),
         });
         let proc = self
@@ -396,6 +470,12 @@ impl World {
             self.handler.set(name.as_str(), behaviour);
         }
         self.checker.requested_adds.insert(name.clone());
+        if let Some(d) = &self.data {
+            d.channels
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(name.clone());
+        }
         let outcome = match self.leader() {
             None => Outcome::Refused,
             Some(h) => {
@@ -832,9 +912,25 @@ impl World {
     /// Ends every fault: timed ones are undone, a coordinator is running.
     fn stop_faults(&mut self) {
         self.log("faults stop");
+        if let Some(d) = &self.data {
+            d.stop.store(true, Ordering::SeqCst);
+        }
         self.run_due_undos(true);
         while self.coords.len() < 2 {
             self.spawn_coord();
+        }
+        // The data plane must be consumed to catch up: with no node left that takes
+        // channels (none, or all draining), start one.
+        if self.data.is_some() {
+            let draining = self.checker.draining();
+            let takers = self
+                .nodes
+                .iter()
+                .filter(|n| n.id().map_or(true, |id| !draining.contains(&id)))
+                .count();
+            if takers == 0 {
+                self.spawn_node();
+            }
         }
         for (name, b) in &self.behaviours {
             self.handler.set(name.as_str(), *b);
@@ -849,7 +945,13 @@ impl World {
             self.advance(Duration::from_millis(250)).await;
             let expected = self.expected.clone();
             last = self.checker.settled(&expected, &self.ambiguous);
+            if let (None, Some(d)) = (&last, &self.data) {
+                last = self.checker.data_behind(&d.log);
+            }
             if last.is_none() {
+                if let Some(d) = &self.data {
+                    self.checker.check_data(&d.log);
+                }
                 let ms = u64::try_from(stopped.elapsed().as_millis()).unwrap_or(u64::MAX);
                 self.report.settle_ms = Some(ms);
                 self.log(&format!("settled after {ms} ms"));
@@ -919,9 +1021,10 @@ where
     }
 }
 
-/// The recording handler, except that every load fails while `sick` is set.
+/// The recording handler (with the data plane: it, then the consumer), except that every
+/// load fails while `sick` is set.
 struct Sickly {
-    inner: RecordingHandler,
+    inner: Arc<dyn ChannelHandler>,
     sick: Arc<AtomicBool>,
 }
 
@@ -944,5 +1047,37 @@ impl ChannelHandler for Sickly {
 
     async fn resume(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
         self.inner.resume(node, info).await;
+    }
+}
+
+/// Data plane: the recording handler (load behaviour, intervals), then the stream consumer.
+struct Consuming {
+    recording: RecordingHandler,
+    consumer: Arc<StreamConsumer>,
+}
+
+#[async_trait::async_trait]
+impl ChannelHandler for Consuming {
+    async fn load(&self, ctx: chanwatch_node::ChannelContext) -> Result<(), String> {
+        self.recording.load(ctx.clone()).await?;
+        self.consumer.load(ctx).await
+    }
+
+    /// The recording's interval ends first: the consumer's release may spend up to 3 s on a
+    /// last commit (fenced, so harmless to the data, which the checkpoint invariants check),
+    /// and the overlap check is about when the node let the channel go.
+    async fn release(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
+        self.recording.release(node, info).await;
+        self.consumer.release(node, info).await;
+    }
+
+    async fn pause(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
+        self.consumer.pause(node, info).await;
+        self.recording.pause(node, info).await;
+    }
+
+    async fn resume(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
+        self.consumer.resume(node, info).await;
+        self.recording.resume(node, info).await;
     }
 }

@@ -40,6 +40,11 @@ pub struct Args {
     /// Also print the summary as one JSON line on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Run the data plane too: every node consumes every channel from an in-memory log fed
+    /// at a steady rate until the faults stop; the checker also proves checkpoints fenced,
+    /// positions monotonic and every committed state exactly-once.
+    #[arg(long)]
+    pub data_plane: bool,
     /// Switch a safety mechanism off in every node, to see the checker catch it.
     #[arg(long, value_enum, hide = true)]
     pub plant: Option<PlantArg>,
@@ -57,6 +62,9 @@ pub enum PlantArg {
     ForceWithoutFence,
     /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
     BalanceIgnoresBackoff,
+    /// Checkpoint commits do not compare the assignment's create revision (use with
+    /// --data-plane).
+    UnguardedCommit,
 }
 
 /// Runs the seeds; fails when any seed violated an invariant. Blocking: each seed runs on a
@@ -69,7 +77,8 @@ pub fn run(args: &Args) -> Result<()> {
         PlantArg::NoFencing => Some(PlantedBug::NoFencing),
         PlantArg::UnguardedAck => Some(PlantedBug::UnguardedAck),
         PlantArg::ForceWithoutFence => Some(PlantedBug::NoWatchProgress),
-        _ => None,
+        PlantArg::UnguardedCommit => Some(PlantedBug::UnguardedCommit),
+        PlantArg::BalanceIgnoresBackoff => None,
     });
     let planner_bug = args.plant.and_then(|p| match p {
         PlantArg::ForceWithoutFence => Some(PlannerBug::ForceWithoutFence),
@@ -82,6 +91,7 @@ pub fn run(args: &Args) -> Result<()> {
         planner_bug,
         keep_trace: args.trace,
         echo_trace: args.trace,
+        data_plane: args.data_plane,
         ..SimOptions::default()
     };
     let (first, count) = match args.seed {
@@ -223,10 +233,12 @@ fn summarize(reports: &[Report], args: &Args, wall_secs: f64) -> Result<()> {
                 PlantArg::UnguardedAck => " --plant unguarded-ack",
                 PlantArg::ForceWithoutFence => " --plant force-without-fence",
                 PlantArg::BalanceIgnoresBackoff => " --plant balance-ignores-backoff",
+                PlantArg::UnguardedCommit => " --plant unguarded-commit",
             })
             .unwrap_or_default();
+        let data = if args.data_plane { " --data-plane" } else { "" };
         println!(
-            "  replay: chanwatch sim --seed {} --steps {}{plant} --trace",
+            "  replay: chanwatch sim --seed {} --steps {}{data}{plant} --trace",
             r.seed, args.steps
         );
     }
