@@ -192,3 +192,94 @@ pub(super) async fn wait_caught_up(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use chanwatch_core::Epoch;
+    use chanwatch_store::{EmbeddedStore, Txn, TxnOp};
+
+    use super::*;
+
+    /// The re-read fold of a channel of the log.
+    async fn reread(log: &dyn Log, channel: &str) -> StreamState {
+        let mut s = StreamState::default();
+        for m in log
+            .read(channel, Position::START, 100_000, Duration::ZERO)
+            .await
+            .expect("reads")
+        {
+            s.fold(&m.payload);
+        }
+        s
+    }
+
+    async fn checkpoint(store: &dyn MetaStore, keys: &Keys, channel: &str, at: Position) {
+        let state = StreamState {
+            count: 3,
+            max_seq: 3,
+            digest: 42,
+        };
+        let cp = Checkpoint {
+            epoch: Epoch(1),
+            position: at.to_string(),
+            state: Some(state.to_json()),
+            updated_at_ms: 0,
+            extra: serde_json::Map::new(),
+        };
+        let key =
+            keys.checkpoint(&chanwatch_core::ChannelName::new(channel.to_owned()).expect("a name"));
+        store
+            .txn(Txn::new().and_then([TxnOp::put(key, cp.encode())]))
+            .await
+            .expect("writes");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_producer_records_exactly_what_it_appended() {
+        let log = TempLog::open().expect("log");
+        let channels = vec!["a".to_owned(), "b".to_owned()];
+        let p = Producer::start(log.log.clone(), channels.clone(), 2000.0);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let produced = p.stop().await.expect("produced");
+        for (c, s) in channels.iter().zip(&produced) {
+            assert!(s.count > 0, "{c} got nothing");
+            assert_eq!(s.max_seq, s.count, "{c}: sequences 1, 2, 3…");
+            assert_eq!(reread(&*log.log, c).await, *s, "{c}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_waits_until_every_committed_checkpoint_reaches_the_logs_end() {
+        let log = TempLog::open().expect("log");
+        let store = EmbeddedStore::new();
+        let keys = Keys::default();
+        let channels = vec!["a".to_owned()];
+        assert_eq!(
+            committed(&store, &keys, "a").await.expect("reads"),
+            (Position::START, StreamState::default())
+        );
+        let mut last = Position::START;
+        for i in 1..=3u64 {
+            last = log
+                .log
+                .append("a", crate::cmd::produce::payload(i, 4, &mut 1))
+                .await
+                .expect("appends");
+        }
+        let behind = wait_caught_up(
+            &store,
+            &keys,
+            &*log.log,
+            &channels,
+            Duration::from_millis(100),
+        )
+        .await;
+        assert!(behind.is_err(), "no checkpoint yet: behind");
+        checkpoint(&store, &keys, "a", last).await;
+        let end = wait_caught_up(&store, &keys, &*log.log, &channels, Duration::from_secs(1))
+            .await
+            .expect("caught up");
+        assert_eq!(end["a"].count, 3);
+        assert_eq!(end["a"].digest, 42, "the committed state, not a re-read");
+    }
+}
