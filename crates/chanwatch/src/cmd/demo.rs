@@ -271,12 +271,14 @@ impl Tour {
         for (c, p) in channels.iter().zip(&produced) {
             let (b, moved) = before[c];
             let e = end[c];
+            let was = if moved {
+                format!(" (on node {dead})")
+            } else {
+                String::new()
+            };
             println!(
-                "  {c}{:<8} produced {:>4}, committed {:>4} before the kill, {:>4} at the end",
-                if moved { " (moved)" } else { "" },
-                p.count,
-                b,
-                e.count
+                "  {c}{was:<14} produced {:>4}, committed {:>4} before the kill, {:>4} at the end",
+                p.count, b, e.count
             );
             ensure!(
                 e == *p,
