@@ -73,8 +73,8 @@ pub struct Produced {
     pub channels: BTreeMap<String, ProducedChannel>,
 }
 
-/// A payload: `seq` big-endian, then `extra` pseudo-random bytes.
-fn payload(seq: u64, extra: usize, rng: &mut u64) -> bytes::Bytes {
+/// A payload: `seq` big-endian, then `extra` pseudo-random bytes (also what `demo` produces).
+pub(crate) fn payload(seq: u64, extra: usize, rng: &mut u64) -> bytes::Bytes {
     let mut p = Vec::with_capacity(8 + extra);
     p.extend_from_slice(&seq.to_be_bytes());
     while p.len() < 8 + extra {
