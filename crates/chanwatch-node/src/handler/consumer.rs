@@ -185,9 +185,17 @@ impl StreamConsumer {
     async fn stop_run(&self, node: NodeId, channel: &ChannelName) {
         let run = self.runs().remove(&(node, channel.clone()));
         let Some(mut run) = run else { return };
+        let paused = *run.paused.borrow();
         let _ = run.stop.send(true);
+        if paused {
+            // A paused node commits nothing (its commits are held): no last commit, or a node
+            // fencing itself would wait here while its margin runs out (found by the
+            // simulation's data plane). The next owner resumes from the last landed commit.
+            run.task.abort();
+            return;
+        }
         // The last commit attempt gets a bounded time; release must be quick.
-        if tokio::time::timeout(Duration::from_secs(3), &mut run.task)
+        if tokio::time::timeout(Duration::from_secs(1), &mut run.task)
             .await
             .is_err()
         {
