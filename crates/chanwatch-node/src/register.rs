@@ -83,22 +83,33 @@ pub(crate) async fn register(
         extra: Default::default(),
     };
     let key = config.keys.session(id);
-    let resp = store
-        .txn(
-            Txn::new()
-                .when([Compare::absent(&key)])
-                .and_then([TxnOp::put_with_lease(&key, session.encode(), lease.id)]),
-        )
-        .await?;
-    if !resp.succeeded {
-        return Err(StoreError::InvalidArgument(format!(
-            "{key} already exists although the id was just allocated; someone else writes node ids"
-        )));
-    }
+    let put = Txn::new()
+        .when([Compare::absent(&key)])
+        .and_then([TxnOp::put_with_lease(&key, session.encode(), lease.id)]);
+    let session_revision = match store.txn(put).await {
+        Ok(resp) if resp.succeeded => resp.revision,
+        // Refused: the key exists. Ours, if an earlier answer was lost on the way.
+        Ok(_) => match store.get(&key).await {
+            Ok(Some(kv)) if kv.lease == Some(lease.id) => kv.create_revision,
+            _ => {
+                let _ = store.revoke(lease.id).await;
+                return Err(StoreError::InvalidArgument(format!(
+                    "{key} already exists although the id was just allocated; someone else writes node ids"
+                )));
+            }
+        },
+        // No answer: the put may have landed. Whatever happened, this session will not be
+        // served, so revoke its lease now: a session key nobody keeps alive would otherwise
+        // look like a live node for a whole TTL (chaos saw one end as a "fenced" node).
+        Err(e) => {
+            let _ = store.revoke(lease.id).await;
+            return Err(e);
+        }
+    };
     Ok(Registered {
         id,
         lease: lease.id,
-        session_revision: resp.revision,
+        session_revision,
         granted_at,
     })
 }
