@@ -197,17 +197,24 @@ impl Keys {
         Ok(ChannelKey { owner, channel })
     }
 
-    /// `{root}/checkpoint/`.
+    /// `{root}/worker/`: what the data plane writes (checkpoints). It sorts after every key
+    /// the coordinator follows, so the coordinator watches `[{root}/, {root}/worker/)` and
+    /// the steady stream of checkpoint commits never reaches it.
+    pub fn worker_prefix(&self) -> String {
+        format!("{}/worker/", self.root)
+    }
+
+    /// `{root}/worker/checkpoint/`.
     pub fn checkpoints_prefix(&self) -> String {
-        format!("{}/checkpoint/", self.root)
+        format!("{}/worker/checkpoint/", self.root)
     }
 
-    /// `{root}/checkpoint/{channel}`.
+    /// `{root}/worker/checkpoint/{channel}`.
     pub fn checkpoint(&self, channel: &ChannelName) -> String {
-        format!("{}/checkpoint/{channel}", self.root)
+        format!("{}/worker/checkpoint/{channel}", self.root)
     }
 
-    /// Parses `{root}/checkpoint/{channel}`.
+    /// Parses `{root}/worker/checkpoint/{channel}`.
     ///
     /// # Errors
     /// [`KeyError`] when the key is elsewhere or the channel name is invalid.
@@ -260,7 +267,26 @@ mod tests {
             k.channel(ChannelOwner::Remaining, &c),
             "cw/channel/remaining/ch1"
         );
-        assert_eq!(k.checkpoint(&c), "cw/checkpoint/ch1");
+        assert_eq!(k.checkpoint(&c), "cw/worker/checkpoint/ch1");
+        // The coordinator's range `[all_prefix, worker_prefix)` holds every key it follows
+        // and no checkpoint.
+        let coordinator =
+            |key: &str| key >= k.all_prefix().as_str() && key < k.worker_prefix().as_str();
+        for key in [
+            k.node_id_counter(),
+            k.session(NodeId(7)),
+            k.leader(),
+            k.drain(NodeId(7)),
+            k.fence(NodeId(7)),
+            k.channel(ChannelOwner::Node(NodeId(7)), &c),
+            k.channel(ChannelOwner::Remaining, &c),
+        ] {
+            assert!(
+                coordinator(&key),
+                "{key} is outside the coordinator's range"
+            );
+        }
+        assert!(!coordinator(&k.checkpoint(&c)));
         // A node's prefix must not be a prefix of another node's prefix.
         assert!(!k
             .owner_prefix(ChannelOwner::Node(NodeId(12)))

@@ -385,7 +385,7 @@ impl CoordSession {
     }
 }
 
-/// The value of `{root}/checkpoint/{channel}`: how far the owner has consumed, and the
+/// The value of `{root}/worker/checkpoint/{channel}`: how far the owner has consumed, and the
 /// handler's small state as of that position (written together, so a state is exactly the
 /// fold of the messages up to the position). Written only by the owning node's fenced txn
 /// (DESIGN §4: it compares the assignment key's create revision, the session and the

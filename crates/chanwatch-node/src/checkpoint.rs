@@ -1,7 +1,7 @@
 //! Fenced checkpoints (DESIGN §2, §4): where a run resumes, and how a handler commits its
 //! position and state so that only the current owner's commit can land.
 //!
-//! Owns: reading `{root}/checkpoint/{channel}` on a run's first use of it (retried until the
+//! Owns: reading `{root}/worker/checkpoint/{channel}` on a run's first use of it (retried until the
 //! store answers: a run must not start from the beginning because the store was slow; a
 //! handler that never checkpoints never reads), the per-run
 //! `Committer` that builds each commit's guard — (i) the assignment key's create revision

@@ -336,7 +336,7 @@ impl Checker {
         }
     }
 
-    /// Fenced checkpoints (invariant 3 for data): a put to `{root}/checkpoint/{c}` lands only
+    /// Fenced checkpoints (invariant 3 for data): a put to `{root}/worker/checkpoint/{c}` lands only
     /// from the process whose live session owns `c`'s assignment key right before it, and a
     /// channel's committed position never goes back.
     fn check_checkpoints(&mut self, rev: Revision, writer: &Writer, events: &[WatchEvent]) {

@@ -25,8 +25,9 @@ use tokio::time::Instant;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{
-    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId,
-    Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
+    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
+    LeaseId, Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch,
+    WatchEvent,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -95,7 +96,7 @@ pub struct Observed {
 
 #[derive(Debug)]
 struct Watcher {
-    prefix: String,
+    keys: KeyRange,
     /// Events below this revision are not sent (a watch from a future revision).
     start_revision: Revision,
     /// Every event of the prefix up to this revision has been sent (events or progress).
@@ -359,7 +360,7 @@ impl State {
             }
             let matching: Vec<WatchEvent> = events
                 .iter()
-                .filter(|e| e.kv.key.starts_with(&w.prefix))
+                .filter(|e| w.keys.contains(&e.kv.key))
                 .cloned()
                 .collect();
             if matching.is_empty() {
@@ -550,15 +551,15 @@ fn tombstone(key: &str, rev: Revision) -> KeyValue {
     }
 }
 
-fn prefix_range<'a>(
+fn key_range<'a>(
     kvs: &'a BTreeMap<String, KeyValue>,
-    prefix: &'a str,
+    keys: &'a KeyRange,
 ) -> impl Iterator<Item = &'a KeyValue> + 'a {
     kvs.range::<str, _>((
-        std::ops::Bound::Included(prefix),
+        std::ops::Bound::Included(keys.start()),
         std::ops::Bound::Unbounded,
     ))
-    .take_while(move |(k, _)| k.starts_with(prefix))
+    .take_while(move |(k, _)| keys.contains(k))
     .map(|(_, v)| v)
 }
 
@@ -571,12 +572,12 @@ impl MetaStore for EmbeddedStore {
         Ok(state.kvs.get(key).cloned())
     }
 
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
         let mut state = self.lock();
         state.available()?;
         state.expire_due(Instant::now(), &self.shared);
         Ok(RangeResponse {
-            kvs: prefix_range(&state.kvs, prefix).cloned().collect(),
+            kvs: key_range(&state.kvs, keys).cloned().collect(),
             revision: state.revision,
         })
     }
@@ -609,7 +610,11 @@ impl MetaStore for EmbeddedStore {
         })
     }
 
-    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
+    async fn watch_keys(
+        &self,
+        keys: &KeyRange,
+        from_revision: Revision,
+    ) -> StoreResult<WatchStream> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let mut state = self.lock();
         state.available()?;
@@ -634,19 +639,14 @@ impl MetaStore for EmbeddedStore {
                 if batch.len() >= REPLAY_BATCH_EVENTS {
                     let _ = tx.send(Ok(WatchBatch::of_events(std::mem::take(&mut batch))));
                 }
-                batch.extend(
-                    events
-                        .iter()
-                        .filter(|e| e.kv.key.starts_with(prefix))
-                        .cloned(),
-                );
+                batch.extend(events.iter().filter(|e| keys.contains(&e.kv.key)).cloned());
             }
             if !batch.is_empty() {
                 let _ = tx.send(Ok(WatchBatch::of_events(batch)));
             }
             let delivered = state.revision;
             state.watchers.push(Watcher {
-                prefix: prefix.to_owned(),
+                keys: keys.clone(),
                 start_revision: start,
                 delivered,
                 tx,

@@ -33,8 +33,9 @@ use tokio::sync::Mutex;
 use crate::error::{StoreError, StoreResult};
 use crate::etcd_error::{cancel_error, map_err};
 use crate::types::{
-    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId,
-    Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
+    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
+    LeaseId, Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch,
+    WatchEvent,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -300,12 +301,13 @@ impl MetaStore for EtcdStore {
         Ok(resp.kvs().first().map(from_pb))
     }
 
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
-        let resp = match self
-            .kv()
-            .get(prefix, Some(GetOptions::new().with_prefix()))
-            .await
-        {
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
+        let prefix = keys.start();
+        let options = match keys.end() {
+            None => GetOptions::new().with_prefix(),
+            Some(end) => GetOptions::new().with_range(end),
+        };
+        let resp = match self.kv().get(prefix, Some(options)).await {
             Ok(r) => r,
             Err(e) => return Err(self.err(e, prefix).await),
         };
@@ -353,8 +355,17 @@ impl MetaStore for EtcdStore {
         })
     }
 
-    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
-        let mut options = WatchOptions::new().with_prefix().with_prev_key();
+    async fn watch_keys(
+        &self,
+        keys: &KeyRange,
+        from_revision: Revision,
+    ) -> StoreResult<WatchStream> {
+        let prefix = keys.start();
+        let mut options = match keys.end() {
+            None => WatchOptions::new().with_prefix(),
+            Some(end) => WatchOptions::new().with_range(end),
+        }
+        .with_prev_key();
         if from_revision > 0 {
             options = options.with_start_revision(from_revision);
         }

@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{
-    Alarm, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse,
+    Alarm, KeyRange, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -213,10 +213,10 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         self.faults.auth()?;
         self.inner.get(key).await
     }
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
         self.faults.gate().await?;
         self.faults.auth()?;
-        self.inner.range(prefix).await
+        self.inner.range_keys(keys).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         if self.faults.partition.is_on() || self.faults.txn.load(Ordering::SeqCst) {
@@ -252,10 +252,14 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
             .await
             .unwrap_or_else(|_| Err(injected("txn delivery task")))
     }
-    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
+    async fn watch_keys(
+        &self,
+        keys: &KeyRange,
+        from_revision: Revision,
+    ) -> StoreResult<WatchStream> {
         self.faults.gate().await?;
         self.faults.auth()?;
-        let stream = self.inner.watch(prefix, from_revision).await?;
+        let stream = self.inner.watch_keys(keys, from_revision).await?;
         let stall = self.faults.stall_watches.clone();
         // Each item waits for the stall to end before it is handed on.
         let stream = futures_util::StreamExt::then(stream, move |item| {

@@ -70,8 +70,9 @@ pub use faults::{CommitHook, Faults, FaultyStore};
 pub use lease::{fence_margin, keep_lease, Renewal};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
-    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyValue, Lease, LeaseId,
-    Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch, WatchEvent,
+    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
+    LeaseId, Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch,
+    WatchEvent,
 };
 
 /// An ordered stream of watch batches. See the crate docs for the guarantees.
@@ -91,7 +92,15 @@ pub trait MetaStore: Send + Sync + 'static {
     ///
     /// # Errors
     /// `Unavailable` (retryable) when the store cannot be reached.
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse>;
+    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+        self.range_keys(&KeyRange::prefix(prefix)).await
+    }
+
+    /// Reads every key of `keys`, in key order, with the revision it was read at.
+    ///
+    /// # Errors
+    /// `Unavailable` (retryable) when the store cannot be reached.
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse>;
 
     /// Runs a transaction atomically.
     ///
@@ -102,7 +111,17 @@ pub trait MetaStore: Send + Sync + 'static {
     /// retry safe).
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse>;
 
-    /// Watches every key starting with `prefix`, from `from_revision` (inclusive) on.
+    /// Watches every key starting with `prefix`, from `from_revision` (inclusive) on; see
+    /// [`watch_keys`](MetaStore::watch_keys).
+    ///
+    /// # Errors
+    /// `Unavailable` when the watch cannot be created.
+    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
+        self.watch_keys(&KeyRange::prefix(prefix), from_revision)
+            .await
+    }
+
+    /// Watches every key of `keys`, from `from_revision` (inclusive) on.
     ///
     /// A `from_revision` below the compaction revision yields `Compacted` as the stream's only
     /// item. `0` means "from the next revision". Besides event batches the stream yields
@@ -112,7 +131,11 @@ pub trait MetaStore: Send + Sync + 'static {
     ///
     /// # Errors
     /// `Unavailable` when the watch cannot be created.
-    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream>;
+    async fn watch_keys(
+        &self,
+        keys: &KeyRange,
+        from_revision: Revision,
+    ) -> StoreResult<WatchStream>;
 
     /// Grants a lease of at least `ttl` (etcd rounds up to whole seconds and has a minimum).
     ///

@@ -1,4 +1,4 @@
-//! List-then-watch of one prefix, as an explicit state machine (STYLE.md §4).
+//! List-then-watch of one prefix or key range, as an explicit state machine (STYLE.md §4).
 //!
 //! Owns: keeping a consumer's view of a prefix complete. It lists the prefix at a revision,
 //! hands over the whole list as one [`Update::Reset`], then watches from the next revision
@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, Notify};
 use tracing::warn;
 
 use crate::error::StoreError;
-use crate::types::{KeyValue, Revision, WatchEvent};
+use crate::types::{KeyRange, KeyValue, Revision, WatchEvent};
 use crate::{MetaStore, WatchStream};
 
 /// First back-off after a failure.
@@ -80,8 +80,9 @@ impl Drop for ListWatch {
 }
 
 impl ListWatch {
-    /// Starts listing and watching `prefix`.
-    pub fn spawn(store: Arc<dyn MetaStore>, prefix: String) -> Self {
+    /// Starts listing and watching `keys`: a prefix (`String`, `&str`) or a [`KeyRange`].
+    pub fn spawn(store: Arc<dyn MetaStore>, keys: impl Into<KeyRange>) -> Self {
+        let keys = keys.into();
         let (tx, rx) = mpsc::channel(64);
         let relist = Arc::new(Notify::new());
         let restarts = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -91,7 +92,7 @@ impl ListWatch {
         let reached: Reached = Arc::new(tokio::sync::watch::channel(0).0);
         let task = tokio::spawn(run(
             store,
-            prefix,
+            keys,
             tx,
             relist.clone(),
             restarts.clone(),
@@ -163,7 +164,7 @@ fn backoff(prefix: &str, attempt: u32, restarts: u64) -> Duration {
 
 async fn run(
     store: Arc<dyn MetaStore>,
-    prefix: String,
+    keys: KeyRange,
     tx: mpsc::Sender<Update>,
     relist: Arc<Notify>,
     restarts: Arc<std::sync::atomic::AtomicU64>,
@@ -191,7 +192,7 @@ async fn run(
         };
     loop {
         phase = match phase {
-            Phase::List { attempt } => match store.range(&prefix).await {
+            Phase::List { attempt } => match store.range_keys(&keys).await {
                 Ok(list) => {
                     let revision = list.revision;
                     // The list is a consistent view whatever becomes of the watch: hand it
@@ -208,7 +209,7 @@ async fn run(
                         return;
                     }
                     reach(revision);
-                    match store.watch(&prefix, revision + 1).await {
+                    match store.watch_keys(&keys, revision + 1).await {
                         Ok(stream) => {
                             blind.send_if_modified(|b| b.take().is_some());
                             Phase::Watch {
@@ -216,15 +217,15 @@ async fn run(
                                 next_revision: revision + 1,
                             }
                         }
-                        Err(e) => failed(&prefix, &e, attempt, &restarts),
+                        Err(e) => failed(keys.start(), &e, attempt, &restarts),
                     }
                 }
-                Err(e) => failed(&prefix, &e, attempt, &restarts),
+                Err(e) => failed(keys.start(), &e, attempt, &restarts),
             },
             Phase::Backoff { attempt } => {
                 tokio::select! {
                     biased;
-                    () = tokio::time::sleep(backoff(&prefix, attempt, restarts.load(std::sync::atomic::Ordering::Relaxed))) => {}
+                    () = tokio::time::sleep(backoff(keys.start(), attempt, restarts.load(std::sync::atomic::Ordering::Relaxed))) => {}
                     () = relist.notified() => {}
                 }
                 Phase::List {
@@ -255,8 +256,8 @@ async fn run(
                             reach(revision);
                             Phase::Watch { stream, next_revision: next }
                         }
-                        Some(Err(e)) => failed(&prefix, &e, 0, &restarts),
-                        None => failed(&prefix, &StoreError::WatchClosed("stream ended".into()), 0, &restarts),
+                        Some(Err(e)) => failed(keys.start(), &e, 0, &restarts),
+                        None => failed(keys.start(), &StoreError::WatchClosed("stream ended".into()), 0, &restarts),
                     },
                 }
             }
@@ -306,7 +307,7 @@ mod tests {
     async fn lists_then_streams_then_relists_after_compaction() {
         let store = EmbeddedStore::new();
         put(&store, "p/a").await;
-        let mut lw = ListWatch::spawn(Arc::new(store.clone()), "p/".into());
+        let mut lw = ListWatch::spawn(Arc::new(store.clone()), "p/");
         match lw.next().await {
             Some(Update::Reset { kvs, .. }) => assert_eq!(kvs.len(), 1),
             other => panic!("expected reset, got {other:?}"),
@@ -329,7 +330,7 @@ mod tests {
     async fn reached_follows_progress_and_stands_still_while_the_watch_stalls() {
         let store = EmbeddedStore::new();
         let (faulty, faults) = crate::FaultyStore::new(store.clone());
-        let lw = ListWatch::spawn(Arc::new(faulty), "p/".into());
+        let lw = ListWatch::spawn(Arc::new(faulty), "p/");
         let mut reached = lw.reached();
         let lease = store
             .grant(Duration::from_secs(30))

@@ -14,6 +14,73 @@ pub type Revision = i64;
 /// A lease identifier handed out by [`crate::MetaStore::grant`].
 pub type LeaseId = i64;
 
+/// The keys a range read or a watch covers: every key starting with a prefix, or every key
+/// in `[start, end)` (etcd's range end). A process that must not see a busy sub-prefix (the
+/// coordinator and the checkpoints) watches a range that ends before it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyRange {
+    start: String,
+    /// `None`: every key starting with `start`.
+    end: Option<String>,
+}
+
+impl KeyRange {
+    /// Every key starting with `prefix`.
+    pub fn prefix(prefix: impl Into<String>) -> Self {
+        Self {
+            start: prefix.into(),
+            end: None,
+        }
+    }
+
+    /// Every key `k` with `start <= k < end` (byte order).
+    pub fn between(start: impl Into<String>, end: impl Into<String>) -> Self {
+        Self {
+            start: start.into(),
+            end: Some(end.into()),
+        }
+    }
+
+    /// The first key covered.
+    pub fn start(&self) -> &str {
+        &self.start
+    }
+
+    /// The end (exclusive), or `None` for a prefix.
+    pub fn end(&self) -> Option<&str> {
+        self.end.as_deref()
+    }
+
+    /// Whether `key` is covered.
+    pub fn contains(&self, key: &str) -> bool {
+        match &self.end {
+            None => key.starts_with(&self.start),
+            Some(end) => key >= self.start.as_str() && key < end.as_str(),
+        }
+    }
+}
+
+impl std::fmt::Display for KeyRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.end {
+            None => write!(f, "{}*", self.start),
+            Some(end) => write!(f, "[{}, {})", self.start, end),
+        }
+    }
+}
+
+impl From<&str> for KeyRange {
+    fn from(prefix: &str) -> Self {
+        Self::prefix(prefix)
+    }
+}
+
+impl From<String> for KeyRange {
+    fn from(prefix: String) -> Self {
+        Self::prefix(prefix)
+    }
+}
+
 /// One key with its value and MVCC metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyValue {
@@ -436,5 +503,32 @@ impl AlarmKind {
 impl std::fmt::Display for AlarmKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod key_range_tests {
+    use super::KeyRange;
+
+    #[test]
+    fn a_prefix_covers_its_keys_only() {
+        let r = KeyRange::prefix("a/b/");
+        assert!(r.contains("a/b/"));
+        assert!(r.contains("a/b/c"));
+        assert!(!r.contains("a/b"));
+        assert!(!r.contains("a/c/"));
+        assert!(!r.contains("a/b0"));
+    }
+
+    #[test]
+    fn a_range_is_half_open() {
+        let r = KeyRange::between("r/", "r/worker/");
+        assert!(r.contains("r/"));
+        assert!(r.contains("r/channel/1/x"));
+        assert!(r.contains("r/session/node/3"));
+        assert!(!r.contains("r/worker/"));
+        assert!(!r.contains("r/worker/checkpoint/x"));
+        assert!(!r.contains("q/zzz"));
+        assert!(!r.contains("r0"));
     }
 }

@@ -19,7 +19,7 @@ const ROLES: &[(&str, &[(&str, &str)])] = &[
             ("read", "cw/"),
             ("readwrite", "cw/coord/"),
             ("readwrite", "cw/channel/"),
-            ("readwrite", "cw/checkpoint/"),
+            ("readwrite", "cw/worker/checkpoint/"),
         ],
     ),
     (
@@ -28,7 +28,7 @@ const ROLES: &[(&str, &[(&str, &str)])] = &[
             ("readwrite", "cw/id/node"),
             ("readwrite", "cw/session/node/"),
             ("readwrite", "cw/channel/"),
-            ("readwrite", "cw/checkpoint/"),
+            ("readwrite", "cw/worker/checkpoint/"),
         ],
     ),
     ("chanwatch-ctl", &[("read", "cw/")]),

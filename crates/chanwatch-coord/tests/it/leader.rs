@@ -9,7 +9,7 @@ use anyhow::{bail, ensure, Context, Result};
 use chanwatch_coord::CoordStatus;
 use chanwatch_core::{ChannelName, CoordSession, VChannelInfo};
 use chanwatch_store::{
-    EmbeddedStore, EventKind, FaultyStore, KeyValue, Lease, LeaseId, Limits, MetaStore,
+    EmbeddedStore, EventKind, FaultyStore, KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore,
     RangeResponse, Revision, StoreError, StoreResult, Txn, TxnOp, TxnResponse, WatchStream,
 };
 use futures_util::StreamExt;
@@ -176,17 +176,17 @@ impl MetaStore for FailingGrants {
         self.token()?;
         self.inner.get(key).await
     }
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
         self.token()?;
-        self.inner.range(prefix).await
+        self.inner.range_keys(keys).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         self.token()?;
         self.inner.txn(txn).await
     }
-    async fn watch(&self, prefix: &str, from: Revision) -> StoreResult<WatchStream> {
+    async fn watch_keys(&self, keys: &KeyRange, from: Revision) -> StoreResult<WatchStream> {
         self.token()?;
-        self.inner.watch(prefix, from).await
+        self.inner.watch_keys(keys, from).await
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
         self.token()?;

@@ -10,6 +10,7 @@ mod cluster;
 mod leader;
 mod library;
 mod scenarios;
+mod scope;
 
 /// One test per case on one backend; each calls `$module::$case(cluster)`.
 macro_rules! scenarios {
@@ -65,6 +66,11 @@ mod leader_key {
         a_leader_whose_key_is_deleted_steps_down_at_once_and_one_leader_remains,
         a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election,
     );
+}
+
+/// What the coordinator's list-watch covers, on both backends.
+mod watch_scope {
+    on_both_backends!(scope, checkpoint_commits_never_reach_the_coordinators_watch);
 }
 
 /// Scenarios that need exact simulated time run on the embedded store only.

@@ -93,7 +93,7 @@ pub enum Op {
         /// Channel part of the key.
         channel: ChannelName,
     },
-    /// Delete `checkpoint/{channel}`: the channel is removed, its committed position with it
+    /// Delete `worker/checkpoint/{channel}`: the channel is removed, its committed position with it
     /// (a channel added again later starts from the beginning).
     DeleteCheckpoint {
         /// The channel.

@@ -216,7 +216,7 @@ async fn a_node_keeps_its_session_across_an_auth_etcd_restart_with_its_token_exp
             ("readwrite", "cw/id/node"),
             ("readwrite", "cw/session/node/"),
             ("readwrite", "cw/channel/"),
-            ("readwrite", "cw/checkpoint/"),
+            ("readwrite", "cw/worker/checkpoint/"),
         ],
     )?;
     let node_store: Arc<dyn MetaStore> =

@@ -67,6 +67,7 @@ all_backends!(
     txn_that_writes_nothing_keeps_the_revision,
     compare_targets_match_etcd_for_missing_keys,
     range_returns_sorted_keys_and_its_revision,
+    a_key_range_lists_and_watches_only_its_half_open_span,
     delete_prefix_removes_only_the_prefix,
     duplicate_key_in_one_branch_is_refused,
     watch_delivers_ordered_events_with_prev_values,

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use chanwatch_store::{
-    Compare, CompareOp, CompareTarget, EventKind, MetaStore, OpResponse, StoreError, Txn, TxnOp,
-    WatchBatch, WatchStream,
+    Compare, CompareOp, CompareTarget, EventKind, KeyRange, MetaStore, OpResponse, StoreError, Txn,
+    TxnOp, WatchBatch, WatchStream,
 };
 use futures_util::StreamExt;
 
@@ -198,6 +198,34 @@ pub async fn range_returns_sorted_keys_and_its_revision(store: Store) -> Result<
         resp.revision
     );
     ensure!(store.range("none/").await?.kvs.is_empty());
+    Ok(())
+}
+
+pub async fn a_key_range_lists_and_watches_only_its_half_open_span(store: Store) -> Result<()> {
+    let span = KeyRange::between("r/", "r/worker/");
+    let start = put(&store, "r/worker/before", "x").await?;
+    for k in [
+        "r/a",
+        "r/session/1",
+        "r/worker/cp/1",
+        "r/worker/",
+        "r0",
+        "q",
+    ] {
+        put(&store, k, k).await?;
+    }
+    let resp = store.range_keys(&span).await?;
+    let keys: Vec<&str> = resp.kvs.iter().map(|kv| kv.key.as_str()).collect();
+    ensure!(keys == ["r/a", "r/session/1"], "{keys:?}");
+    // A watch from the start replays only the span's events, and then follows it.
+    let mut w = store.watch_keys(&span, start).await?;
+    let replayed = next_events(&mut w, 2).await?;
+    let keys: Vec<&str> = replayed.iter().map(|e| e.kv.key.as_str()).collect();
+    ensure!(keys == ["r/a", "r/session/1"], "{keys:?}");
+    put(&store, "r/worker/cp/2", "x").await?;
+    put(&store, "r/channel/1/c", "x").await?;
+    let live = next_events(&mut w, 1).await?;
+    ensure!(live[0].kv.key == "r/channel/1/c", "{live:?}");
     Ok(())
 }
 

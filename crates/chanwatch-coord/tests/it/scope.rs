@@ -1,0 +1,136 @@
+//! What the coordinator's list-watch covers: everything it follows under the root, and not
+//! the data plane's checkpoints, which nodes commit many times a second per channel.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use chanwatch_core::{ChannelName, Keys};
+use chanwatch_store::{
+    KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision, StoreResult,
+    Txn, TxnOp, TxnResponse, WatchStream,
+};
+use futures_util::StreamExt;
+
+use crate::cluster::Cluster;
+
+/// Passes everything through; counts the keys its watches and lists hand over, split into
+/// checkpoints and the rest.
+struct CountingReads {
+    inner: Arc<dyn MetaStore>,
+    keys: Keys,
+    checkpoints: Arc<AtomicU64>,
+    others: Arc<AtomicU64>,
+}
+
+impl CountingReads {
+    fn count(&self, key: &str) {
+        let checkpoint = self.keys.parse_checkpoint(key).is_ok();
+        let counter = if checkpoint {
+            &self.checkpoints
+        } else {
+            &self.others
+        };
+        counter.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl MetaStore for CountingReads {
+    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        self.inner.get(key).await
+    }
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
+        let list = self.inner.range_keys(keys).await?;
+        for kv in &list.kvs {
+            self.count(&kv.key);
+        }
+        Ok(list)
+    }
+    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+        self.inner.txn(txn).await
+    }
+    async fn watch_keys(&self, keys: &KeyRange, from: Revision) -> StoreResult<WatchStream> {
+        let stream = self.inner.watch_keys(keys, from).await?;
+        let (k, checkpoints, others) = (
+            self.keys.clone(),
+            self.checkpoints.clone(),
+            self.others.clone(),
+        );
+        Ok(Box::pin(stream.map(move |batch| {
+            if let Ok(b) = &batch {
+                for e in &b.events {
+                    let counter = if k.parse_checkpoint(&e.kv.key).is_ok() {
+                        &checkpoints
+                    } else {
+                        &others
+                    };
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            batch
+        })))
+    }
+    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
+        self.inner.grant(ttl).await
+    }
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
+        self.inner.keepalive(lease).await
+    }
+    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
+        self.inner.revoke(lease).await
+    }
+    async fn compact(&self, revision: Revision) -> StoreResult<()> {
+        self.inner.compact(revision).await
+    }
+    fn limits(&self) -> &Limits {
+        self.inner.limits()
+    }
+    fn describe(&self) -> String {
+        format!("counting {}", self.inner.describe())
+    }
+}
+
+pub async fn checkpoint_commits_never_reach_the_coordinators_watch(c: Cluster) -> Result<()> {
+    let checkpoints = Arc::new(AtomicU64::new(0));
+    let others = Arc::new(AtomicU64::new(0));
+    let store = Arc::new(CountingReads {
+        inner: c.store.clone(),
+        keys: c.keys.clone(),
+        checkpoints: checkpoints.clone(),
+        others: others.clone(),
+    });
+    // Checkpoints already there when it lists, and more while it watches.
+    let put = |i: usize| {
+        let name = ChannelName::new(format!("cp{i:03}")).expect("name");
+        TxnOp::put(
+            c.keys.checkpoint(&name),
+            br#"{"epoch":1,"position":"1"}"#.to_vec(),
+        )
+    };
+    c.store.txn(Txn::new().and_then((0..20).map(put))).await?;
+    let coord = c.spawn_coord_on("scoped", store, |_| {});
+    c.wait_leader_ready(&coord).await?;
+    for i in 20..120 {
+        c.store.txn(Txn::new().and_then([put(i)])).await?;
+    }
+    // Its own writes come back on its watch: the watch is live, and it sees them.
+    let before = others.load(Ordering::SeqCst);
+    c.add_channels(&coord, "ch", 3).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while others.load(Ordering::SeqCst) <= before {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the coordinator's watch never handed over its own writes"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ensure!(
+        checkpoints.load(Ordering::SeqCst) == 0,
+        "the coordinator was handed {} checkpoint keys",
+        checkpoints.load(Ordering::SeqCst)
+    );
+    coord.handle.stop().await?;
+    Ok(())
+}
