@@ -198,7 +198,10 @@ fn with_the_data_plane_a_seed_replays_exactly_and_every_committed_state_is_exact
             first.violations
         );
         assert!(
-            first.trace.iter().any(|l| l.contains("put /worker/checkpoint/")),
+            first
+                .trace
+                .iter()
+                .any(|l| l.contains("put /worker/checkpoint/")),
             "seed {seed}: no checkpoint was committed"
         );
         let again = run_seed(seed, &data_plane(300)).expect("runtime");
