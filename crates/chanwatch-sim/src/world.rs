@@ -94,6 +94,10 @@ struct World {
     next_channel: usize,
     /// Channels added for sure and not asked to be removed.
     expected: BTreeSet<ChannelName>,
+    /// The channel added last: with the data plane, a remove often picks it, while its
+    /// first run has consumed messages but not committed yet — the window in which only the
+    /// assignment's create revision fences a commit (the release's last commit).
+    newest: Option<ChannelName>,
     /// Channels whose add or remove has an unknown outcome: present or absent is fine.
     ambiguous: BTreeSet<ChannelName>,
     /// Load behaviour of each channel when it is not faulted.
@@ -194,6 +198,7 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
         incarnations: 0,
         next_channel: 0,
         expected: BTreeSet::new(),
+        newest: None,
         ambiguous: BTreeSet::new(),
         behaviours: Vec::new(),
         undo: Vec::new(),
@@ -470,6 +475,7 @@ impl World {
             self.handler.set(name.as_str(), behaviour);
         }
         self.checker.requested_adds.insert(name.clone());
+        self.newest = Some(name.clone());
         if let Some(d) = &self.data {
             d.channels
                 .lock()
@@ -493,11 +499,20 @@ impl World {
     }
 
     async fn remove_channel(&mut self) {
-        let candidates: Vec<ChannelName> = self.expected.iter().cloned().collect();
-        let Some(i) = self.pick(candidates.len()) else {
-            return;
+        let newest = self
+            .newest
+            .clone()
+            .filter(|n| self.data.is_some() && self.expected.contains(n));
+        let name = match newest {
+            Some(n) if self.rng.random_bool(0.5) => n,
+            _ => {
+                let candidates: Vec<ChannelName> = self.expected.iter().cloned().collect();
+                let Some(i) = self.pick(candidates.len()) else {
+                    return;
+                };
+                candidates[i].clone()
+            }
         };
-        let name = candidates[i].clone();
         let Some(h) = self.leader() else { return };
         self.checker.requested_removes.insert(name.clone());
         self.log(&format!("request remove {name}"));
