@@ -26,8 +26,10 @@ pub struct CoordinatorConfig {
     pub planner: PlannerConfig,
     /// Lease TTL of the leader key; a standby takes over within about this long.
     pub session_ttl: Duration,
-    /// Full relist period: a missed event can never stay unnoticed longer than this.
-    pub reconcile_interval: Duration,
+    /// Full relist period (jittered: each wait is 80-100 % of it): a missed event can never
+    /// stay unnoticed longer than this. A stalled watch is found sooner, from the revisions
+    /// of the leader lease's keepalives that its progress has not reached.
+    pub resync_interval: Duration,
     /// Period of the planner tick (timeouts).
     pub tick: Duration,
     /// Txns in flight at once when a plan has several.
@@ -46,7 +48,7 @@ impl Default for CoordinatorConfig {
             keys: Keys::default(),
             planner: PlannerConfig::default(),
             session_ttl: Duration::from_secs(10),
-            reconcile_interval: Duration::from_secs(10),
+            resync_interval: Duration::from_secs(300),
             tick: Duration::from_secs(1),
             pipeline: 8,
             id: format!("coord-{}", std::process::id()),
@@ -187,9 +189,9 @@ impl CoordinatorBuilder {
         self
     }
 
-    /// Full relist period: a missed event can never stay unnoticed longer than this.
-    pub fn reconcile_interval(mut self, interval: Duration) -> Self {
-        self.config.reconcile_interval = interval;
+    /// Full relist period (jittered): a missed event can never stay unnoticed longer than this.
+    pub fn resync_interval(mut self, interval: Duration) -> Self {
+        self.config.resync_interval = interval;
         self
     }
 

@@ -140,11 +140,16 @@ pub(crate) async fn run(
         answered = true;
         attempt = 0;
         let lost = CancellationToken::new();
+        let (renewed_tx, renewals) = watch::channel(Renewal {
+            sent: clock.now(),
+            revision: 0,
+        });
         let _keepalive = AbortOnDropHandle::new(tokio::spawn(keepalive(
             store.clone(),
             lease.id,
             config.session_ttl,
             clock,
+            renewed_tx,
             lost.clone(),
         )));
         let mut failures = 0u32;
@@ -194,6 +199,7 @@ pub(crate) async fn run(
                 });
                 let mut term =
                     Term::new(store.clone(), &config, clock, leader_rev, lease.id, &status);
+                term.renewals = Some(renewals.clone());
                 let end = term.lead(&mut requests, &lost, &mut shutdown).await;
                 drop(term);
                 // Step down before anything else: a deposed leader must not look like one.
@@ -356,21 +362,20 @@ pub(crate) async fn serve_standby_until(
     }
 }
 
-/// Keeps the leader lease alive ([`keep_lease`], shared with the nodes); cancels `lost` when
-/// the store says it is gone or it has not been renewed for `ttl - margin` (a leader that
-/// cannot renew must stop writing before a standby may start).
+/// Keeps the leader lease alive ([`keep_lease`], shared with the nodes), publishing each
+/// renewal on `renewed_tx` (the term compares their revisions with its watch's progress);
+/// cancels `lost` when the store says it is gone or it has not been renewed for
+/// `ttl - margin` (a leader that cannot renew must stop writing before a standby may start).
 async fn keepalive(
     store: Arc<dyn MetaStore>,
     lease: i64,
     ttl: Duration,
     clock: Clock,
+    renewed_tx: watch::Sender<Renewal>,
     lost: CancellationToken,
 ) {
     let margin = chanwatch_store::fence_margin(ttl);
-    let (renewed_tx, mut renewed) = watch::channel(Renewal {
-        sent: clock.now(),
-        revision: 0,
-    });
+    let mut renewed = renewed_tx.subscribe();
     let keeper = keep_lease(store, lease, ttl, clock, renewed_tx, None, "coord");
     tokio::pin!(keeper);
     loop {

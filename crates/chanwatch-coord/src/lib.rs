@@ -78,6 +78,7 @@ mod execute;
 mod handle;
 pub mod metrics;
 mod term;
+mod watch_health;
 
 pub use coordinator::{Coordinator, CoordinatorBuilder, CoordinatorConfig};
 pub use election::CoordError;

@@ -97,8 +97,10 @@ pub struct CoordMetrics {
     pub failover_seconds: Histogram,
     /// Times the list-watch loop had to start over after an error.
     pub watch_restarts: IntCounter,
-    /// Full lists (start, reconcile, recovery after an error).
+    /// Full lists (start, resync, recovery after an error or a stalled watch).
     pub relists: IntCounter,
+    /// Times the leader found its watch stalled (behind a keepalive's revision) and relisted.
+    pub watch_stalls: IntCounter,
     txns: IntCounterVec,
     /// Latency of coordinator txns.
     pub txn_seconds: Histogram,
@@ -174,6 +176,10 @@ impl CoordMetrics {
                 "chanwatch_relists_total",
                 "Full lists of the store by the coordinator.",
             )),
+            watch_stalls: must(IntCounter::new(
+                "chanwatch_watch_stalls_total",
+                "Times the leader's watch had not reached a keepalive answer's revision in time and it relisted.",
+            )),
             txns: must(IntCounterVec::new(
                 Opts::new("chanwatch_store_txns_total", "Coordinator txns by result."),
                 &["result"],
@@ -206,6 +212,7 @@ impl CoordMetrics {
         registry.register(Box::new(self.failover_seconds.clone()))?;
         registry.register(Box::new(self.watch_restarts.clone()))?;
         registry.register(Box::new(self.relists.clone()))?;
+        registry.register(Box::new(self.watch_stalls.clone()))?;
         registry.register(Box::new(self.txns.clone()))?;
         registry.register(Box::new(self.txn_seconds.clone()))?;
         registry.register(Box::new(self.fences.clone()))?;

@@ -12,15 +12,16 @@ use std::time::Duration;
 
 use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, Transition};
 use chanwatch_core::{ChannelName, NodeId};
-use chanwatch_store::{Clock, EventKind, KeyRange, LeaseId, ListWatch, MetaStore, Update};
+use chanwatch_store::{Clock, EventKind, KeyRange, LeaseId, ListWatch, MetaStore, Renewal, Update};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 use crate::availability::StoreAvailability;
 use crate::coordinator::CoordinatorConfig;
 use crate::execute::millis;
 use crate::handle::{refuse, ApiError, CoordStatus, Request};
+use crate::watch_health::{resync_wait, stall_limit, StallCheck};
 
 /// Least time between two plans driven by store events (ticks and admin requests aside).
 const PLAN_EVERY: Duration = Duration::from_millis(10);
@@ -56,6 +57,9 @@ pub(crate) struct Term<'a> {
     /// When the store was away (unreachable, or refusing writes), so that timers stand
     /// still that long.
     pub(crate) availability: StoreAvailability,
+    /// The leader lease's renewals (set by the election): their revisions tell a quiet
+    /// watch from a stalled one.
+    pub(crate) renewals: Option<watch::Receiver<Renewal>>,
 }
 
 impl<'a> Term<'a> {
@@ -82,6 +86,7 @@ impl<'a> Term<'a> {
                 config.session_ttl,
                 Duration::from_millis(config.planner.watch_timeout_ms),
             ),
+            renewals: None,
         }
     }
 
@@ -106,11 +111,20 @@ impl<'a> Term<'a> {
             KeyRange::between(keys.all_prefix(), keys.worker_prefix()),
         );
         let blind = lw.blind_since();
+        let mut stall = StallCheck::new(
+            self.renewals.clone(),
+            lw.reached(),
+            stall_limit(self.config.session_ttl),
+        );
         let mut tick = tokio::time::interval(self.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut reconcile = tokio::time::interval(self.config.reconcile_interval);
-        reconcile.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        reconcile.tick().await; // the first tick is immediate; the list-watch lists anyway
+        let mut resyncs = 0;
+        let resync = tokio::time::sleep(resync_wait(
+            self.config.resync_interval,
+            &self.config.id,
+            resyncs,
+        ));
+        tokio::pin!(resync);
         let mut recovered = false;
         let mut restarts_seen = 0;
         // A plan walks every channel that needs attention (all of them during a burst), so
@@ -167,7 +181,25 @@ impl<'a> Term<'a> {
                     }
                 }
                 () = tokio::time::sleep_until(last_plan + plan_gap), if dirty && blind.borrow().is_none() => {}
-                _ = reconcile.tick() => lw.relist(),
+                stalled = stall.stalled() => {
+                    let behind = self.clock.now().saturating_duration_since(stalled.sent);
+                    warn!(
+                        revision = stalled.revision,
+                        reached = *lw.reached().borrow(),
+                        behind_ms = millis(behind),
+                        "coord: the watch has not reached the revision a keepalive answer named: \
+                         stalled or lagging; relisting (timers stand still meanwhile)"
+                    );
+                    self.config.metrics.watch_stalls.inc();
+                    self.availability.unreachable(stalled.sent);
+                    lw.relist();
+                }
+                () = &mut resync => {
+                    lw.relist();
+                    resyncs += 1;
+                    let wait = resync_wait(self.config.resync_interval, &self.config.id, resyncs);
+                    resync.as_mut().reset(tokio::time::Instant::now() + wait);
+                }
                 Some(req) = requests.recv() => {
                     let mut next = Some(req);
                     let mut served = 0;

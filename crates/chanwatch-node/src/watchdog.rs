@@ -18,7 +18,6 @@
 //! Must not: touch the store, the runners or the handler; it only sets the `pause` signal the
 //! runners follow and asks the event loop to relist when renewals succeed while paused.
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use chanwatch_store::Revision;
@@ -26,35 +25,6 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 pub(crate) use chanwatch_store::Renewal;
-
-/// Most renewals remembered while the watch is behind; the earliest are the ones that count.
-const BEHIND_CAP: usize = 64;
-
-/// Renewals whose revision the watch has not reached yet, oldest first.
-#[derive(Debug, Default)]
-struct Behind(VecDeque<Renewal>);
-
-impl Behind {
-    /// Notes a renewal unless the watch has reached its revision already.
-    fn renewed(&mut self, r: Renewal, reached: Revision) {
-        let newer = !matches!(self.0.back(), Some(b) if r.revision <= b.revision);
-        if r.revision > reached && newer && self.0.len() < BEHIND_CAP {
-            self.0.push_back(r);
-        }
-    }
-
-    /// Forgets the renewals the watch has caught up with.
-    fn reached(&mut self, reached: Revision) {
-        while self.0.front().is_some_and(|r| r.revision <= reached) {
-            self.0.pop_front();
-        }
-    }
-
-    /// The oldest renewal the watch has not reached.
-    fn oldest(&self) -> Option<Renewal> {
-        self.0.front().copied()
-    }
-}
 
 /// Why to pause now, if a deadline has passed.
 fn verdict(
@@ -100,7 +70,7 @@ pub(crate) async fn watchdog(
     pause: watch::Sender<Option<String>>,
     renewals: mpsc::UnboundedSender<()>,
 ) {
-    let mut behind = Behind::default();
+    let mut behind = chanwatch_store::UnreachedRenewals::default();
     let mut seen: Option<Renewal> = None;
     loop {
         let last = *last_ok.borrow_and_update();

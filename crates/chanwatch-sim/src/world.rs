@@ -232,7 +232,8 @@ fn harness(
     let timings = Timings {
         session_ttl: SESSION_TTL,
         watch_timeout: WATCH_TIMEOUT,
-        reconcile_interval: Duration::from_secs(3),
+        // Far off: a leader whose watch stalls must find out from its keepalives' revisions.
+        resync_interval: Duration::from_secs(60),
         tick: Duration::from_millis(250),
         progress_interval: Duration::from_millis(500),
     };
@@ -765,6 +766,21 @@ impl World {
                 if let Some(id) = id {
                     self.drain_node(Some(id)).await;
                 }
+            }
+            108..=109 => {
+                // The leader's watch stalls silently while its keepalives and txns work: it
+                // must find out from its keepalives' revisions (the resync is far off) and
+                // relist, not time out channels whose acks it cannot see.
+                let Some(i) = self.leader_index() else { return };
+                let d = self.ms(3_000, 12_000);
+                let (name, faults) = (self.coords[i].name.clone(), self.coords[i].faults.clone());
+                faults.stall_watches(true);
+                self.fault("leader-watch-stall", &format!("{name} for {d:?}"));
+                self.schedule(
+                    d,
+                    format!("watch stall of {name}"),
+                    Box::new(move || faults.stall_watches(false)),
+                );
             }
             116..=119 => {
                 // A sick node: every load fails there for a while. Its channels move off

@@ -27,6 +27,46 @@ pub struct Renewal {
     pub revision: Revision,
 }
 
+/// Most renewals [`UnreachedRenewals`] remembers; the earliest are the ones that count.
+const UNREACHED_CAP: usize = 64;
+
+/// Renewals whose revision a list-watch has not reached yet, oldest first: how a lease
+/// holder tells a quiet watch from a stalled one. Each renewal's answer names the store's
+/// revision then; a watch that is live reaches it soon after (by an event or a progress
+/// notification). One that has not reached the revision of a renewal sent long ago is stalled
+/// or lagging, and its holder's view may hide anything written since. A node pauses on it; a
+/// leader relists.
+#[derive(Debug, Default)]
+pub struct UnreachedRenewals(std::collections::VecDeque<Renewal>);
+
+impl UnreachedRenewals {
+    /// Notes a renewal unless the watch (at `reached`) has got to its revision already.
+    pub fn renewed(&mut self, r: Renewal, reached: Revision) {
+        let newer = !matches!(self.0.back(), Some(b) if r.revision <= b.revision);
+        if r.revision > reached && newer && self.0.len() < UNREACHED_CAP {
+            self.0.push_back(r);
+        }
+    }
+
+    /// Forgets the renewals the watch has caught up with.
+    pub fn reached(&mut self, reached: Revision) {
+        while self.0.front().is_some_and(|r| r.revision <= reached) {
+            self.0.pop_front();
+        }
+    }
+
+    /// The oldest renewal the watch has not reached.
+    #[must_use]
+    pub fn oldest(&self) -> Option<Renewal> {
+        self.0.front().copied()
+    }
+
+    /// Forgets every renewal (the holder relisted: a list reaches them all).
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
 /// How long before a lease could expire its holder stops acting on it (a node pauses, a
 /// leader steps down) when renewals fail: `max(1 s, ttl / 5)`. The one definition for
 /// nodes and coordinators.
@@ -91,6 +131,26 @@ pub async fn keep_lease(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_renewal_counts_until_the_watch_reaches_its_revision() {
+        let t0 = Instant::now();
+        let r = |rev| Renewal {
+            sent: t0,
+            revision: rev,
+        };
+        let mut u = UnreachedRenewals::default();
+        u.renewed(r(5), 5);
+        assert_eq!(u.oldest(), None, "already reached");
+        u.renewed(r(7), 5);
+        u.renewed(r(7), 5);
+        u.renewed(r(9), 5);
+        assert_eq!(u.oldest(), Some(r(7)), "the oldest unreached one counts");
+        u.reached(8);
+        assert_eq!(u.oldest(), Some(r(9)));
+        u.reached(9);
+        assert_eq!(u.oldest(), None);
+    }
+
     use super::*;
     use crate::{EmbeddedStore, FaultyStore};
 

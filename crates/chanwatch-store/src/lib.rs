@@ -67,7 +67,7 @@ pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
 /// Test fixtures (feature `testing`): a store wrapper that injects faults.
 #[cfg(any(test, feature = "testing"))]
 pub use faults::{CommitHook, Faults, FaultyStore};
-pub use lease::{fence_margin, keep_lease, Renewal};
+pub use lease::{fence_margin, keep_lease, Renewal, UnreachedRenewals};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
     Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,

@@ -61,7 +61,7 @@ pub struct Timings {
     /// How long a node may take to acknowledge (also the release timeout).
     pub watch_timeout: Duration,
     /// How often a coordinator re-reads the whole view.
-    pub reconcile_interval: Duration,
+    pub resync_interval: Duration,
     /// A coordinator's timer tick.
     pub tick: Duration,
     /// Least time between two progress writes of one load.
@@ -86,7 +86,7 @@ impl Timings {
                 ..PlannerConfig::default()
             },
             session_ttl: self.session_ttl,
-            reconcile_interval: self.reconcile_interval,
+            resync_interval: self.resync_interval,
             tick: self.tick,
             ..CoordinatorConfig::default()
         }

@@ -89,7 +89,7 @@ impl Cluster {
         let timings = Timings {
             session_ttl: TTL,
             watch_timeout: WATCH_TIMEOUT,
-            reconcile_interval: Duration::from_secs(2),
+            resync_interval: Duration::from_secs(2),
             tick: Duration::from_millis(200),
             progress_interval: Duration::from_millis(300),
         };

@@ -112,6 +112,12 @@ mod embedded_only {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_watch_stalls_relists_by_itself_and_sees_the_acks() -> anyhow::Result<()>
+    {
+        crate::scope::a_leader_whose_watch_stalls_relists_by_itself_and_sees_the_acks().await
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads() -> anyhow::Result<()>
     {
         crate::leader::a_coordinator_waits_out_nospace_and_auth_errors_and_then_leads().await

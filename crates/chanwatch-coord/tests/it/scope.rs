@@ -134,3 +134,46 @@ pub async fn checkpoint_commits_never_reach_the_coordinators_watch(c: Cluster) -
     coord.handle.stop().await?;
     Ok(())
 }
+
+/// Embedded only (paused clock): the leader's watch stalls silently (keepalives and txns
+/// work, the watch delivers nothing) with the resync 5 minutes away. The leader finds out
+/// from its keepalives' revisions, relists, and sees the node's acks long before its watch
+/// timeout; without that it would see them only at the resync.
+pub async fn a_leader_whose_watch_stalls_relists_by_itself_and_sees_the_acks() -> Result<()> {
+    use chanwatch_store::{EmbeddedStore, FaultyStore};
+    let inner = EmbeddedStore::new();
+    let c = Cluster::with_stores(
+        crate::cluster::Backend::Embedded(inner.clone()),
+        Arc::new(inner.clone()) as Arc<dyn MetaStore>,
+    );
+    let (faulty, faults) = FaultyStore::new(inner);
+    let coord = c.spawn_coord_on("c1", Arc::new(faulty), |config| {
+        config.resync_interval = Duration::from_secs(300);
+        config.planner.watch_timeout_ms = 30_000;
+    });
+    let node = c.spawn_node();
+    c.wait_node_id(&node).await?;
+    c.wait_leader_ready(&coord).await?;
+    c.wait_coord_nodes(&coord, 1).await?;
+    faults.stall_watches(true);
+    c.add_channels(&coord, "late", 2).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let rows = coord.handle.channels().await?;
+        if rows.len() == 2 && rows.iter().all(|r| r.state.as_str() == "Watched") {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the leader never saw the acks behind its stalled watch: {rows:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ensure!(
+        coord.metrics.watch_stalls.get() >= 1,
+        "the stall was not counted"
+    );
+    faults.stall_watches(false);
+    coord.handle.stop().await?;
+    Ok(())
+}

@@ -19,7 +19,7 @@ fn timings() -> Timings {
     Timings {
         session_ttl: TTL,
         watch_timeout: Duration::from_secs(4),
-        reconcile_interval: Duration::from_secs(1),
+        resync_interval: Duration::from_secs(1),
         tick: Duration::from_millis(100),
         progress_interval: Duration::from_millis(300),
     }
@@ -44,7 +44,7 @@ async fn timings_become_the_planner_timers_and_the_session_ttl_of_every_process(
     assert_eq!(coord.id, "a");
     assert_eq!(coord.session_ttl, TTL);
     assert_eq!(coord.tick, t.tick);
-    assert_eq!(coord.reconcile_interval, t.reconcile_interval);
+    assert_eq!(coord.resync_interval, t.resync_interval);
     assert_eq!(coord.planner.watch_timeout_ms, 4_000);
     assert_eq!(coord.planner.release_timeout_ms, 4_000);
     assert_eq!(coord.planner.fence_wait_ms, 3_000);

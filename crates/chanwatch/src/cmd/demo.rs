@@ -306,7 +306,7 @@ pub async fn run() -> Result<()> {
     let timings = Timings {
         session_ttl: Duration::from_secs(2),
         watch_timeout: Duration::from_secs(5),
-        reconcile_interval: Duration::from_secs(2),
+        resync_interval: Duration::from_secs(2),
         tick: Duration::from_millis(100),
         progress_interval: Duration::from_millis(50),
     };

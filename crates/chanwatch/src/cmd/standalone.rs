@@ -53,7 +53,7 @@ pub async fn run(args: Args) -> Result<()> {
     let timings = crate::inproc::Timings {
         session_ttl: args.session_ttl,
         watch_timeout: std::time::Duration::from_secs(30),
-        reconcile_interval: std::time::Duration::from_secs(10),
+        resync_interval: std::time::Duration::from_secs(300),
         tick: std::time::Duration::from_secs(1),
         progress_interval: std::time::Duration::from_secs(5),
     };

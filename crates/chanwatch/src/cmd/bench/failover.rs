@@ -73,7 +73,7 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
         let timings = crate::inproc::Timings {
             session_ttl: Duration::from_secs(10),
             watch_timeout: Duration::from_secs(120),
-            reconcile_interval: Duration::from_secs(60),
+            resync_interval: Duration::from_secs(60),
             tick: Duration::from_millis(100),
             progress_interval: Duration::from_secs(5),
         };

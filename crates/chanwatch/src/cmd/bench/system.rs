@@ -79,7 +79,7 @@ fn timings() -> Timings {
     Timings {
         session_ttl: Duration::from_secs(10),
         watch_timeout: Duration::from_secs(120),
-        reconcile_interval: Duration::from_secs(60),
+        resync_interval: Duration::from_secs(60),
         tick: Duration::from_millis(100),
         progress_interval: Duration::from_secs(5),
     }
