@@ -238,8 +238,54 @@ async fn readyz(State(h): State<CoordHandle>) -> Response {
     (code, Json(json!(s))).into_response()
 }
 
-async fn list_channels(State(h): State<CoordHandle>) -> HttpResult {
-    Ok(Json(h.channels().await?).into_response())
+#[derive(Debug, Deserialize)]
+struct ChannelsQuery {
+    /// `1` / `true`: add each channel's `checkpoint`.
+    #[serde(default)]
+    checkpoints: Option<String>,
+}
+
+/// The channel rows; with `?checkpoints=1` each also carries its `checkpoint` (`{position,
+/// epoch, updated_at_ms, age_ms}` or `null`), read from the store with one range of the
+/// checkpoint prefix for the request — the coordinator's view does not hold checkpoints. The
+/// status page asks for them on every fifth poll only.
+async fn list_channels(State(h): State<CoordHandle>, Query(q): Query<ChannelsQuery>) -> HttpResult {
+    let rows = h.channels().await?;
+    let with = match q.checkpoints.as_deref() {
+        None | Some("0" | "false") => false,
+        Some("" | "1" | "true") => true,
+        Some(other) => {
+            return Err(HttpError::bad_request(format!(
+                "checkpoints={other:?}: expected 1, true, 0 or false"
+            )))
+        }
+    };
+    if !with {
+        return Ok(Json(rows).into_response());
+    }
+    let read = h.checkpoints().await?;
+    let by_channel: std::collections::HashMap<String, crate::checkpoints::CheckpointRow> = read
+        .checkpoints
+        .into_iter()
+        .map(|c| (c.channel.clone(), c))
+        .collect();
+    let out: Vec<Value> = rows
+        .into_iter()
+        .map(|r| {
+            let cp = by_channel.get(r.channel.as_str()).map(|c| {
+                json!({
+                    "position": c.position,
+                    "epoch": c.epoch,
+                    "updated_at_ms": c.updated_at_ms,
+                    "age_ms": c.age_ms,
+                })
+            });
+            let mut v = json!(r);
+            v["checkpoint"] = cp.unwrap_or(Value::Null);
+            v
+        })
+        .collect();
+    Ok(Json(out).into_response())
 }
 
 async fn list_nodes(State(h): State<CoordHandle>) -> HttpResult {
