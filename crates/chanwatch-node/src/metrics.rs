@@ -1,7 +1,7 @@
 //! Prometheus metrics of a node (shared by every node of one process).
 //!
 //! Owns: metric definitions, and two shapes the data plane's metrics need: a gauge that is a
-//! sum of per-run shares ([`GaugeShare`]: the consumer's lag) and the age of the oldest
+//! sum of per-run shares (`GaugeShare`: the consumer's lag) and the age of the oldest
 //! checkpoint among running channels ([`CheckpointAges`], computed when scraped).
 //! Must not: be read by the control logic.
 
@@ -251,7 +251,7 @@ impl Drop for GaugeShare {
 
 /// `chanwatch_node_checkpoint_oldest_age_seconds`: now minus the `updated_at_ms` of the
 /// oldest checkpoint among the runs that read or wrote one and still run; 0 when none has.
-/// Each run holds a [`CheckpointAge`]; the age is computed when scraped, with the clock of
+/// Each run holds a `CheckpointAge`; the age is computed when scraped, with the clock of
 /// the last run that registered.
 #[derive(Debug, Clone)]
 pub struct CheckpointAges {
