@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use chanwatch_core::planner::AdminError;
 use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::handle::{ApiError, CoordHandle};
@@ -238,6 +238,23 @@ async fn readyz(State(h): State<CoordHandle>) -> Response {
     (code, Json(json!(s))).into_response()
 }
 
+/// A channel row with its checkpoint, for `?checkpoints=1`.
+#[derive(Serialize)]
+struct WithCheckpoint<'a> {
+    #[serde(flatten)]
+    row: &'a chanwatch_core::planner::ChannelRow,
+    checkpoint: Option<Brief<'a>>,
+}
+
+/// A checkpoint without its channel (the row has it) or state (the handler's).
+#[derive(Serialize)]
+struct Brief<'a> {
+    position: &'a str,
+    epoch: u64,
+    updated_at_ms: u64,
+    age_ms: u64,
+}
+
 #[derive(Debug, Deserialize)]
 struct ChannelsQuery {
     /// `1` / `true`: add each channel's `checkpoint`.
@@ -264,25 +281,21 @@ async fn list_channels(State(h): State<CoordHandle>, Query(q): Query<ChannelsQue
         return Ok(Json(rows).into_response());
     }
     let read = h.checkpoints().await?;
-    let by_channel: std::collections::HashMap<String, crate::checkpoints::CheckpointRow> = read
+    let by_channel: std::collections::HashMap<&str, &crate::checkpoints::CheckpointRow> = read
         .checkpoints
-        .into_iter()
-        .map(|c| (c.channel.clone(), c))
+        .iter()
+        .map(|c| (c.channel.as_str(), c))
         .collect();
-    let out: Vec<Value> = rows
-        .into_iter()
-        .map(|r| {
-            let cp = by_channel.get(r.channel.as_str()).map(|c| {
-                json!({
-                    "position": c.position,
-                    "epoch": c.epoch,
-                    "updated_at_ms": c.updated_at_ms,
-                    "age_ms": c.age_ms,
-                })
-            });
-            let mut v = json!(r);
-            v["checkpoint"] = cp.unwrap_or(Value::Null);
-            v
+    let out: Vec<WithCheckpoint<'_>> = rows
+        .iter()
+        .map(|row| WithCheckpoint {
+            row,
+            checkpoint: by_channel.get(row.channel.as_str()).map(|c| Brief {
+                position: &c.position,
+                epoch: c.epoch,
+                updated_at_ms: c.updated_at_ms,
+                age_ms: c.age_ms,
+            }),
         })
         .collect();
     Ok(Json(out).into_response())
