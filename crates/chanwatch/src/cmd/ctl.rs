@@ -362,3 +362,53 @@ fn paused_lines(live: &BTreeMap<u64, live::Live>) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use chanwatch_core::planner::PlannedMove;
+
+    use super::*;
+
+    fn moved() -> Vec<Transition> {
+        serde_json::from_str(
+            r#"[{"channel":"orders-2","cause":"manual","from":1,"to":3,"state":"ToWatch","epoch":4}]"#,
+        )
+        .expect("a transition")
+    }
+
+    /// The writes print their answer in every format: a line each for a person, the typed
+    /// list for machines.
+    #[test]
+    fn transitions_print_as_lines_json_and_yaml() -> Result<()> {
+        let t = moved();
+        assert_eq!(
+            transitions(Format::Table, &t)?,
+            "manual orders-2: node 1 -> 3 (ToWatch, epoch 4)\n"
+        );
+        let json: serde_json::Value = serde_json::from_str(&transitions(Format::Json, &t)?)?;
+        assert_eq!(json[0]["to"], 3);
+        let yaml: serde_json::Value = serde_yaml_ng::from_str(&transitions(Format::Yaml, &t)?)?;
+        assert_eq!(yaml, json);
+        Ok(())
+    }
+
+    #[test]
+    fn a_balance_plan_is_a_table_with_a_count() -> Result<()> {
+        let plan = BalancePlan {
+            dry_run: true,
+            moves: serde_json::from_str::<Vec<PlannedMove>>(
+                r#"[{"channel":"orders-10","from":1,"to":2}]"#,
+            )?,
+        };
+        let out = balance_table(&plan);
+        assert!(
+            out.starts_with("CHANNEL    FROM  TO\norders-10     1   2\n"),
+            "{out}"
+        );
+        assert!(
+            out.ends_with("1 move(s) planned (dry run: nothing moved)\n"),
+            "{out}"
+        );
+        Ok(())
+    }
+}
