@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use chanwatch_core::planner::AdminError;
 use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::handle::{ApiError, CoordHandle};
@@ -238,8 +238,67 @@ async fn readyz(State(h): State<CoordHandle>) -> Response {
     (code, Json(json!(s))).into_response()
 }
 
-async fn list_channels(State(h): State<CoordHandle>) -> HttpResult {
-    Ok(Json(h.channels().await?).into_response())
+/// A channel row with its checkpoint, for `?checkpoints=1`.
+#[derive(Serialize)]
+struct WithCheckpoint<'a> {
+    #[serde(flatten)]
+    row: &'a chanwatch_core::planner::ChannelRow,
+    checkpoint: Option<Brief<'a>>,
+}
+
+/// A checkpoint without its channel (the row has it) or state (the handler's).
+#[derive(Serialize)]
+struct Brief<'a> {
+    position: &'a str,
+    epoch: u64,
+    updated_at_ms: u64,
+    age_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChannelsQuery {
+    /// `1` / `true`: add each channel's `checkpoint`.
+    #[serde(default)]
+    checkpoints: Option<String>,
+}
+
+/// The channel rows; with `?checkpoints=1` each also carries its `checkpoint` (`{position,
+/// epoch, updated_at_ms, age_ms}` or `null`), read from the store with one range of the
+/// checkpoint prefix for the request — the coordinator's view does not hold checkpoints. The
+/// status page asks for them on every fifth poll only.
+async fn list_channels(State(h): State<CoordHandle>, Query(q): Query<ChannelsQuery>) -> HttpResult {
+    let rows = h.channels().await?;
+    let with = match q.checkpoints.as_deref() {
+        None | Some("0" | "false") => false,
+        Some("" | "1" | "true") => true,
+        Some(other) => {
+            return Err(HttpError::bad_request(format!(
+                "checkpoints={other:?}: expected 1, true, 0 or false"
+            )))
+        }
+    };
+    if !with {
+        return Ok(Json(rows).into_response());
+    }
+    let read = h.checkpoints().await?;
+    let by_channel: std::collections::HashMap<&str, &crate::checkpoints::CheckpointRow> = read
+        .checkpoints
+        .iter()
+        .map(|c| (c.channel.as_str(), c))
+        .collect();
+    let out: Vec<WithCheckpoint<'_>> = rows
+        .iter()
+        .map(|row| WithCheckpoint {
+            row,
+            checkpoint: by_channel.get(row.channel.as_str()).map(|c| Brief {
+                position: &c.position,
+                epoch: c.epoch,
+                updated_at_ms: c.updated_at_ms,
+                age_ms: c.age_ms,
+            }),
+        })
+        .collect();
+    Ok(Json(out).into_response())
 }
 
 async fn list_nodes(State(h): State<CoordHandle>) -> HttpResult {

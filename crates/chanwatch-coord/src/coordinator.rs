@@ -237,7 +237,12 @@ impl CoordinatorBuilder {
             .metrics
             .register(&registry)
             .map_err(CoordError::Metrics)?;
-        let (handle, ends) = CoordHandle::pair(self.config.metrics.clone(), registry);
+        let reads = crate::handle::Reads {
+            store: self.store.clone(),
+            keys: self.config.keys.clone(),
+            clock: self.clock,
+        };
+        let (handle, ends) = CoordHandle::pair(self.config.metrics.clone(), registry, reads);
         let coordinator = Coordinator {
             store: self.store,
             config: self.config,

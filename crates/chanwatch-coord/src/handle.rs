@@ -120,6 +120,24 @@ struct Shared {
     outcome: Arc<Mutex<Option<CoordError>>>,
     metrics: Arc<CoordMetrics>,
     registry: prometheus::Registry,
+    /// What [`CoordHandle::checkpoints`] reads through: the coordinator's store, key layout
+    /// and clock.
+    reads: Reads,
+}
+
+/// The store, keys and clock a handle reads checkpoints with.
+pub(crate) struct Reads {
+    pub(crate) store: Arc<dyn chanwatch_store::MetaStore>,
+    pub(crate) keys: chanwatch_core::Keys,
+    pub(crate) clock: chanwatch_store::Clock,
+}
+
+impl std::fmt::Debug for Reads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reads")
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Drop for Shared {
@@ -145,6 +163,7 @@ impl CoordHandle {
     pub(crate) fn pair(
         metrics: Arc<CoordMetrics>,
         registry: prometheus::Registry,
+        reads: Reads,
     ) -> (Self, HandleEnds) {
         let (tx, requests) = mpsc::channel(256);
         let (status_tx, status) = watch::channel(CoordStatus::default());
@@ -160,6 +179,7 @@ impl CoordHandle {
                 outcome: outcome.clone(),
                 metrics,
                 registry,
+                reads,
             }),
         };
         let ends = HandleEnds {
@@ -243,6 +263,19 @@ impl CoordHandle {
     /// [`ApiError::NotLeader`] on a standby.
     pub async fn channels(&self) -> Result<Vec<ChannelRow>, ApiError> {
         self.ask(Request::Channels).await
+    }
+
+    /// Every channel's checkpoint, read from the store with one range of
+    /// `{root}/checkpoint/` (not from the coordinator's view, which leaves them out). Any
+    /// coordinator answers, a standby too.
+    ///
+    /// # Errors
+    /// [`ApiError::Store`] when the store does not answer.
+    pub async fn checkpoints(&self) -> Result<crate::checkpoints::Checkpoints, ApiError> {
+        let r = &self.shared.reads;
+        crate::checkpoints::read(&*r.store, &r.keys, r.clock)
+            .await
+            .map_err(ApiError::Store)
     }
 
     /// Every live node.

@@ -72,6 +72,7 @@
 
 pub mod api;
 mod availability;
+pub mod checkpoints;
 mod coordinator;
 mod election;
 mod execute;

@@ -237,7 +237,7 @@ impl Session {
         self.send_acks();
     }
 
-    /// Answers a commit and counts it.
+    /// Answers a commit (the committer counts it).
     fn commit_done(
         &self,
         channel: &ChannelName,
@@ -245,21 +245,14 @@ impl Session {
         outcome: AckOutcome,
     ) {
         let answer = match outcome {
-            AckOutcome::Committed(rev) => {
-                self.metrics.commits("committed");
-                Ok(rev)
-            }
+            AckOutcome::Committed(rev) => Ok(rev),
             AckOutcome::Refused => {
-                self.metrics.commits("fenced");
                 info!(node = %self.reg.id, %channel, "node: checkpoint commit refused: this run no longer owns the channel (moved, removed, session ended or a newer commit)");
                 Err(CommitError::Fenced(
                     "the assignment moved, the channel was removed, the session ended or a newer commit landed".into(),
                 ))
             }
-            AckOutcome::Failed(e) => {
-                self.metrics.commits("error");
-                Err(CommitError::Unavailable(e))
-            }
+            AckOutcome::Failed(e) => Err(CommitError::Unavailable(e)),
         };
         let _ = reply.send(answer);
     }

@@ -9,6 +9,9 @@
 //! mod revision this run last saw, or its absence — and reconciling after a commit whose
 //! outcome is unknown. The writes themselves are group-committed with the acks (`acks.rs`).
 //!
+//! Counts every commit by result (`ok`, `fenced`, `unavailable`, `too_large`) and its latency,
+//! and keeps the run's checkpoint time in the node's oldest-checkpoint-age gauge.
+//!
 //! Must not: decide when to commit (the handler does), or write anything but the checkpoint.
 
 use std::sync::{Arc, Mutex};
@@ -59,7 +62,7 @@ struct Seen {
 }
 
 /// What every run of a session shares: the store, the way to the session's writer, the key
-/// layout, the clock and the latency histogram.
+/// layout, the clock and the node's metrics.
 #[derive(Clone)]
 pub(crate) struct CommitShared {
     pub(crate) store: Arc<dyn MetaStore>,
@@ -67,7 +70,7 @@ pub(crate) struct CommitShared {
     pub(crate) keys: chanwatch_core::Keys,
     pub(crate) node: chanwatch_core::NodeId,
     pub(crate) clock: Clock,
-    pub(crate) latency: prometheus::Histogram,
+    pub(crate) metrics: Arc<crate::metrics::NodeMetrics>,
     /// Test-only: [`PlantedBug::UnguardedCommit`](crate::PlantedBug::UnguardedCommit) drops
     /// guard (i).
     pub(crate) planted_bug: Option<crate::PlantedBug>,
@@ -82,6 +85,8 @@ pub(crate) struct Committer {
     epoch: Epoch,
     assignment_create_revision: i64,
     seen: Arc<Mutex<Seen>>,
+    /// This run's checkpoint time in the oldest-age gauge; leaves it with the last clone.
+    age: Arc<crate::metrics::CheckpointAge>,
 }
 
 impl std::fmt::Debug for Committer {
@@ -120,12 +125,14 @@ impl Committer {
         epoch: Epoch,
         assignment_create_revision: i64,
     ) -> Self {
+        let age = Arc::new(shared.metrics.checkpoint_ages.track(shared.clock));
         Committer {
             shared,
             channel,
             epoch,
             assignment_create_revision,
             seen: Arc::default(),
+            age,
         }
     }
 
@@ -154,6 +161,9 @@ impl Committer {
                     }
                     seen.mod_revision = found.as_ref().map(|(_, rev)| *rev);
                     let cp = found.map(|(cp, _)| cp);
+                    if let Some(cp) = &cp {
+                        self.age.set(cp.updated_at_ms);
+                    }
                     seen.read = Some(cp.clone());
                     return Ok(cp);
                 }
@@ -168,7 +178,23 @@ impl Committer {
     }
 
     /// Commits `(position, state)` by fenced txn; see [`ChannelContext::commit`](crate::ChannelContext::commit).
+    /// Counted by result in `chanwatch_node_checkpoint_commits_total`.
     pub(crate) async fn commit(
+        &self,
+        position: String,
+        state: Option<Value>,
+    ) -> Result<(), CommitError> {
+        let result = self.commit_uncounted(position, state).await;
+        self.shared.metrics.commits(match &result {
+            Ok(()) => "ok",
+            Err(CommitError::Fenced(_)) => "fenced",
+            Err(CommitError::Unavailable(_)) => "unavailable",
+            Err(CommitError::TooLarge(_)) => "too_large",
+        });
+        result
+    }
+
+    async fn commit_uncounted(
         &self,
         position: String,
         state: Option<Value>,
@@ -230,6 +256,7 @@ impl Committer {
             Ok(rev) => {
                 seen.mod_revision = Some(rev);
                 seen.uncertain = None;
+                self.age.set(cp.updated_at_ms);
                 Ok(())
             }
             Err(CommitError::Unavailable(e)) => {
@@ -242,7 +269,15 @@ impl Committer {
 
     /// Counts one commit's latency.
     pub(crate) fn observe(&self, took: Duration) {
-        self.shared.latency.observe(took.as_secs_f64());
+        self.shared
+            .metrics
+            .commit_latency
+            .observe(took.as_secs_f64());
+    }
+
+    /// The node's metrics (the consumer counts what it reads there).
+    pub(crate) fn metrics(&self) -> &crate::metrics::NodeMetrics {
+        &self.shared.metrics
     }
 
     /// After a commit whose outcome is unknown: if the key holds exactly what it wrote, that

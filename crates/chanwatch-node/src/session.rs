@@ -97,7 +97,7 @@ impl Session {
             keys: config.keys.clone(),
             node: reg.id,
             clock,
-            latency: config.metrics.commit_latency.clone(),
+            metrics: config.metrics.clone(),
             planted_bug: config.planted_bug,
         });
         Session {

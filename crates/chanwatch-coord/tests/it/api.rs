@@ -549,3 +549,74 @@ async fn cross_site_and_dns_rebinding_requests_are_refused_and_change_nothing() 
     ensure!(store.range("chanwatch/channel/").await?.kvs.len() == 4);
     Ok(())
 }
+
+/// `GET /api/v1/channels?checkpoints=1` adds each channel's checkpoint, read from the store
+/// for the request (written here behind the coordinator's back, so no view of the leader's can
+/// hold it); without the parameter the rows stay as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channels_carry_their_checkpoint_read_from_the_store_when_asked() -> Result<()> {
+    use chanwatch_core::{ChannelName, Checkpoint, Epoch, Keys};
+    use chanwatch_store::{Txn, TxnOp};
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (api, handle) = start(store.clone(), "cp").await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    use reqwest::Method as M;
+    for name in ["c1", "c2"] {
+        let body = format!(r#"{{"name":"{name}"}}"#);
+        let (code, body) = api.call(M::POST, "/api/v1/channels", Some(&body)).await?;
+        ensure!(code == 201, "{code} {body}");
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as u64;
+    let cp = Checkpoint {
+        epoch: Epoch(1),
+        position: "4242".into(),
+        state: Some(json!({"count": 4242})),
+        updated_at_ms: now - 3_000,
+        extra: Default::default(),
+    };
+    let key = Keys::default().checkpoint(&ChannelName::new("c1")?);
+    store
+        .txn(Txn::new().and_then([TxnOp::put(&key, cp.encode())]))
+        .await?;
+
+    let (code, plain) = api.call(M::GET, "/api/v1/channels", None).await?;
+    ensure!(code == 200, "{code} {plain}");
+    ensure!(
+        plain[0].get("checkpoint").is_none(),
+        "a plain list reads no checkpoint: {plain}"
+    );
+    let (code, rows) = api
+        .call(M::GET, "/api/v1/channels?checkpoints=1", None)
+        .await?;
+    ensure!(code == 200, "{code} {rows}");
+    let row = |n: &str| {
+        rows.as_array()
+            .and_then(|a| a.iter().find(|r| r["channel"] == json!(n)))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let c1 = row("c1")["checkpoint"].clone();
+    ensure!(
+        c1["position"] == json!("4242") && c1["epoch"] == json!(1),
+        "{rows}"
+    );
+    ensure!(
+        c1.get("state").is_none(),
+        "the handler's state is left out: {c1}"
+    );
+    let age = c1["age_ms"].as_u64().unwrap_or(0);
+    ensure!((3_000..60_000).contains(&age), "age {age}: {rows}");
+    ensure!(row("c2")["checkpoint"].is_null(), "{rows}");
+    let (code, body) = api
+        .call(M::GET, "/api/v1/channels?checkpoints=maybe", None)
+        .await?;
+    ensure!(code == 400, "{code} {body}");
+
+    // The handle reads the same through the store, on a standby too.
+    let all = handle.checkpoints().await?;
+    ensure!(all.checkpoints.len() == 1 && all.checkpoints[0].channel == "c1");
+    Ok(())
+}

@@ -86,7 +86,26 @@ async fn the_status_page_shows_a_killed_nodes_channels_under_the_other_nodes() -
         v.all_watched_on_live_nodes(9)
     })
     .await?;
+    // A checkpoint, written behind the coordinator's back: the page reads it through the API
+    // from the store, and shows its position and age.
+    let cp = chanwatch_core::Checkpoint {
+        epoch: chanwatch_core::Epoch(1),
+        position: "4242".into(),
+        state: None,
+        updated_at_ms: c.clock.unix_ms(),
+        extra: Default::default(),
+    };
+    let key = c
+        .keys
+        .checkpoint(&chanwatch_core::ChannelName::new("orders-000")?);
+    c.store
+        .txn(chanwatch_store::Txn::new().and_then([chanwatch_store::TxnOp::put(&key, cp.encode())]))
+        .await?;
     let before = headless(&url, &["--dump-dom".into()])?;
+    ensure!(
+        before.matches("· pos 4242 · ").count() == 1,
+        "the page does not show orders-000's checkpoint position:\n{before}"
+    );
     let dead = c.kill_node(nodes.remove(0)).context("node id")?;
     ensure!(
         before.contains(&format!("id=\"node-{dead}\"")),

@@ -6,6 +6,10 @@
 //! `commit_interval`, whichever comes first), what it does on each [`CommitError`], and the
 //! fold itself ([`StreamState`], [`payload_hash`], [`payload_seq`]) that `produce` and `audit`
 //! share so that all three agree on what "the same messages" means.
+//! Counts in the node's metrics the messages it folds and how far each run is behind its
+//! channel's end (`chanwatch_node_consumer_lag_positions`: 0 after a read that was not a full
+//! batch — it reached the end — otherwise `Log::end` minus the position, asked at most once per
+//! `commit_interval`).
 //! Must not: touch the store (commits go through the context), or decide ownership.
 //!
 //! ## Why the committed state is exactly-once
@@ -315,6 +319,12 @@ async fn consume(
     let wait = options
         .commit_interval
         .clamp(Duration::from_millis(10), Duration::from_millis(500));
+    // Metrics only in a node's contexts (a handler test's context has none).
+    let metrics = ctx.committer.as_ref().map(|c| c.metrics().clone());
+    let mut lag = metrics
+        .as_ref()
+        .map(|m| crate::metrics::GaugeShare::new(m.consumer_lag.clone()));
+    let mut lag_asked: Option<tokio::time::Instant> = None;
     loop {
         if *stop.borrow() {
             break;
@@ -342,6 +352,20 @@ async fn consume(
                 *folded
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner) = (at, state);
+                if let (Some(m), Some(lag)) = (&metrics, &mut lag) {
+                    m.consumer_messages.inc_by(batch.len() as u64);
+                    if batch.len() < options.batch.max(1) {
+                        lag.set(0); // it read up to the end
+                    } else if lag_asked.map_or(true, |t| {
+                        clock.now().saturating_duration_since(t) >= options.commit_interval
+                    }) {
+                        lag_asked = Some(clock.now());
+                        if let Ok(end) = log.end(&channel).await {
+                            let behind = end.raw().saturating_sub(at.raw());
+                            lag.set(i64::try_from(behind).unwrap_or(i64::MAX));
+                        }
+                    }
+                }
             }
             Err(e) if e.is_retryable() => {
                 tracing::debug!(%channel, error = %e, "consumer: log unavailable; retrying");

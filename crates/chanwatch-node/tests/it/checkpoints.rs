@@ -135,6 +135,12 @@ async fn a_moved_channel_resumes_from_its_last_commit_and_the_old_run_is_fenced(
     ensure!(checkpoint(&*store, "c").await?.map(|c| c.position) == Some("20".into()));
     run_b.commit("30", None).await?;
     ensure!(checkpoint(&*store, "c").await?.map(|c| c.position) == Some("30".into()));
+    // Each commit counted by its result, on the node whose run made it.
+    let count = |n: &chanwatch_node::NodeHandle, r| n.metrics().commit_count(r);
+    ensure!(
+        (count(&a, "ok"), count(&a, "fenced"), count(&b, "ok")) == (2, 1, 1),
+        "commits by result"
+    );
 
     // Removing the channel removes its checkpoint.
     coordinator.remove_channel(c).await?;
@@ -169,7 +175,10 @@ async fn a_state_over_64_kib_is_refused_before_it_is_sent() -> Result<()> {
     let run = wait_run(&keeper, id, "big").await?;
     let huge = json!({ "blob": "x".repeat(70_000) });
     match run.commit("1", Some(huge)).await {
-        Err(CommitError::TooLarge(n)) if n > 64 * 1024 => Ok(()),
+        Err(CommitError::TooLarge(n)) if n > 64 * 1024 => {}
         other => bail!("expected TooLarge: {other:?}"),
     }
+    ensure!(node.metrics().commit_count("too_large") == 1);
+    ensure!(node.metrics().commit_count("ok") == 0);
+    Ok(())
 }

@@ -6,3 +6,4 @@ mod checkpoints;
 mod consumer;
 mod example;
 mod liveness;
+mod metrics;

@@ -2,23 +2,28 @@
 //! API (its address is in `{root}/coord/leader`).
 //!
 //! Owns: its flags (`Args`, `Command`), checking input before any network call, and
-//! presentation (tables, `--json`). The leader's API, typed, is in `leader`; what the nodes
-//! say about themselves in `live`.
+//! presentation (`-o table|wide|json|yaml`, in `output`; the channel lines with their
+//! checkpoints in `channels`). The leader's API, typed, is in `leader`; what the nodes say
+//! about themselves in `live`.
 //! Must not: write to etcd: only the coordinator writes assignments.
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, Result};
-use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig, Transition};
+use chanwatch_core::planner::{NodeRow, Planner, PlannerConfig, Transition};
 use chanwatch_core::{ChannelName, ChannelOwner, ChannelState, Keys, NodeId, VChannelInfo};
+use chanwatch_store::KeyValue;
 use clap::{Args as ClapArgs, Subcommand};
 
 use crate::flags::{EtcdArgs, RootArg};
 use leader::{BalancePlan, Leader};
+use output::{emit, machine, Columns, Format, OutputArgs};
 
+mod channels;
 mod leader;
 mod live;
+mod output;
 
 /// Flags of `ctl`.
 #[derive(Debug, ClapArgs)]
@@ -30,6 +35,8 @@ pub struct Args {
     /// Bearer token for the leader's admin API, when it requires one.
     #[arg(long, env = "CHANWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub output: OutputArgs,
     #[command(subcommand)]
     pub what: Command,
 }
@@ -37,20 +44,21 @@ pub struct Args {
 /// What `ctl` does.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// List channels: channel, node (or remaining), state, epoch, age, and whether the node
-    /// says it has paused them (asked over its admin HTTP; etcd cannot know).
+    /// List channels, in natural order: channel, node (or remaining), state, epoch, age, and
+    /// whether the node says it has paused them (asked over its admin HTTP; etcd cannot
+    /// know). `-o wide` adds the vchannel info and the checkpoint's position, epoch and age.
     Channels {
-        /// Print JSON instead of a table.
+        /// Only the channels of this node (an ID, or `remaining`).
         #[arg(long)]
-        json: bool,
+        node: Option<String>,
+        /// Only the channels in this state (ToWatch, Watched, WatchFailed, ToRelease,
+        /// Released; any case).
+        #[arg(long)]
+        state: Option<String>,
     },
     /// List live nodes, their channel counts and status (running, PAUSED, ? when the node
     /// did not answer its `/status`).
-    Nodes {
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Nodes,
     /// Register a channel; the leader assigns it to the least-loaded node.
     AddChannel {
         /// Channel name: 1-255 characters of [A-Za-z0-9._-].
@@ -83,20 +91,15 @@ pub enum Command {
         /// Print the plan (channel, from, to) without moving anything.
         #[arg(long)]
         dry_run: bool,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
     },
 }
 
 /// A `ctl` command with its input validated and parsed, before any network call.
 enum Checked {
     Channels {
-        json: bool,
+        filter: channels::Filter,
     },
-    Nodes {
-        json: bool,
-    },
+    Nodes,
     Add {
         name: ChannelName,
         /// Boxed: up to 64 KiB of JSON, parsed.
@@ -114,7 +117,6 @@ enum Checked {
     },
     Balance {
         dry_run: bool,
-        json: bool,
     },
 }
 
@@ -122,8 +124,13 @@ impl Checked {
     fn new(what: Command) -> Result<Self> {
         let name = |n: String| ChannelName::new(n).map_err(|e| anyhow!("{e}"));
         Ok(match what {
-            Command::Channels { json } => Checked::Channels { json },
-            Command::Nodes { json } => Checked::Nodes { json },
+            Command::Channels { node, state } => Checked::Channels {
+                filter: channels::Filter {
+                    owner: node.as_deref().map(parse_owner).transpose()?,
+                    state: state.as_deref().map(parse_state).transpose()?,
+                },
+            },
+            Command::Nodes => Checked::Nodes,
             Command::AddChannel { name: n, vchannel } => Checked::Add {
                 name: name(n)?,
                 vchannel: vchannel
@@ -137,9 +144,28 @@ impl Checked {
                 to: NodeId(to),
             },
             Command::Drain { node } => Checked::Drain { node: NodeId(node) },
-            Command::Balance { dry_run, json } => Checked::Balance { dry_run, json },
+            Command::Balance { dry_run } => Checked::Balance { dry_run },
         })
     }
+}
+
+fn parse_owner(raw: &str) -> Result<ChannelOwner> {
+    if raw == chanwatch_core::keys::REMAINING {
+        return Ok(ChannelOwner::Remaining);
+    }
+    raw.parse()
+        .map(|n| ChannelOwner::Node(NodeId(n)))
+        .map_err(|_| anyhow!("--node {raw:?}: expected a node ID (a number) or `remaining`"))
+}
+
+fn parse_state(raw: &str) -> Result<ChannelState> {
+    ChannelState::ALL
+        .into_iter()
+        .find(|s| s.as_str().eq_ignore_ascii_case(raw))
+        .ok_or_else(|| {
+            let names: Vec<&str> = ChannelState::ALL.iter().map(|s| s.as_str()).collect();
+            anyhow!("--state {raw:?}: expected one of {}", names.join(", "))
+        })
 }
 
 /// Runs one `ctl` command.
@@ -156,54 +182,61 @@ pub async fn run(args: Args) -> Result<()> {
         keys: keys.clone(),
         token: args.admin_token,
     };
-    match what {
-        Checked::Channels { json } => {
-            let (state, _) = snapshot(&*store, &keys).await?;
-            let rows = state.channel_rows();
+    let format = args.output.format();
+    let text = match what {
+        Checked::Channels { filter } => {
+            let (state, kvs) = snapshot(&*store, &keys).await?;
             let live = live::ask(&state.node_rows()).await;
-            if json {
-                let out = live::channels_json(&rows, &live);
-                println!("{}", serde_json::to_string_pretty(&out)?);
-            } else {
-                print_channels(&rows, &live);
-            }
+            let now = now_ms();
+            let lines = channels::lines(&keys, &kvs, state.channel_rows(), &live, &filter, now);
             report_corrupt(&state);
+            match machine(format, &lines)? {
+                Some(text) => text,
+                None => {
+                    let table = channels::table(&lines, format == Format::Wide, age, now);
+                    format!("{table}{} channel(s)\n{}", lines.len(), paused_lines(&live))
+                }
+            }
         }
-        Checked::Nodes { json } => {
+        Checked::Nodes => {
             let (state, _) = snapshot(&*store, &keys).await?;
             let rows = state.node_rows();
             let live = live::ask(&rows).await;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&live::nodes_json(&rows, &live))?
-                );
-            } else {
-                print_nodes(&rows, &live);
+            match machine(format, &live::nodes_json(&rows, &live))? {
+                Some(text) => text,
+                None => nodes_table(&rows, &live, format == Format::Wide),
             }
         }
-        Checked::Add { name, vchannel } => {
-            print_transitions(&leader.add_channel(&name, vchannel.as_deref()).await?);
-        }
-        Checked::Remove { name } => print_transitions(&leader.remove_channel(&name).await?),
-        Checked::Move { name, to } => print_transitions(&leader.move_channel(&name, to).await?),
+        Checked::Add { name, vchannel } => transitions(
+            format,
+            &leader.add_channel(&name, vchannel.as_deref()).await?,
+        )?,
+        Checked::Remove { name } => transitions(format, &leader.remove_channel(&name).await?)?,
+        Checked::Move { name, to } => transitions(format, &leader.move_channel(&name, to).await?)?,
         Checked::Drain { node } => {
             leader.drain(node).await?;
-            println!("node {node} is draining: its channels move off, break-before-make");
+            machine(format, &serde_json::json!({ "draining": node.0 }))?.unwrap_or_else(|| {
+                format!("node {node} is draining: its channels move off, break-before-make\n")
+            })
         }
-        Checked::Balance { dry_run, json } => {
+        Checked::Balance { dry_run } => {
             let plan = leader.balance(dry_run).await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&plan.moves)?);
-            } else {
-                print_balance(&plan);
+            match machine(format, &plan.moves)? {
+                Some(text) => text,
+                None => balance_table(&plan),
             }
         }
-    }
+    };
+    emit(&text)?;
     Ok(())
 }
 
-async fn snapshot(store: &dyn chanwatch_store::MetaStore, keys: &Keys) -> Result<(Planner, i64)> {
+/// Everything under `{root}/` in one range read (checkpoints included), and the planner's
+/// view of it.
+async fn snapshot(
+    store: &dyn chanwatch_store::MetaStore,
+    keys: &Keys,
+) -> Result<(Planner, Vec<KeyValue>)> {
     let list = store.range(&keys.all_prefix()).await?;
     let mut state = Planner::new(keys.clone(), PlannerConfig::default());
     state.reset(
@@ -211,7 +244,7 @@ async fn snapshot(store: &dyn chanwatch_store::MetaStore, keys: &Keys) -> Result
             .iter()
             .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
     );
-    Ok((state, list.revision))
+    Ok((state, list.kvs))
 }
 
 fn report_corrupt(state: &Planner) {
@@ -220,47 +253,61 @@ fn report_corrupt(state: &Planner) {
     }
 }
 
-fn print_transitions(transitions: &[Transition]) {
-    let owner = |o: Option<ChannelOwner>| o.map_or_else(|| "-".to_owned(), |o| o.to_string());
-    for t in transitions {
-        println!(
-            "{} {}: node {} -> {} ({}, epoch {})",
-            t.cause.as_str(),
-            t.channel,
-            owner(t.from),
-            owner(t.to),
-            t.state.map_or("deleted", ChannelState::as_str),
-            t.epoch
-        );
+/// Transitions: one line each for a person, the typed list for `-o json|yaml`.
+fn transitions(format: Format, transitions: &[Transition]) -> Result<String> {
+    if let Some(text) = machine(format, transitions)? {
+        return Ok(text);
     }
+    let owner = |o: Option<ChannelOwner>| o.map_or_else(|| "-".to_owned(), |o| o.to_string());
+    Ok(transitions
+        .iter()
+        .map(|t| {
+            format!(
+                "{} {}: node {} -> {} ({}, epoch {})\n",
+                t.cause.as_str(),
+                t.channel,
+                owner(t.from),
+                owner(t.to),
+                t.state.map_or("deleted", ChannelState::as_str),
+                t.epoch
+            )
+        })
+        .collect())
 }
 
-fn print_balance(plan: &BalancePlan) {
+fn balance_table(plan: &BalancePlan) -> String {
     if plan.moves.is_empty() {
-        println!("balanced: nothing to move");
-        return;
+        return "balanced: nothing to move\n".into();
     }
-    println!("{:<32} {:>8} {:>8}", "CHANNEL", "FROM", "TO");
+    let mut t = Columns::new(&["CHANNEL", "FROM", "TO"], &[1, 2]);
     for m in &plan.moves {
-        println!("{:<32} {:>8} {:>8}", m.channel.as_str(), m.from, m.to);
+        t.row(vec![
+            m.channel.to_string(),
+            m.from.to_string(),
+            m.to.to_string(),
+        ]);
     }
-    println!(
-        "{} move(s){}",
+    format!(
+        "{}{} move(s){}\n",
+        t.render(),
         plan.moves.len(),
         if plan.dry_run {
             " planned (dry run: nothing moved)"
         } else {
             " started"
         }
-    );
+    )
 }
 
-fn age(ms: u64) -> String {
-    let now = SystemTime::now()
+fn now_ms() -> u64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let secs = now.saturating_sub(ms) / 1000;
-    match secs {
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A duration in ms as `42s`, `5m`, `3h`, `2d`.
+fn age(ms: u64) -> String {
+    match ms / 1000 {
         s if s < 120 => format!("{s}s"),
         s if s < 7200 => format!("{}m", s / 60),
         s if s < 172_800 => format!("{}h", s / 3600),
@@ -268,60 +315,100 @@ fn age(ms: u64) -> String {
     }
 }
 
-fn print_channels(rows: &[ChannelRow], live: &BTreeMap<u64, live::Live>) {
-    println!(
-        "{:<32} {:>10} {:<12} {:>6} {:>6} {:<8}",
-        "CHANNEL", "NODE", "STATE", "EPOCH", "AGE", "NODE SAYS"
-    );
-    for r in rows {
-        let node = r
-            .node
-            .map_or_else(|| "remaining".to_owned(), |n| n.to_string());
-        let says = r
-            .node
-            .and_then(|n| live.get(&n))
-            .map_or("", live::Live::cell);
-        println!(
-            "{:<32} {:>10} {:<12} {:>6} {:>6} {:<8}",
-            r.channel.as_str(),
-            node,
-            r.state.as_str(),
-            r.epoch,
-            age(r.start_time_ms),
-            says
-        );
+fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -> String {
+    let mut header = vec!["ID", "ADMIN", "CHANNELS", "AGE", "STATUS", "DRAINING"];
+    if wide {
+        header.push("WHY");
     }
-    println!("{} channel(s)", rows.len());
-    print_paused(live);
-}
-
-fn print_nodes(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>) {
-    println!(
-        "{:>8} {:<24} {:>8} {:>8} {:<8} {:<8}",
-        "ID", "ADMIN", "CHANNELS", "AGE", "STATUS", ""
-    );
+    let mut t = Columns::new(&header, &[0, 2, 3]);
+    let now = now_ms();
     for r in rows {
-        println!(
-            "{:>8} {:<24} {:>8} {:>8} {:<8} {:<8}",
-            r.id,
-            r.admin_addr,
-            r.channels,
-            age(r.started_at_ms),
-            live.get(&r.id).map_or("", live::Live::cell),
-            if r.draining { "draining" } else { "" }
-        );
+        let l = live.get(&r.id);
+        let mut cells = vec![
+            r.id.to_string(),
+            r.admin_addr.clone(),
+            r.channels.to_string(),
+            age(now.saturating_sub(r.started_at_ms)),
+            l.map_or("", live::Live::cell).to_owned(),
+            if r.draining { "draining" } else { "" }.to_owned(),
+        ];
+        if wide {
+            cells.push(match l {
+                Some(live::Live::Paused(why) | live::Live::Unknown(why)) => why.clone(),
+                _ => String::new(),
+            });
+        }
+        t.row(cells);
     }
-    println!("{} node(s)", rows.len());
-    print_paused(live);
+    format!(
+        "{}{} node(s)\n{}",
+        t.render(),
+        rows.len(),
+        paused_lines(live)
+    )
 }
 
 /// One line per node that is paused or did not say, with why (the table has no room).
-fn print_paused(live: &BTreeMap<u64, live::Live>) {
+fn paused_lines(live: &BTreeMap<u64, live::Live>) -> String {
+    let mut out = String::new();
     for (id, l) in live {
         match l {
-            live::Live::Paused(why) => println!("node {id} has paused its channels: {why}"),
-            live::Live::Unknown(why) => println!("node {id}: status unknown ({why})"),
+            live::Live::Paused(why) => {
+                out += &format!("node {id} has paused its channels: {why}\n");
+            }
+            live::Live::Unknown(why) => out += &format!("node {id}: status unknown ({why})\n"),
             live::Live::Running => {}
         }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use chanwatch_core::planner::PlannedMove;
+
+    use super::*;
+
+    fn moved() -> Vec<Transition> {
+        serde_json::from_str(
+            r#"[{"channel":"orders-2","cause":"manual","from":1,"to":3,"state":"ToWatch","epoch":4}]"#,
+        )
+        .expect("a transition")
+    }
+
+    /// The writes print their answer in every format: a line each for a person, the typed
+    /// list for machines.
+    #[test]
+    fn transitions_print_as_lines_json_and_yaml() -> Result<()> {
+        let t = moved();
+        assert_eq!(
+            transitions(Format::Table, &t)?,
+            "manual orders-2: node 1 -> 3 (ToWatch, epoch 4)\n"
+        );
+        let json: serde_json::Value = serde_json::from_str(&transitions(Format::Json, &t)?)?;
+        assert_eq!(json[0]["to"], 3);
+        let yaml: serde_json::Value = serde_yaml_ng::from_str(&transitions(Format::Yaml, &t)?)?;
+        assert_eq!(yaml, json);
+        Ok(())
+    }
+
+    #[test]
+    fn a_balance_plan_is_a_table_with_a_count() -> Result<()> {
+        let plan = BalancePlan {
+            dry_run: true,
+            moves: serde_json::from_str::<Vec<PlannedMove>>(
+                r#"[{"channel":"orders-10","from":1,"to":2}]"#,
+            )?,
+        };
+        let out = balance_table(&plan);
+        assert!(
+            out.starts_with("CHANNEL    FROM  TO\norders-10     1   2\n"),
+            "{out}"
+        );
+        assert!(
+            out.ends_with("1 move(s) planned (dry run: nothing moved)\n"),
+            "{out}"
+        );
+        Ok(())
     }
 }

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chanwatch_core::planner::{ChannelRow, NodeRow};
+use chanwatch_core::planner::NodeRow;
 use serde_json::{json, Value};
 
 /// How long one node may take to answer.
@@ -38,8 +38,8 @@ impl Live {
         }
     }
 
-    /// `paused` (true, false, or null when unknown) and the reason, for `--json`.
-    fn fields(&self) -> (Value, Value) {
+    /// `paused` (true, false, or null when unknown) and the reason, for `-o json|yaml`.
+    pub fn fields(&self) -> (Value, Value) {
         match self {
             Live::Running => (json!(false), Value::Null),
             Live::Paused(why) => (json!(true), json!(why)),
@@ -94,7 +94,7 @@ async fn ask_one(client: &reqwest::Client, addr: &str) -> Live {
     }
 }
 
-/// `ctl nodes --json`: each row with `paused` and `paused_reason`.
+/// `ctl nodes -o json`: each row with `paused` and `paused_reason`.
 pub fn nodes_json(rows: &[NodeRow], live: &BTreeMap<u64, Live>) -> Value {
     let out = rows.iter().map(|r| {
         let mut v = json!(r);
@@ -103,20 +103,6 @@ pub fn nodes_json(rows: &[NodeRow], live: &BTreeMap<u64, Live>) -> Value {
             .map_or((Value::Null, Value::Null), Live::fields);
         v["paused"] = paused;
         v["paused_reason"] = why;
-        v
-    });
-    Value::Array(out.collect())
-}
-
-/// `ctl channels --json`: each row with `paused` — whether its node said it is paused (null
-/// when parked or the node did not say).
-pub fn channels_json(rows: &[ChannelRow], live: &BTreeMap<u64, Live>) -> Value {
-    let out = rows.iter().map(|r| {
-        let mut v = json!(r);
-        v["paused"] = r
-            .node
-            .and_then(|n| live.get(&n))
-            .map_or(Value::Null, |l| l.fields().0);
         v
     });
     Value::Array(out.collect())

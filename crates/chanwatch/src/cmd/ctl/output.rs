@@ -1,0 +1,216 @@
+//! How `ctl` prints: the `-o table|wide|json|yaml` choice, tables (comfy-table, no padding
+//! by hand), the natural order of channel names, and writing to a stdout that may close
+//! early (`ctl channels | head -1` ends quietly, no panic).
+//!
+//! Owns: formatting only. Must not: read the store or the network (callers hand it rows).
+
+use std::cmp::Ordering;
+use std::io::Write;
+
+use anyhow::{Context, Result};
+use clap::{Args as ClapArgs, ValueEnum};
+use comfy_table::{Cell, CellAlignment, ColumnConstraint, ContentArrangement, Table};
+use serde::Serialize;
+
+/// An output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Format {
+    /// Columns for a person.
+    #[default]
+    Table,
+    /// The table with more columns (channels: vchannel, checkpoint position, epoch, age).
+    Wide,
+    /// JSON, every field.
+    Json,
+    /// YAML, the same fields as JSON.
+    Yaml,
+}
+
+/// The output flags every `ctl` command takes (global: before or after the subcommand).
+#[derive(Debug, Clone, ClapArgs)]
+pub struct OutputArgs {
+    /// Output format of commands that print data.
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_enum,
+        default_value_t,
+        global = true
+    )]
+    output: Format,
+    /// Same as `-o json` (kept for scripts written before `-o`).
+    #[arg(long, hide = true, global = true)]
+    json: bool,
+}
+
+impl OutputArgs {
+    /// The format asked for: `--json` wins over `-o`.
+    pub fn format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.output
+        }
+    }
+}
+
+/// `value` as the machine format asked for (`None` for table and wide).
+///
+/// # Errors
+/// The value does not serialize (a bug).
+pub fn machine<T: Serialize + ?Sized>(format: Format, value: &T) -> Result<Option<String>> {
+    Ok(match format {
+        Format::Json => Some(serde_json::to_string_pretty(value)? + "\n"),
+        Format::Yaml => Some(serde_yaml_ng::to_string(value)?),
+        Format::Table | Format::Wide => None,
+    })
+}
+
+/// A table with `header`; columns whose index is in `right` are right-aligned.
+pub struct Columns {
+    table: Table,
+}
+
+impl Columns {
+    /// A table in kubectl's plain style: no borders, two spaces between columns, never
+    /// wrapped or cut (a long channel name widens its column instead of breaking it).
+    pub fn new(header: &[&str], right: &[usize]) -> Self {
+        let mut table = Table::new();
+        table
+            .load_preset(comfy_table::presets::NOTHING)
+            .set_content_arrangement(ContentArrangement::Disabled)
+            .set_header(header.iter().enumerate().map(|(i, h)| {
+                let cell = Cell::new(h);
+                if right.contains(&i) {
+                    cell.set_alignment(CellAlignment::Right)
+                } else {
+                    cell
+                }
+            }));
+        for (i, col) in table.column_iter_mut().enumerate() {
+            col.set_padding((0, 2));
+            col.set_constraint(ColumnConstraint::ContentWidth);
+            if right.contains(&i) {
+                col.set_cell_alignment(CellAlignment::Right);
+            }
+        }
+        Columns { table }
+    }
+
+    /// Adds a row.
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.table.add_row(cells);
+    }
+
+    /// The table, each line without trailing blanks, ending in a newline.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for line in self.table.lines() {
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// Writes `text` to stdout. A reader that went away (`| head -1`) is not an error: the
+/// command ends quietly, as `ls | head -1` does.
+///
+/// # Errors
+/// Any other write error.
+pub fn emit(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing to stdout"),
+    }
+}
+
+/// Natural order: runs of digits compare as numbers, so `orders-2` < `orders-10`; equal
+/// numbers with different leading zeros, and otherwise equal names, fall back to byte order.
+pub fn natural(a: &str, b: &str) -> Ordering {
+    let (mut x, mut y) = (a.as_bytes(), b.as_bytes());
+    loop {
+        match (x.first(), y.first()) {
+            (None, None) => return a.cmp(b),
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(c), Some(d)) if c.is_ascii_digit() && d.is_ascii_digit() => {
+                let (n, rest_x) = split_digits(x);
+                let (m, rest_y) = split_digits(y);
+                let (n, m) = (trim_zeros(n), trim_zeros(m));
+                let by_number = n.len().cmp(&m.len()).then_with(|| n.cmp(m));
+                if by_number != Ordering::Equal {
+                    return by_number;
+                }
+                (x, y) = (rest_x, rest_y);
+            }
+            (Some(c), Some(d)) => {
+                if c != d {
+                    return c.cmp(d);
+                }
+                (x, y) = (&x[1..], &y[1..]);
+            }
+        }
+    }
+}
+
+fn split_digits(s: &[u8]) -> (&[u8], &[u8]) {
+    let end = s
+        .iter()
+        .position(|c| !c.is_ascii_digit())
+        .unwrap_or(s.len());
+    s.split_at(end)
+}
+
+fn trim_zeros(s: &[u8]) -> &[u8] {
+    let start = s.iter().position(|&c| c != b'0').unwrap_or(s.len());
+    &s[start..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_inside_names_sort_as_numbers() {
+        let mut names = vec![
+            "orders-10",
+            "orders-2",
+            "orders-1",
+            "b",
+            "orders-02",
+            "a-100x",
+            "a-20x",
+        ];
+        names.sort_by(|a, b| natural(a, b));
+        assert_eq!(
+            names,
+            [
+                "a-20x",
+                "a-100x",
+                "b",
+                "orders-1",
+                "orders-02",
+                "orders-2",
+                "orders-10"
+            ]
+        );
+        assert_eq!(natural("x", "x"), Ordering::Equal);
+    }
+
+    #[test]
+    fn a_long_cell_widens_its_column_and_lines_carry_no_trailing_blanks() {
+        let long = "c".repeat(60);
+        let mut t = Columns::new(&["CHANNEL", "EPOCH"], &[1]);
+        t.row(vec![long.clone(), "7".into()]);
+        t.row(vec!["short".into(), "12".into()]);
+        let out = t.render();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 3, "{out}");
+        assert!(lines[1].starts_with(&long), "{out}");
+        assert!(lines.iter().all(|l| !l.ends_with(' ')), "{out:?}");
+        // Right-aligned: the epochs end in the same column.
+        assert_eq!(lines[1].len(), lines[2].len(), "{out}");
+    }
+}
