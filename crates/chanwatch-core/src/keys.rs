@@ -310,7 +310,9 @@ mod tests {
         }
         assert!(k.parse_session("chanwatch/session/node/").is_err());
         assert!(k.parse_session("chanwatch/session/node/-1").is_err());
-        assert!(k.parse_checkpoint("chanwatch/checkpoint/a/b").is_err());
+        assert!(k
+            .parse_checkpoint("chanwatch/worker/checkpoint/a/b")
+            .is_err());
     }
 
     #[test]
