@@ -76,6 +76,11 @@ pub struct BenchCheckpointArgs {
     /// How long each run measures (after every channel is Watched and committing).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
     pub duration: std::time::Duration,
+    /// Every channel commits at the same instants (rounds of --commit-every), the group
+    /// commit's best case; by default each channel's timer is offset by its name, spread
+    /// over the period.
+    #[arg(long)]
+    pub aligned: bool,
     /// Repetitions; medians are reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,

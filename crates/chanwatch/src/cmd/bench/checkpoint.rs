@@ -34,10 +34,12 @@ struct Stats {
 }
 
 /// A handler whose channels only commit: a counter as the position and a small state, every
-/// `every`, each channel on its own timer (offset by its name so they do not all fire at
-/// once).
+/// `every`, each channel on its own timer: offset by its name so they do not all fire at once,
+/// or, `aligned`, all on the rounds `base + k x every`.
 struct Committing {
     every: Duration,
+    aligned: bool,
+    base: tokio::time::Instant,
     stats: Arc<Stats>,
     runs: Mutex<HashMap<(NodeId, ChannelName), JoinHandle<()>>>,
 }
@@ -57,16 +59,23 @@ impl ChannelHandler for Committing {
         let mut n: u64 = resumed.and_then(|cp| cp.position.parse().ok()).unwrap_or(0);
         let every = self.every;
         let stats = self.stats.clone();
-        let offset = {
+        let offset = if self.aligned {
+            Duration::ZERO
+        } else {
             let h = chanwatch_node::handler::consumer::payload_hash(
                 ctx.info.channel.as_str().as_bytes(),
             );
             Duration::from_micros(h % every.as_micros().max(1) as u64)
         };
+        // The next round after now.
+        let since = tokio::time::Instant::now().saturating_duration_since(self.base);
+        let rounds = since.as_micros() / every.as_micros().max(1) + 1;
+        let first = self.base + every * u32::try_from(rounds).unwrap_or(u32::MAX) + offset;
         let key = (ctx.node, ctx.info.channel.clone());
         let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut tick = tokio::time::interval_at(first, every);
+            // Skip, not Delay: a late commit must not shift the channel off its rounds.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             loop {
                 tick.tick().await;
                 n += 1;
@@ -170,6 +179,7 @@ pub async fn run(args: &BenchCheckpointArgs) -> Result<()> {
         "channels": args.channels,
         "nodes": args.nodes,
         "commit_every_ms": args.commit_every.as_millis() as u64,
+        "aligned": args.aligned,
         "seconds_measured": args.duration.as_secs_f64(),
         "runs": figures.len(),
         "commits_per_sec_median": commits.round(),
@@ -206,6 +216,8 @@ async fn one_run(args: &BenchCheckpointArgs, run: usize) -> Result<(Figures, usi
     let stats = Arc::new(Stats::default());
     let handler = Arc::new(Committing {
         every: args.commit_every,
+        aligned: args.aligned,
+        base: tokio::time::Instant::now(),
         stats: stats.clone(),
         runs: Mutex::default(),
     });

@@ -155,6 +155,33 @@ grpc_server_started_total{grpc_method=\"Txn\",grpc_service=\"etcdserverpb.KV\",g
         assert_eq!(txns_in_metrics("etcd_mvcc_txn_total 5\n"), None);
     }
 
+    #[tokio::test]
+    async fn a_counting_store_counts_every_txn_and_passes_it_on() {
+        use chanwatch_store::{Compare, EmbeddedStore, TxnOp};
+        let count = Arc::new(AtomicU64::new(0));
+        let store = CountingStore::wrap(Arc::new(EmbeddedStore::new()), count.clone());
+        let put = store
+            .txn(Txn::new().and_then([TxnOp::put("k", "v")]))
+            .await
+            .expect("put");
+        assert!(put.succeeded);
+        // A refused txn is a txn spent too.
+        let refused = store
+            .txn(
+                Txn::new()
+                    .when([Compare::absent("k")])
+                    .and_then([TxnOp::put("k", "w")]),
+            )
+            .await
+            .expect("txn");
+        assert!(!refused.succeeded);
+        assert_eq!(
+            store.get("k").await.expect("get").map(|kv| kv.value),
+            Some(b"v".to_vec())
+        );
+        assert_eq!(count.load(Ordering::Relaxed), 2);
+    }
+
     #[test]
     fn quantiles_pick_the_nearest_rank() {
         let xs: Vec<f64> = (1..=100).map(f64::from).collect();
