@@ -104,6 +104,12 @@ pub struct BenchConsumeArgs {
     /// Payload bytes per message (at least 8: the sequence number).
     #[arg(long, default_value_t = 64)]
     pub payload: usize,
+    /// The consumer's --commit-every (messages; the node's default is 100): how much the
+    /// commits, awaited between reads, cost the handler. Keep messages per channel a
+    /// multiple of it and of 256 (the read batch), or the last commit waits out the 1 s
+    /// commit interval and the figure measures that wait.
+    #[arg(long, default_value_t = 100)]
+    pub commit_every: u64,
     /// Repetitions; medians are reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
