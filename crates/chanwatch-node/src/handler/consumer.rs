@@ -342,6 +342,23 @@ async fn consume(
     let wait = options
         .commit_interval
         .clamp(Duration::from_millis(10), Duration::from_millis(500));
+    // Starts a commit of what is folded now, when none is in flight and one is due.
+    macro_rules! maybe_commit {
+        () => {
+            let due = clock.now().saturating_duration_since(last_commit) >= options.commit_interval;
+            if in_flight.is_none()
+                && at != committed_at
+                && ((pending >= options.commit_every && !backing_off) || due)
+            {
+                let (ctx, snapshot) = (ctx.clone(), state);
+                in_flight = Some((
+                    at,
+                    Box::pin(async move { commit(&ctx, at, &snapshot).await }),
+                ));
+                pending = 0;
+            }
+        };
+    }
     loop {
         if *stop.borrow() {
             break;
@@ -379,6 +396,9 @@ async fn consume(
                 Committed::Later => backing_off = true,
                 Committed::Stop => return,
             }
+            // What was folded before this read may be due now (the read may wait long on
+            // a quiet channel).
+            maybe_commit!();
         };
         match step {
             Step::Stop => break,
@@ -402,18 +422,7 @@ async fn consume(
                 return;
             }
         }
-        let due = clock.now().saturating_duration_since(last_commit) >= options.commit_interval;
-        if in_flight.is_none()
-            && at != committed_at
-            && ((pending >= options.commit_every && !backing_off) || due)
-        {
-            let (ctx, snapshot) = (ctx.clone(), state);
-            in_flight = Some((
-                at,
-                Box::pin(async move { commit(&ctx, at, &snapshot).await }),
-            ));
-            pending = 0;
-        }
+        maybe_commit!();
     }
     if *paused.borrow() {
         return;

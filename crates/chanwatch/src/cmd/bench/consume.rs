@@ -197,14 +197,15 @@ async fn bare_nats(url: &str, stream: &str, names: &[String], per_channel: usize
 }
 
 /// One node running the consumer handler on every channel: seconds from the assignments
-/// written to every channel's committed position at its end.
+/// written to every channel's committed position at its end, and to every channel `Watched`
+/// as the coordinator counts them (the control plane's share).
 async fn handler_run(
     log: Arc<dyn Log>,
     commit_every: u64,
     names: &[String],
     ends: &[Position],
     run: usize,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
     let options = ConsumerOptions {
         commit_every,
@@ -231,7 +232,13 @@ async fn handler_run(
             *end,
         );
     }
+    let mut watched = None;
     loop {
+        if watched.is_none()
+            && c.coord_metrics.channels_in(ChannelState::Watched) >= names.len() as i64
+        {
+            watched = Some(t0.elapsed().as_secs_f64());
+        }
         let list = store.range(&keys.checkpoints_prefix()).await?;
         let done = list
             .kvs
@@ -258,7 +265,7 @@ async fn handler_run(
     let secs = t0.elapsed().as_secs_f64();
     node.stop().await;
     c.shutdown().await;
-    Ok(secs)
+    Ok((secs, watched.unwrap_or(secs)))
 }
 
 /// `chanwatch bench consume`.
@@ -272,6 +279,7 @@ pub async fn run(args: &BenchConsumeArgs) -> Result<()> {
     let names = channel_names(args.channels);
     let (mut handler_rates, mut bare_rates, mut nats_rates) = (Vec::new(), Vec::new(), Vec::new());
     let mut kind = "file";
+    let mut watched_secs = Vec::new();
     eprintln!(
         "bench consume: {} messages of {} B over {} channels, {} runs, log {}",
         total,
@@ -291,7 +299,7 @@ pub async fn run(args: &BenchConsumeArgs) -> Result<()> {
             let fill = t.elapsed().as_secs_f64();
             // The handler first, then the floors, each on a log handle of its own (no cursor
             // or cache carried over).
-            let handler =
+            let (handler, watched) =
                 handler_run(backend.open().await?, args.commit_every, &names, &ends, run).await?;
             let bare = bare_log_read(&backend.open().await?, &names, &ends).await?;
             let nats = match &backend {
@@ -300,13 +308,14 @@ pub async fn run(args: &BenchConsumeArgs) -> Result<()> {
                 }
                 Backend::File(_) => None,
             };
-            anyhow::Ok((fill, handler, bare, nats))
+            anyhow::Ok((fill, handler, watched, bare, nats))
         }
         .await;
         backend.remove().await;
-        let (fill, handler, bare, nats) = result?;
+        let (fill, handler, watched, bare, nats) = result?;
+        watched_secs.push(watched);
         eprintln!(
-            "  run {run}: pre-fill {:.0} msgs/s; handler {:.0} msgs/s ({handler:.2} s); bare Log::read {:.0} msgs/s{}",
+            "  run {run}: pre-fill {:.0} msgs/s; handler {:.0} msgs/s ({handler:.2} s, all Watched after {watched:.2} s); bare Log::read {:.0} msgs/s{}",
             total / fill,
             total / handler,
             total / bare,
@@ -341,6 +350,7 @@ pub async fn run(args: &BenchConsumeArgs) -> Result<()> {
         "bare_async_nats_msgs_per_sec_median": (!nats_rates.is_empty()).then(|| floor.round()),
         "ratio_handler_over_bare": round3(h / floor.max(1e-9)),
         "ratio_handler_over_log_read": round3(h / b.max(1e-9)),
+        "handler_seconds_to_watched_median": round3(median(watched_secs)),
         "note": "one node, consumer batch 256, commit every commit_every_messages or 1 s; handler time runs from the assignments written to every committed position at the end; the floor is the bare async-nats consumer on NATS, the bare Log::read loop on the file log",
     });
     println!("{line}");
