@@ -3,7 +3,9 @@
 //!
 //! Owns: the flags of every benchmark (`Args`, `What`, one `Bench*Args` each), choosing one,
 //! and the median every benchmark reports. The workloads are in `store` (store floor),
-//! `failover` and `system` (assign, balance, ack, planner).
+//! `failover` and `system` (assign, balance, ack, planner); the data plane's in `checkpoint`
+//! (fenced commits), `consume` (consumer throughput against a bare reader) and
+//! `data_failover` (a consuming node killed under load), with their instruments in `meter`.
 //! Must not: assert on timings (benchmarks report; they never fail for being slow).
 
 use std::sync::Arc;
@@ -14,7 +16,11 @@ use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 
 use crate::flags::EtcdArgs;
 
+mod checkpoint;
+mod consume;
+mod data_failover;
 mod failover;
+mod meter;
 mod store;
 mod system;
 
@@ -41,6 +47,106 @@ pub enum What {
     /// The coordinator's own cost: memory of its view and time of one plan round, with
     /// no store, nodes or network in the figure.
     Planner(BenchPlannerArgs),
+    /// Checkpoint commits: every channel's handler commits on a timer; commits/s landed,
+    /// store txns/s spent on them (group commit), commit latency.
+    Checkpoint(BenchCheckpointArgs),
+    /// Consumer throughput of one node on a pre-filled log, beside a bare reader of the same
+    /// stream in the same run.
+    Consume(BenchConsumeArgs),
+    /// A node consuming under a steady producer is killed: time until every moved channel
+    /// commits again on its new owner, and the messages re-read.
+    DataFailover(BenchDataFailoverArgs),
+}
+
+/// Flags of `bench checkpoint`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchCheckpointArgs {
+    /// Which backend to measure.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Channels, spread evenly over the nodes.
+    #[arg(long, default_value_t = 10_000)]
+    pub channels: usize,
+    /// Nodes (in-process tasks; on etcd each with a connection of its own).
+    #[arg(long, default_value_t = 10)]
+    pub nodes: usize,
+    /// How often each channel commits.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
+    pub commit_every: std::time::Duration,
+    /// How long each run measures (after every channel is Watched and committing).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    pub duration: std::time::Duration,
+    /// Every channel commits at the same instants (rounds of --commit-every), the group
+    /// commit's best case; by default each channel's timer is offset by its name, spread
+    /// over the period.
+    #[arg(long)]
+    pub aligned: bool,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+}
+
+/// Flags of `bench consume`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchConsumeArgs {
+    /// The log: `file:DIR` (a fresh sub-dir per run, removed after) or `nats://HOST:PORT` (a
+    /// fresh stream per run, deleted after). Default: a file log under the temp dir.
+    #[arg(long)]
+    pub log: Option<String>,
+    /// Messages pre-filled per run, spread evenly over the channels (the default is
+    /// 25,600 per channel: the ~0.1 s from the assignment to the run's start stays small
+    /// beside the reading).
+    #[arg(long, default_value_t = 409_600)]
+    pub messages: usize,
+    /// Channels.
+    #[arg(long, default_value_t = 16)]
+    pub channels: usize,
+    /// Payload bytes per message (at least 8: the sequence number).
+    #[arg(long, default_value_t = 64)]
+    pub payload: usize,
+    /// The consumer's --commit-every (messages; the node's default is 100): how much the
+    /// commits, awaited between reads, cost the handler. Keep messages per channel a
+    /// multiple of it and of 256 (the read batch), or the last commit waits out the 1 s
+    /// commit interval and the figure measures that wait.
+    #[arg(long, default_value_t = 100)]
+    pub commit_every: u64,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+}
+
+/// Flags of `bench data-failover`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchDataFailoverArgs {
+    /// Which metadata store.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// The log: `file:DIR` or `nats://HOST:PORT` (fresh sub-dir or stream per run). Default:
+    /// a file log under the temp dir.
+    #[arg(long)]
+    pub log: Option<String>,
+    /// Nodes before the kill; one is killed.
+    #[arg(long, default_value_t = 2)]
+    pub nodes: usize,
+    /// Channels, spread evenly over the nodes (the killed node holds channels / nodes).
+    #[arg(long, default_value_t = 2000)]
+    pub channels: usize,
+    /// Messages per second the producer appends, over all channels.
+    #[arg(long, default_value_t = 2000)]
+    pub rate: u64,
+    /// How long messages flow before the kill.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    pub warmup: std::time::Duration,
+    /// The consumer's --commit-interval (it also commits every 100 messages).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
+    pub commit_interval: std::time::Duration,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 /// Flags of `bench planner`.
@@ -189,6 +295,9 @@ pub async fn run(args: Args) -> Result<()> {
         What::Balance(args) => system::balance(&args).await,
         What::Planner(args) => system::planner(&args),
         What::Ack(args) => system::ack(&args).await,
+        What::Checkpoint(args) => checkpoint::run(&args).await,
+        What::Consume(args) => consume::run(&args).await,
+        What::DataFailover(args) => data_failover::run(&args).await,
     }
 }
 

@@ -75,7 +75,7 @@ async fn open(store: StoreKind, etcd: &EtcdArgs) -> Result<Arc<dyn MetaStore>> {
     })
 }
 
-fn timings() -> Timings {
+pub(crate) fn timings() -> Timings {
     Timings {
         session_ttl: Duration::from_secs(10),
         watch_timeout: Duration::from_secs(120),

@@ -1,0 +1,193 @@
+//! What the data-plane benchmarks measure with: a store wrapper that counts the txns sent
+//! through it, etcd's own count of the Txn RPCs it handled (its `/metrics`), latency
+//! percentiles, and the machine line every result carries.
+//!
+//! Owns: those instruments. Must not: change what passes through the store (the wrapper only
+//! counts), or assert on timings.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chanwatch_store::{
+    Alarm, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision, StoreResult, Txn,
+    TxnResponse, WatchStream,
+};
+use serde_json::{json, Value};
+
+/// A store that counts the txns sent through it (whatever their outcome) and passes every
+/// call on unchanged: the embedded store has no txn counter of its own, and on etcd it
+/// tells the nodes' txns apart from the coordinator's.
+pub(crate) struct CountingStore {
+    inner: Arc<dyn MetaStore>,
+    txns: Arc<AtomicU64>,
+}
+
+impl CountingStore {
+    /// Counts `inner`'s txns into `txns` (shared by every wrapper of one measurement).
+    pub(crate) fn wrap(inner: Arc<dyn MetaStore>, txns: Arc<AtomicU64>) -> Arc<dyn MetaStore> {
+        Arc::new(CountingStore { inner, txns })
+    }
+}
+
+#[async_trait]
+impl MetaStore for CountingStore {
+    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        self.inner.get(key).await
+    }
+    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+        self.inner.range(prefix).await
+    }
+    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+        self.txns.fetch_add(1, Ordering::Relaxed);
+        self.inner.txn(txn).await
+    }
+    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
+        self.inner.watch(prefix, from_revision).await
+    }
+    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
+        self.inner.grant(ttl).await
+    }
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
+        self.inner.keepalive(lease).await
+    }
+    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
+        self.inner.revoke(lease).await
+    }
+    async fn compact(&self, revision: Revision) -> StoreResult<()> {
+        self.inner.compact(revision).await
+    }
+    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
+        self.inner.alarms().await
+    }
+    fn limits(&self) -> &Limits {
+        self.inner.limits()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+/// The Txn RPCs an etcd member has handled (every gRPC code), summed from the text of its
+/// `/metrics`: etcd 3.4 exports `grpc_server_handled_total{…,grpc_method="Txn",…}` per code.
+/// `None` when the text has no such line.
+pub(crate) fn txns_in_metrics(text: &str) -> Option<f64> {
+    let mut found = false;
+    let mut sum = 0.0;
+    for line in text.lines() {
+        if !line.starts_with("grpc_server_handled_total{") || !line.contains("grpc_method=\"Txn\"")
+        {
+            continue;
+        }
+        if let Some(v) = line
+            .rsplit_once(' ')
+            .and_then(|(_, v)| v.trim().parse::<f64>().ok())
+        {
+            sum += v;
+            found = true;
+        }
+    }
+    found.then_some(sum)
+}
+
+/// Txn RPCs handled so far, summed over every endpoint's `/metrics` (each member counts the
+/// RPCs its clients sent it).
+///
+/// # Errors
+/// An endpoint that does not answer, or answers without the Txn counter.
+pub(crate) async fn etcd_txns(endpoints: &[String]) -> anyhow::Result<f64> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let mut sum = 0.0;
+    for e in endpoints {
+        let url = format!("{}/metrics", e.trim_end_matches('/'));
+        let text = client.get(&url).send().await?.text().await?;
+        sum += txns_in_metrics(&text).ok_or_else(|| {
+            anyhow::anyhow!("{url} has no grpc_server_handled_total for Txn; is it etcd 3.4+?")
+        })?;
+    }
+    Ok(sum)
+}
+
+/// The `q` quantile (0..=1) of sorted samples, nearest rank; 0 for none.
+pub(crate) fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * q.clamp(0.0, 1.0)).round() as usize;
+    sorted[idx]
+}
+
+/// Rounds to 3 decimals.
+pub(crate) fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Cores, the load average when the run started (other work on the machine), and the build.
+pub(crate) fn machine() -> Value {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned));
+    json!({
+        "cores": cores,
+        "loadavg_1m_at_start": load,
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_txn_count_sums_every_code_of_the_txn_method_only() {
+        let text = "\
+# HELP grpc_server_handled_total Total number of RPCs completed on the server.
+grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"Txn\",grpc_service=\"etcdserverpb.KV\",grpc_type=\"unary\"} 120
+grpc_server_handled_total{grpc_code=\"Unavailable\",grpc_method=\"Txn\",grpc_service=\"etcdserverpb.KV\",grpc_type=\"unary\"} 3
+grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"Range\",grpc_service=\"etcdserverpb.KV\",grpc_type=\"unary\"} 999
+grpc_server_started_total{grpc_method=\"Txn\",grpc_service=\"etcdserverpb.KV\",grpc_type=\"unary\"} 500
+";
+        assert_eq!(txns_in_metrics(text), Some(123.0));
+        assert_eq!(txns_in_metrics("etcd_mvcc_txn_total 5\n"), None);
+    }
+
+    #[tokio::test]
+    async fn a_counting_store_counts_every_txn_and_passes_it_on() {
+        use chanwatch_store::{Compare, EmbeddedStore, TxnOp};
+        let count = Arc::new(AtomicU64::new(0));
+        let store = CountingStore::wrap(Arc::new(EmbeddedStore::new()), count.clone());
+        let put = store
+            .txn(Txn::new().and_then([TxnOp::put("k", "v")]))
+            .await
+            .expect("put");
+        assert!(put.succeeded);
+        // A refused txn is a txn spent too.
+        let refused = store
+            .txn(
+                Txn::new()
+                    .when([Compare::absent("k")])
+                    .and_then([TxnOp::put("k", "w")]),
+            )
+            .await
+            .expect("txn");
+        assert!(!refused.succeeded);
+        assert_eq!(
+            store.get("k").await.expect("get").map(|kv| kv.value),
+            Some(b"v".to_vec())
+        );
+        assert_eq!(count.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn quantiles_pick_the_nearest_rank() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&xs, 0.5), 51.0);
+        assert_eq!(quantile(&xs, 0.99), 99.0);
+        assert_eq!(quantile(&xs, 1.0), 100.0);
+        assert_eq!(quantile(&[], 0.5), 0.0);
+    }
+}
