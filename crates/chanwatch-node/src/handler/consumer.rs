@@ -536,8 +536,7 @@ mod tests {
             keys: Keys::default(),
             node: NodeId(1),
             clock: Clock::system(),
-            latency: prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("t", "t"))
-                .expect("histogram"),
+            metrics: Arc::new(crate::metrics::NodeMetrics::new()),
             planted_bug: None,
         });
         let channel = ChannelName::new("c-0").expect("valid");

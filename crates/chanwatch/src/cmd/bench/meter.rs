@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chanwatch_store::{
-    Alarm, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision, StoreResult, Txn,
-    TxnResponse, WatchStream,
+    Alarm, KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision,
+    StoreResult, Txn, TxnResponse, WatchStream,
 };
 use serde_json::{json, Value};
 
@@ -36,15 +36,19 @@ impl MetaStore for CountingStore {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
         self.inner.get(key).await
     }
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
-        self.inner.range(prefix).await
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
+        self.inner.range_keys(keys).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         self.txns.fetch_add(1, Ordering::Relaxed);
         self.inner.txn(txn).await
     }
-    async fn watch(&self, prefix: &str, from_revision: Revision) -> StoreResult<WatchStream> {
-        self.inner.watch(prefix, from_revision).await
+    async fn watch_keys(
+        &self,
+        keys: &KeyRange,
+        from_revision: Revision,
+    ) -> StoreResult<WatchStream> {
+        self.inner.watch_keys(keys, from_revision).await
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
         self.inner.grant(ttl).await
