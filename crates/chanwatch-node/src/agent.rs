@@ -1,0 +1,475 @@
+//! The local agent API (issue 14, DESIGN §7): the HTTP endpoints an `--exec` worker process
+//! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler),
+//! one random bearer token per child.
+//!
+//! | request | answer |
+//! |---|---|
+//! | `POST /ready` | 200: the load is done (the node acks `Watched`) |
+//! | `POST /progress {"percent": N}` | 200: load progress, feeds the coordinator's watch timeout |
+//! | `POST /commit {"position": "P", "state": {...}?}` | 200 once the fenced commit landed; 409 fenced (the run no longer owns the channel: exit); 503 not landed (node paused or store unavailable: commit again later); 413 state over 64 KiB |
+//! | `POST /fail {"reason": "..."}` | 200: the channel is broken; the node stops the worker and acks `WatchFailed` |
+//! | `GET /state` | 200 `{"state": "running" \| "paused", "channel", "epoch"}` |
+//!
+//! Every request carries `Authorization: Bearer $CHANWATCH_AGENT_TOKEN`: 401 without one, 403
+//! with a token no running child holds (a stopped child's, or a made-up one). The token names
+//! the child, so a request with another child's token acts on that other child only — a child
+//! can act only as itself as long as it keeps its token to itself. Errors are
+//! `{"error": "..."}`; a body that is not the JSON object asked for is 400.
+//!
+//! Owns: the listener, the table token → child, and mapping each request onto the child's
+//! [`ChannelContext`]. Must not: touch the store (commits go through the context), or start and
+//! stop processes (the exec handler does).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use crate::handler::{ChannelContext, CommitError};
+
+/// What the agent knows of one child: its run's context, whether its load is done, and
+/// whether the node is paused.
+#[derive(Debug)]
+pub(crate) struct AgentChild {
+    pub(crate) ctx: ChannelContext,
+    pub(crate) ready: watch::Sender<bool>,
+    pub(crate) paused: AtomicBool,
+}
+
+impl AgentChild {
+    pub(crate) fn new(ctx: ChannelContext) -> Self {
+        AgentChild {
+            ctx,
+            ready: watch::Sender::new(false),
+            paused: AtomicBool::new(false),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    children: Mutex<HashMap<String, Arc<AgentChild>>>,
+}
+
+impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<AgentChild>>> {
+        self.children
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The agent: its address and the children it answers. Cloning shares it.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    table: Arc<Table>,
+    url: String,
+}
+
+/// A child's place in the agent; dropping it revokes the token (its requests get 403).
+#[derive(Debug)]
+pub(crate) struct Registration {
+    table: Arc<Table>,
+    token: String,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.table.lock().remove(&self.token);
+    }
+}
+
+impl Agent {
+    /// Serves the agent API on `listener` until the process ends (the task holds nothing
+    /// but the table).
+    pub fn serve(listener: tokio::net::TcpListener) -> std::io::Result<Agent> {
+        let addr = listener.local_addr()?;
+        let table = Arc::new(Table::default());
+        let app = router(table.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "exec: the agent API stopped serving");
+            }
+        });
+        Ok(Agent {
+            table,
+            url: format!("http://{addr}"),
+        })
+    }
+
+    /// The base URL children get as `CHANWATCH_AGENT_URL` (`http://127.0.0.1:PORT`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Answers requests bearing `token` for `child` until the registration is dropped.
+    pub(crate) fn register(&self, token: String, child: Arc<AgentChild>) -> Registration {
+        self.table.lock().insert(token.clone(), child);
+        Registration {
+            table: self.table.clone(),
+            token,
+        }
+    }
+}
+
+/// A fresh random token: 32 hex digits from the OS's random source.
+///
+/// # Errors
+/// `/dev/urandom` cannot be read.
+pub(crate) fn random_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn router(table: Arc<Table>) -> Router {
+    Router::new()
+        .route("/ready", post(ready))
+        .route("/progress", post(progress))
+        .route("/commit", post(commit))
+        .route("/fail", post(fail))
+        .route("/state", get(state))
+        .with_state(table)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+/// The child the request's bearer token names, or the answer that refuses it.
+fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Response> {
+    let Some(token) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "no `Authorization: Bearer $CHANWATCH_AGENT_TOKEN` header",
+        ));
+    };
+    table.lock().get(token.trim()).cloned().ok_or_else(|| {
+        error(
+            StatusCode::FORBIDDEN,
+            "this token belongs to no running worker (its run ended, or it was never issued): exit",
+        )
+    })
+}
+
+/// The body as a JSON object (an empty body is `{}`).
+fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Response> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON object",
+        )),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not JSON: {e}"),
+        )),
+    }
+}
+
+fn ok() -> Response {
+    Json(json!({ "ok": true })).into_response()
+}
+
+async fn ready(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
+    match child(&table, &headers) {
+        Ok(c) => {
+            c.ready.send_replace(true);
+            ok()
+        }
+        Err(r) => r,
+    }
+}
+
+async fn progress(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let body = match object(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let Some(percent) = body.get("percent").and_then(Value::as_u64) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "want {\"percent\": 0..100} (an unsigned integer)",
+        );
+    };
+    c.ctx
+        .progress(u8::try_from(percent.min(100)).unwrap_or(100));
+    ok()
+}
+
+async fn commit(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let mut body = match object(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let position =
+        match body.remove("position") {
+            Some(Value::String(p)) if !p.is_empty() => p,
+            _ => return error(
+                StatusCode::BAD_REQUEST,
+                "want {\"position\": \"...\" (a non-empty string), \"state\": {...} (optional)}",
+            ),
+        };
+    let state = body.remove("state").filter(|s| !s.is_null());
+    if c.paused.load(Ordering::SeqCst) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the node is paused (it cannot reach the store): nothing committed; stop external effects and commit again once GET /state says running",
+        );
+    }
+    match c.ctx.commit(position, state).await {
+        Ok(()) => ok(),
+        Err(e @ CommitError::Fenced(_)) => error(StatusCode::CONFLICT, e.to_string()),
+        Err(e @ CommitError::Unavailable(_)) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
+        Err(e @ CommitError::TooLarge(_)) => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
+    }
+}
+
+async fn fail(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let body = match object(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let reason = body
+        .get("reason")
+        .and_then(Value::as_str)
+        .unwrap_or("the worker reported itself broken (no reason given)");
+    c.ctx.fail(format!("worker: {reason}"));
+    ok()
+}
+
+async fn state(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
+    match child(&table, &headers) {
+        Ok(c) => {
+            let state = if c.paused.load(Ordering::SeqCst) {
+                "paused"
+            } else {
+                "running"
+            };
+            Json(json!({
+                "state": state,
+                "channel": c.ctx.info.channel.as_str(),
+                "epoch": c.ctx.info.epoch.0,
+            }))
+            .into_response()
+        }
+        Err(r) => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::RunnerEvent;
+    use chanwatch_core::{ChannelInfo, ChannelName, Epoch, NodeId, VChannelInfo};
+    use tokio::sync::mpsc;
+
+    /// A context outside any node: its events (progress, fail) land in the receiver.
+    fn context(channel: &str) -> (ChannelContext, mpsc::UnboundedReceiver<RunnerEvent>) {
+        let (events, rx) = mpsc::unbounded_channel();
+        let ctx = ChannelContext {
+            node: NodeId(1),
+            info: ChannelInfo::new(
+                ChannelName::new(channel).expect("valid"),
+                Epoch(3),
+                0,
+                VChannelInfo::default(),
+            ),
+            clock: chanwatch_store::Clock::system(),
+            events,
+            last_progress: Arc::default(),
+            progress_interval: std::time::Duration::from_secs(5),
+            generation: 1,
+            committer: None,
+        };
+        (ctx, rx)
+    }
+
+    async fn call(
+        agent: &Agent,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: &str,
+    ) -> (u16, Value) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = agent.url().trim_start_matches("http://").to_owned();
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        let status = out[9..12].parse().expect("status");
+        let json = out
+            .split("\r\n\r\n")
+            .nth(1)
+            .and_then(|b| serde_json::from_str(b).ok())
+            .unwrap_or(Value::Null);
+        (status, json)
+    }
+
+    async fn agent() -> Agent {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        Agent::serve(l).expect("serve")
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes_nothing() {
+        let agent = agent().await;
+        let (ctx, mut events) = context("a");
+        let child = Arc::new(AgentChild::new(ctx));
+        let _reg = agent.register("tok-a".into(), child.clone());
+        assert_eq!(call(&agent, "POST", "/ready", None, "").await.0, 401);
+        assert_eq!(
+            call(&agent, "POST", "/ready", Some("nope"), "").await.0,
+            403
+        );
+        assert_eq!(
+            call(&agent, "POST", "/fail", Some("nope"), "{\"reason\":\"x\"}")
+                .await
+                .0,
+            403
+        );
+        assert_eq!(call(&agent, "GET", "/state", Some("nope"), "").await.0, 403);
+        assert!(!*child.ready.borrow());
+        assert!(
+            events.try_recv().is_err(),
+            "a refused /fail reached the node"
+        );
+        assert_eq!(
+            call(&agent, "POST", "/ready", Some("tok-a"), "").await.0,
+            200
+        );
+        assert!(*child.ready.borrow());
+    }
+
+    #[tokio::test]
+    async fn another_childs_token_acts_on_that_child_only() {
+        let agent = agent().await;
+        let (ctx_a, mut ev_a) = context("a");
+        let (ctx_b, mut ev_b) = context("b");
+        let a = Arc::new(AgentChild::new(ctx_a));
+        let b = Arc::new(AgentChild::new(ctx_b));
+        let _ra = agent.register("tok-a".into(), a.clone());
+        let _rb = agent.register("tok-b".into(), b.clone());
+        assert_eq!(
+            call(&agent, "POST", "/ready", Some("tok-b"), "").await.0,
+            200
+        );
+        assert!(*b.ready.borrow() && !*a.ready.borrow());
+        assert_eq!(
+            call(
+                &agent,
+                "POST",
+                "/fail",
+                Some("tok-b"),
+                "{\"reason\":\"boom\"}"
+            )
+            .await
+            .0,
+            200
+        );
+        assert!(ev_a.try_recv().is_err());
+        assert!(ev_b.try_recv().is_ok());
+        let (s, body) = call(&agent, "GET", "/state", Some("tok-a"), "").await;
+        assert_eq!((s, body["channel"].as_str()), (200, Some("a")));
+    }
+
+    #[tokio::test]
+    async fn a_dropped_registration_revokes_the_token_and_state_follows_the_pause() {
+        let agent = agent().await;
+        let (ctx, _ev) = context("a");
+        let child = Arc::new(AgentChild::new(ctx));
+        let reg = agent.register("tok-a".into(), child.clone());
+        assert_eq!(
+            call(&agent, "GET", "/state", Some("tok-a"), "").await.1["state"],
+            "running"
+        );
+        child.paused.store(true, Ordering::SeqCst);
+        assert_eq!(
+            call(&agent, "GET", "/state", Some("tok-a"), "").await.1["state"],
+            "paused"
+        );
+        let (s, _) = call(
+            &agent,
+            "POST",
+            "/commit",
+            Some("tok-a"),
+            "{\"position\":\"3\"}",
+        )
+        .await;
+        assert_eq!(s, 503, "a paused node commits nothing");
+        assert_eq!(
+            call(&agent, "POST", "/commit", Some("tok-a"), "[1]")
+                .await
+                .0,
+            400
+        );
+        drop(reg);
+        assert_eq!(
+            call(&agent, "GET", "/state", Some("tok-a"), "").await.0,
+            403
+        );
+    }
+
+    #[test]
+    fn tokens_are_random_and_long() {
+        let (a, b) = (
+            random_token().expect("token"),
+            random_token().expect("token"),
+        );
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, b);
+    }
+}
