@@ -144,40 +144,43 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
 }
 
+/// A refused request: its status and why.
+struct Refused(StatusCode, &'static str);
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        error(self.0, self.1)
+    }
+}
+
 /// The child the request's bearer token names, or the answer that refuses it.
-fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Response> {
+fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused> {
     let Some(token) = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
     else {
-        return Err(error(
+        return Err(Refused(
             StatusCode::UNAUTHORIZED,
             "no `Authorization: Bearer $CHANWATCH_AGENT_TOKEN` header",
         ));
     };
-    table.lock().get(token.trim()).cloned().ok_or_else(|| {
-        error(
-            StatusCode::FORBIDDEN,
-            "this token belongs to no running worker (its run ended, or it was never issued): exit",
-        )
-    })
+    table.lock().get(token.trim()).cloned().ok_or(Refused(
+        StatusCode::FORBIDDEN,
+        "this token belongs to no running worker (its run ended, or it was never issued): exit",
+    ))
 }
 
 /// The body as a JSON object (an empty body is `{}`).
-fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Response> {
+fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Refused> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(serde_json::Map::new());
     }
     match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(error(
+        Ok(_) | Err(_) => Err(Refused(
             StatusCode::BAD_REQUEST,
             "the body must be a JSON object",
-        )),
-        Err(e) => Err(error(
-            StatusCode::BAD_REQUEST,
-            format!("the body is not JSON: {e}"),
         )),
     }
 }
@@ -192,7 +195,7 @@ async fn ready(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response 
             c.ready.send_replace(true);
             ok()
         }
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 
@@ -203,11 +206,11 @@ async fn progress(
 ) -> Response {
     let c = match child(&table, &headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let body = match object(&body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let Some(percent) = body.get("percent").and_then(Value::as_u64) else {
         return error(
@@ -227,11 +230,11 @@ async fn commit(
 ) -> Response {
     let c = match child(&table, &headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let mut body = match object(&body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let position =
         match body.remove("position") {
@@ -265,11 +268,11 @@ async fn fail(
 ) -> Response {
     let c = match child(&table, &headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let body = match object(&body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let reason = body
         .get("reason")
@@ -294,7 +297,7 @@ async fn state(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response 
             }))
             .into_response()
         }
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 

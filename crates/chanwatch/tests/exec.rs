@@ -465,6 +465,11 @@ async fn the_python_worker_consumes_exactly_once_through_a_killed_node_and_audit
         .expect("produce runs");
     std::thread::sleep(Duration::from_millis(1500));
     assert!(a.running(), "{}", a.output());
+    wait_for(
+        10,
+        || format!("a runs a worker: {}", a.output()),
+        || a.output().contains("exec: worker started").then_some(()),
+    );
     // kill -9: a's workers die with it; its channels move after the TTL and resume from the
     // Python workers' commits.
     drop(std::mem::replace(&mut a, w.node("node-c", &python, &[])));
@@ -487,5 +492,10 @@ async fn the_python_worker_consumes_exactly_once_through_a_killed_node_and_audit
     assert_eq!(verdict["channels"], 4, "{stdout}");
     assert_eq!(verdict["exact"], 4, "{stdout}\n{stderr}\n{}", b.output());
     assert!(ok, "{stdout}");
-    eprintln!("{stdout}");
+    let moved = ["p-0", "p-1", "p-2", "p-3"]
+        .iter()
+        .filter(|c| w.row(c).is_some_and(|r| r["epoch"].as_u64() > Some(1)))
+        .count();
+    assert!(moved > 0, "no channel moved off the killed node");
+    eprintln!("{stdout}{moved} channel(s) moved off the killed node");
 }
