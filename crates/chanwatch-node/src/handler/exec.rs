@@ -22,7 +22,9 @@
 //!   leader), `SIGKILL` after `stop_grace`, and returns once the child is gone — so the next
 //!   owner starts only after this one stopped (break-before-make).
 //! - **pause** turns `GET /state` to `paused` (the child must stop its external effects;
-//!   `/commit` answers 503 meanwhile); a pause that ends in a stop is a release.
+//!   `/commit` answers 503 meanwhile); a pause that ends in a stop (the lease was lost) is a
+//!   release without grace: `SIGKILL` at once, since a paused worker can commit nothing and a
+//!   node fencing itself must be done before its margin runs out.
 //! - **the node's death**, even by `kill -9`: each child is spawned with `PR_SET_PDEATHSIG =
 //!   SIGKILL` from a spawner thread that lives as long as the process, so the kernel kills the
 //!   direct child when the node dies. Processes the child forked itself are killed with the
@@ -190,12 +192,21 @@ impl ExecHandler {
         }
         let clock = run.child.ctx.clock();
         let grace = self.options.stop_grace;
-        sys::signal_group(run.pgid, libc::SIGTERM);
-        let stopped = tokio::select! {
-            r = exited.wait_for(Option::is_some) => r.is_ok(),
-            () = clock.sleep(grace) => false,
+        // A paused worker can commit nothing (503), so a grace buys it nothing, and a node
+        // that fences itself must not wait out its margin here: SIGKILL at once.
+        let paused = run.child.paused.load(Ordering::SeqCst);
+        let stopped = !paused && {
+            sys::signal_group(run.pgid, libc::SIGTERM);
+            tokio::select! {
+                r = exited.wait_for(Option::is_some) => r.is_ok(),
+                () = clock.sleep(grace) => false,
+            }
         };
-        if !stopped {
+        if paused {
+            info!(%channel, pid = run.pgid, "exec: released while paused; SIGKILL to the worker's process group");
+            sys::signal_group(run.pgid, libc::SIGKILL);
+            let _ = exited.wait_for(Option::is_some).await;
+        } else if !stopped {
             warn!(%channel, pid = run.pgid, ?grace, "exec: the worker did not exit within the stop grace of SIGTERM; SIGKILL to its process group");
             sys::signal_group(run.pgid, libc::SIGKILL);
             let _ = exited.wait_for(Option::is_some).await;

@@ -5,4 +5,5 @@
 mod checkpoints;
 mod consumer;
 mod example;
+mod exec;
 mod liveness;
