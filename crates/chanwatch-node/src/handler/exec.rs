@@ -255,10 +255,12 @@ impl ChannelHandler for ExecHandler {
             .stderr(Stdio::piped())
             .process_group(0);
         sys::die_with_node(&mut cmd);
+        let spawning = std::time::Instant::now();
         let mut proc = spawn(cmd)
             .await
             .map_err(|e| format!("cannot start `{}`: {e}", self.options.command))?;
         let pid = proc.id().unwrap_or(0);
+        tracing::debug!(pid, took = ?spawning.elapsed(), "exec: spawned");
         let channel = ctx.info.channel.to_string();
         let epoch = ctx.info.epoch.0;
         if let Some(out) = proc.stdout.take() {

@@ -3,7 +3,7 @@
 //!
 //! Owns: the flags of every benchmark (`Args`, `What`, one `Bench*Args` each), choosing one,
 //! and the median every benchmark reports. The workloads are in `store` (store floor),
-//! `failover` and `system` (assign, balance, ack, planner).
+//! `failover`, `system` (assign, balance, ack, planner) and `exec` (`--exec` workers).
 //! Must not: assert on timings (benchmarks report; they never fail for being slow).
 
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 
 use crate::flags::EtcdArgs;
 
+mod exec;
 mod failover;
 mod store;
 mod system;
@@ -41,6 +42,23 @@ pub enum What {
     /// The coordinator's own cost: memory of its view and time of one plan round, with
     /// no store, nodes or network in the figure.
     Planner(BenchPlannerArgs),
+    /// `--exec` workers: time to start a child per channel, node memory per child, agent
+    /// commits/s against the in-process handler's (embedded store, one node).
+    Exec(BenchExecArgs),
+}
+
+/// Flags of `bench exec`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchExecArgs {
+    /// Channels (one trivial child each) for the start and memory figures.
+    #[arg(long, default_value_t = 1000)]
+    pub channels: usize,
+    /// Channels committing at once for the commits/s figures (a Python child each).
+    #[arg(long, default_value_t = 16)]
+    pub commit_channels: usize,
+    /// How long each committer commits.
+    #[arg(long, default_value_t = 5)]
+    pub seconds: u64,
 }
 
 /// Flags of `bench planner`.
@@ -189,6 +207,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Balance(args) => system::balance(&args).await,
         What::Planner(args) => system::planner(&args),
         What::Ack(args) => system::ack(&args).await,
+        What::Exec(args) => exec::run(&args).await,
     }
 }
 
