@@ -330,8 +330,9 @@ pub struct HandlerArgs {
     pub commit_interval: Duration,
     /// Run a worker process per channel instead of a built-in handler: `/bin/sh -c CMD` (shell
     /// text: quote it as one argument; prefix `exec` so the worker is the direct child). It gets
-    /// CHANWATCH_CHANNEL, _EPOCH, _NODE, _VCHANNEL (JSON), _RESUME_POSITION, _RESUME_STATE
-    /// (JSON), _AGENT_URL and _AGENT_TOKEN, and calls the agent API with the token as bearer:
+    /// CHANWATCH_CHANNEL, CHANWATCH_EPOCH, CHANWATCH_NODE, CHANWATCH_VCHANNEL (JSON),
+    /// CHANWATCH_RESUME_POSITION, CHANWATCH_RESUME_STATE (JSON), CHANWATCH_AGENT_URL and
+    /// CHANWATCH_AGENT_TOKEN, and calls the agent API with the token as bearer:
     /// POST /ready, /progress {percent}, /commit {position, state?} (409: fenced, exit; 503:
     /// paused or store away, retry), /fail {reason}; GET /state (running|paused). Its exit fails
     /// the channel; release sends SIGTERM to its process group, SIGKILL after --stop-grace.

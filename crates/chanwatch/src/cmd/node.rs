@@ -138,6 +138,54 @@ mod tests {
     use super::*;
     use crate::cli::{Cli, Command};
 
+    #[tokio::test]
+    async fn exec_flags_reach_the_handler_and_help_explains_them() {
+        let cli = Cli::try_parse_from([
+            "chanwatch",
+            "node",
+            "--exec",
+            "exec python3 w.py 'a b'",
+            "--stop-grace",
+            "1500ms",
+            "--ready-on-start",
+        ])
+        .expect("parses");
+        let Command::Node(args) = cli.command else {
+            panic!("not the node command");
+        };
+        assert_eq!(
+            args.handler.exec.as_deref(),
+            Some("exec python3 w.py 'a b'")
+        );
+        assert_eq!(args.handler.stop_grace, Duration::from_millis(1500));
+        assert!(args.handler.ready_on_start);
+        let exec = args.handler.exec().await.expect("binds").expect("some");
+        assert!(exec.agent_url().starts_with("http://127.0.0.1:"));
+        let both = Cli::try_parse_from(["chanwatch", "node", "--exec", "w", "--handler", "stream"])
+            .expect("parses");
+        let Command::Node(args) = both.command else {
+            panic!("not the node command");
+        };
+        assert!(
+            args.handler.exec().await.is_err(),
+            "--exec with --handler stream"
+        );
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let node = cmd.find_subcommand_mut("node").expect("node subcommand");
+        node.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        for want in [
+            "--exec",
+            "CHANWATCH_AGENT_TOKEN",
+            "/commit",
+            "--stop-grace",
+            "--agent",
+        ] {
+            assert!(help.contains(want), "--help lacks {want}:\n{help}");
+        }
+    }
+
     /// What the switches make the load do is tested beside `SimulatedLoad`.
     #[test]
     fn the_hidden_test_switches_reach_the_simulated_load_and_stay_out_of_help() {
