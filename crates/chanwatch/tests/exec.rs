@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod procs;
@@ -498,4 +499,190 @@ async fn the_python_worker_consumes_exactly_once_through_a_killed_node_and_audit
         .count();
     assert!(moved > 0, "no channel moved off the killed node");
     eprintln!("{stdout}{moved} channel(s) moved off the killed node");
+}
+
+/// A TCP proxy in front of etcd that can cut every connection and refuse new ones (a
+/// partition of the nodes behind it), and heal.
+struct Cut {
+    addr: String,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl Cut {
+    async fn start(upstream: &str) -> Cut {
+        let upstream = upstream.trim_start_matches("http://").to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = format!("http://{}", listener.local_addr().expect("addr"));
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let conns: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>> = Arc::default();
+        let (c, k) = (cut.clone(), conns.clone());
+        tokio::spawn(async move {
+            while let Ok((mut down, _)) = listener.accept().await {
+                if c.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue; // dropped: refused
+                }
+                let upstream = upstream.clone();
+                let task = tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(&upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                    }
+                });
+                k.lock().expect("lock").push(task);
+            }
+        });
+        Cut { addr, cut, conns }
+    }
+
+    fn set(&self, cut: bool) {
+        self.cut.store(cut, std::sync::atomic::Ordering::SeqCst);
+        if cut {
+            for t in self.conns.lock().expect("lock").drain(..) {
+                t.abort();
+            }
+        }
+    }
+}
+
+/// `(kind, node, channel, epoch, unix_ms)` lines of a handler log.
+fn runs(path: &Path) -> Vec<(String, String, String, u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                f.first()?.to_string(),
+                f.get(1)?.to_string(),
+                f.get(2)?.to_string(),
+                f.get(3)?.parse().ok()?,
+                f.get(4)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_nodes_workers_are_paused_before_another_node_starts_their_channels_and_killed_once_its_lease_is_known_lost(
+) {
+    let w = World::start().await;
+    let marker = w.dir.path().display().to_string();
+    // Dumps its environment, says ready, then appends each change of GET /state to a file.
+    let worker = format!(
+        r#"env > '{0}'/"$CHANWATCH_NODE-$CHANWATCH_CHANNEL".env
+auth="Authorization: Bearer $CHANWATCH_AGENT_TOKEN"
+curl -s -X POST -H "$auth" "$CHANWATCH_AGENT_URL/ready" >/dev/null
+last=
+while :; do
+  case $(curl -s -m 1 -H "$auth" "$CHANWATCH_AGENT_URL/state") in *paused*) s=paused ;; *running*) s=running ;; *) s=other ;; esac
+  [ "$s" != "$last" ] && echo $s >> '{0}'/"$CHANWATCH_NODE-$CHANWATCH_CHANNEL".states
+  last=$s; sleep 0.05
+done # {0}"#,
+        w.dir.path().display()
+    );
+    let proxy = Cut::start(&w.etcd.endpoint()).await;
+    let (log_a, log_b) = (w.path("a.log"), w.path("b.log"));
+    let a = spawn(
+        w.dir.path(),
+        "node-a",
+        &[
+            "node".into(),
+            format!("--endpoints={}", proxy.addr),
+            "--session-ttl=2s".into(),
+            format!("--exec={worker}"),
+            format!("--handler-log={}", log_a.display()),
+        ],
+    );
+    w.add_channel("q-0", &[]);
+    let row = w.watched("q-0", 30);
+    let a_id = row["node"].to_string();
+    let states = w.path(&format!("{a_id}-q-0.states"));
+    wait_for(
+        20,
+        || format!("a's worker running: {}", a.output()),
+        || {
+            std::fs::read_to_string(&states)
+                .ok()?
+                .contains("running")
+                .then_some(())
+        },
+    );
+    let b = w.node(
+        "node-b",
+        &worker,
+        &[&format!("--handler-log={}", log_b.display())],
+    );
+    wait_for(
+        20,
+        || "b registered".into(),
+        || {
+            let (ok, out, _) = w.ctl(&["nodes", "--json"]);
+            (ok && serde_json::from_str::<serde_json::Value>(&out)
+                .ok()?
+                .as_array()?
+                .len()
+                == 2)
+                .then_some(())
+        },
+    );
+    proxy.set(true);
+    // a's lease expires: the channel moves to b.
+    let moved = wait_for(
+        30,
+        || format!("q-0 on b: {:?}", w.row("q-0")),
+        || {
+            w.row("q-0")
+                .filter(|r| r["state"] == "Watched" && r["node"].to_string() != a_id)
+        },
+    );
+    let text = std::fs::read_to_string(&states).unwrap_or_default();
+    assert!(
+        text.contains("paused"),
+        "a's worker was never told to pause: {text:?}\n{}",
+        a.output()
+    );
+    // Single ownership from the handler logs: a paused (stopped running) before b started.
+    let a_pause = runs(&log_a)
+        .into_iter()
+        .find(|r| r.0 == "pause" && r.2 == "q-0")
+        .expect("a paused q-0");
+    let b_start = wait_for(
+        10,
+        || "b's start line".into(),
+        || {
+            runs(&log_b).into_iter().find(|r| {
+                r.0 == "start" && r.2 == "q-0" && r.3 == moved["epoch"].as_u64().unwrap_or(0)
+            })
+        },
+    );
+    assert!(
+        a_pause.4 <= b_start.4,
+        "a paused at {} after b started at {}",
+        a_pause.4,
+        b_start.4
+    );
+    // Healed: a learns its lease is gone and kills its paused worker (no grace).
+    proxy.set(false);
+    wait_for(
+        30,
+        || format!("a's stop line: {}", a.output()),
+        || {
+            runs(&log_a)
+                .into_iter()
+                .find(|r| r.0 == "stop" && r.2 == "q-0")
+        },
+    );
+    wait_for(
+        10,
+        || format!("only b's worker left: {:?}", procs_with(&marker)),
+        || (procs_with(&marker).len() == 1).then_some(()),
+    );
+    assert!(
+        a.output().contains("released while paused"),
+        "{}",
+        a.output()
+    );
+    drop(b);
 }
