@@ -582,7 +582,7 @@ while :; do
 done # {0}"#,
         w.dir.path().display()
     );
-    let proxy = Cut::start(&w.etcd.endpoint()).await;
+    let proxy = Cut::start(w.etcd.endpoint()).await;
     let (log_a, log_b) = (w.path("a.log"), w.path("b.log"));
     let a = spawn(
         w.dir.path(),
@@ -634,7 +634,7 @@ done # {0}"#,
         || format!("q-0 on b: {:?}", w.row("q-0")),
         || {
             w.row("q-0")
-                .filter(|r| r["state"] == "Watched" && r["node"].to_string() != a_id)
+                .filter(|r| r["state"] == "Watched" && r["node"] != row["node"])
         },
     );
     let text = std::fs::read_to_string(&states).unwrap_or_default();
