@@ -184,6 +184,54 @@ impl World {
     }
 }
 
+/// The process groups of [`procs_with`]: one per worker (each leads its own group; a
+/// subshell it forked, not exec'd yet, has its command line too).
+fn groups_with(marker: &str) -> std::collections::BTreeSet<u32> {
+    procs_with(marker)
+        .into_iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace().nth(2)?.parse().ok()
+        })
+        .collect()
+}
+
+/// A node process whose log is `DIR/NAME.out` (as `procs::spawn`), with `env` added; killed
+/// (SIGKILL) when dropped.
+struct EnvProc {
+    child: std::process::Child,
+    out: PathBuf,
+}
+
+impl EnvProc {
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+}
+
+impl Drop for EnvProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_with_env(dir: &Path, name: &str, args: &[String], env: &[(&str, &str)]) -> EnvProc {
+    let out = dir.join(format!("{name}.out"));
+    let file = std::fs::File::create(&out).expect("output file");
+    let child = Command::new(bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("dup"))
+        .stderr(file)
+        .spawn()
+        .expect("spawn chanwatch");
+    EnvProc { child, out }
+}
+
 /// Reads a worker's `env` dump (`KEY=VALUE` lines), once it exists.
 fn env_file(path: &Path) -> std::collections::HashMap<String, String> {
     wait_for(
@@ -216,12 +264,22 @@ async fn a_worker_runs_per_channel_with_its_assignment_in_its_environment_and_st
     let w = World::start().await;
     let marker = w.dir.path().display().to_string();
     let log = w.path("handler.log");
-    let node = w.node(
+    // The node's own CHANWATCH_* settings (here `--load-delay`'s variable) must not reach its
+    // workers; the rest of its environment does.
+    let node = spawn_with_env(
+        w.dir.path(),
         "node",
-        &dumping_worker(w.dir.path()),
         &[
-            &format!("--handler-log={}", log.display()),
-            "--stop-grace=5s",
+            "node".into(),
+            w.endpoint(),
+            "--session-ttl=2s".into(),
+            format!("--exec={}", dumping_worker(w.dir.path())),
+            format!("--handler-log={}", log.display()),
+            "--stop-grace=5s".into(),
+        ],
+        &[
+            ("CHANWATCH_LOAD_DELAY", "0s"),
+            ("UNRELATED_SETTING", "kept"),
         ],
     );
     w.add_channel(
@@ -245,11 +303,16 @@ async fn a_worker_runs_per_channel_with_its_assignment_in_its_environment_and_st
     assert_eq!(env["CHANWATCH_RESUME_POSITION"], "");
     assert!(env["CHANWATCH_AGENT_URL"].starts_with("http://127.0.0.1:"));
     assert_eq!(env["CHANWATCH_AGENT_TOKEN"].len(), 32);
+    assert!(
+        !env.contains_key("CHANWATCH_LOAD_DELAY"),
+        "the node's settings leaked"
+    );
+    assert_eq!(env["UNRELATED_SETTING"], "kept");
     let other = env_file(&w.path("x-1.env"));
     assert_eq!(other["CHANWATCH_CHANNEL"], "x-1");
     assert_ne!(other["CHANWATCH_AGENT_TOKEN"], env["CHANWATCH_AGENT_TOKEN"]);
     // One worker per channel, and its heartbeat commits land in etcd through the agent.
-    assert_eq!(procs_with(&marker).len(), 2, "{}", node.output());
+    assert_eq!(groups_with(&marker).len(), 2, "{}", node.output());
     let cp = wait_for(
         20,
         || "x-0 committed".into(),
@@ -267,7 +330,7 @@ async fn a_worker_runs_per_channel_with_its_assignment_in_its_environment_and_st
     wait_for(
         10,
         || format!("x-0's worker gone: {}", node.output()),
-        || (procs_with(&marker).len() == 1).then_some(()),
+        || (groups_with(&marker).len() == 1).then_some(()),
     );
     let lines = std::fs::read_to_string(&log).expect("handler log");
     assert!(
@@ -300,7 +363,7 @@ async fn a_node_killed_with_sigkill_leaves_no_worker_running() {
     for c in ["k-0", "k-1", "k-2"] {
         w.watched(c, 30);
     }
-    assert_eq!(procs_with(&marker).len(), 3, "{}", node.output());
+    assert_eq!(groups_with(&marker).len(), 3, "{}", node.output());
     assert!(node.running());
     drop(node); // SIGKILL: no release, no SIGTERM — only the kernel's death signal.
     wait_for(
@@ -677,7 +740,7 @@ done # {0}"#,
     wait_for(
         10,
         || format!("only b's worker left: {:?}", procs_with(&marker)),
-        || (procs_with(&marker).len() == 1).then_some(()),
+        || (groups_with(&marker).len() == 1).then_some(()),
     );
     assert!(
         a.output().contains("released while paused"),

@@ -31,6 +31,9 @@
 //!   group on release and on the child's exit, but not by the kernel when the node dies:
 //!   `exec` the worker (or have it set its own death signal on its children).
 //!
+//! The child inherits the node's environment except the node's own `CHANWATCH_*` variables
+//! (they may hold etcd credentials or the admin token): only those of the table are set.
+//!
 //! stdout and stderr of each child go to the node's log, line by line, with the channel,
 //! epoch and pid.
 //!
@@ -237,6 +240,12 @@ impl ChannelHandler for ExecHandler {
             None => (String::new(), String::new()),
         };
         let mut cmd = std::process::Command::new("/bin/sh");
+        // The node's own settings (etcd credentials, the admin token) are not the worker's.
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("CHANWATCH_") {
+                cmd.env_remove(&key);
+            }
+        }
         cmd.arg("-c")
             .arg(&self.options.command)
             .env("CHANWATCH_CHANNEL", ctx.info.channel.as_str())
