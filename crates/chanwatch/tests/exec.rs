@@ -1,6 +1,10 @@
 //! `chanwatch node --exec` through the real binary (issue 14): real etcd, a real coordinator,
 //! nodes as processes and their workers as real child processes, judged from outside — `ctl
 //! --json`, `etcdctl`, the nodes' logs, the workers' own files and `/proc`.
+//!
+//! Over 600 lines: seven scenarios on one harness (`World`: etcd, a coordinator, nodes and
+//! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
+//! `tests/exec/` module when it grows again.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
