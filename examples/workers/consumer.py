@@ -2,9 +2,11 @@
 """A chanwatch `--exec` worker in Python (standard library only): the stream consumer.
 
     chanwatch node --exec 'exec python3 examples/workers/consumer.py file:/var/lib/cwlog'
+    chanwatch node --log nats://127.0.0.1:4222 --exec 'exec python3 examples/workers/consumer.py agent'
 
-It reads its channel from the embedded file log (`--log file:DIR` of `produce`) after
-CHANWATCH_RESUME_POSITION, folds every message into the same state as the Rust consumer
+It reads its channel after CHANWATCH_RESUME_POSITION — from the embedded file log directly
+(`file:DIR`, the dir `produce --log file:DIR` writes), or through the agent's `GET /read`
+(`agent`: any log the node was given with `--log`, NATS included) — folds every message into the same state as the Rust consumer
 (count, highest sequence number, wrapping sum of FNV-1a hashes) so that `chanwatch audit` can
 judge it, and commits (position, state) through the node's agent API. The commit is fenced:
 only the channel's current owner can land one, and the next owner resumes from the last one
@@ -50,14 +52,40 @@ def fnv1a(payload):
     return h
 
 
-class Log:
-    """One channel file of the embedded log, read record by record from a byte offset."""
+class AgentLog:
+    """The channel through the agent's GET /read (positions are opaque strings: NATS has gaps)."""
 
-    def __init__(self, path):
-        self.path, self.file, self.offset = path, None, 0
+    def __init__(self, position):
+        self.after = position
 
     def read(self, max_records):
-        """The next complete, checksummed records (a torn or unfinished tail waits)."""
+        """The next messages, as (position, payload); waits up to 200 ms for one."""
+        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=200")
+        if status != 200:
+            time.sleep(0.2)
+            return []
+        out = [(m["position"], bytes.fromhex(m["payload"])) for m in answer["messages"]]
+        if out:
+            self.after = out[-1][0]
+        return out
+
+
+class FileLog:
+    """One channel file of the embedded log, read record by record from a byte offset; a
+    message's position is its record's 1-based index."""
+
+    def __init__(self, path, position):
+        self.path, self.file, self.offset, self.index = path, None, 0, 0
+        skip = int(position or 0)  # records up to the resume position were folded already
+        while skip > 0:
+            n = len(self.read(skip))
+            skip -= n
+            if not n:
+                time.sleep(0.05)
+
+    def read(self, max_records):
+        """The next complete, checksummed records as (position, payload); a torn or
+        unfinished tail waits."""
         if self.file is None:
             if not os.path.exists(self.path):
                 return []
@@ -72,38 +100,36 @@ class Log:
             payload = data[i + 8:i + 8 + length]
             if zlib.crc32(data[i:i + 4] + payload) != crc:
                 break
-            out.append(payload)
+            self.index += 1
+            out.append((str(self.index), payload))
             i += 8 + length
         self.offset += i
         return out
 
 
 def main():
-    log_url = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("CHANWATCH_LOG", "")
-    if not log_url.startswith("file:"):
-        sys.exit("usage: consumer.py file:DIR (the embedded log's data dir)")
-    log = Log(os.path.join(log_url[len("file:"):], CHANNEL + ".log"))
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    source = sys.argv[1] if len(sys.argv) > 1 else ""
 
-    position = int(os.environ.get("CHANWATCH_RESUME_POSITION") or 0)
+    position = os.environ.get("CHANWATCH_RESUME_POSITION") or ""
     state = json.loads(os.environ.get("CHANWATCH_RESUME_STATE") or "null") or {}
     count, max_seq = state.get("count", 0), state.get("max_seq", 0)
     digest = int(state.get("digest", "0"), 16)
-    skip = position  # records up to the resume position were folded by an earlier run
-    while skip > 0 and not stopping:
-        n = len(log.read(skip))
-        skip -= n
-        if not n:
-            time.sleep(0.05)
+    if source.startswith("file:"):
+        log = FileLog(os.path.join(source[len("file:"):], CHANNEL + ".log"), position)
+    elif source == "agent":
+        log = AgentLog(position)
+    else:
+        sys.exit("usage: consumer.py file:DIR | agent")
+    stopping = []  # from here SIGTERM (release) ends the loop after one last commit
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     call("POST", "/ready")
-    print(f"{CHANNEL}: consuming after position {position} (count {count})", flush=True)
+    print(f"{CHANNEL}: consuming after position {position!r} (count {count})", flush=True)
 
     committed, pending, last_commit, paused = position, 0, time.monotonic(), False
     last_state_check = 0.0
 
     def commit():
-        body = {"position": str(position), "state": {
+        body = {"position": position, "state": {
             "count": count, "max_seq": max_seq, "digest": f"{digest:016x}"}}
         status, answer = call("POST", "/commit", body)
         if status in (409, 401, 403):  # fenced: someone else owns the channel now
@@ -120,12 +146,11 @@ def main():
                 time.sleep(0.1)
                 continue
         batch = log.read(1000)
-        for payload in batch:
+        for position, payload in batch:
             count += 1
             if len(payload) >= 8:
                 max_seq = max(max_seq, struct.unpack_from(">Q", payload)[0])
             digest = (digest + fnv1a(payload)) & MASK
-            position += 1
         pending += len(batch)
         due = now - last_commit >= COMMIT_INTERVAL
         if position != committed and (pending >= COMMIT_EVERY or due):

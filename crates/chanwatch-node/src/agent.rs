@@ -9,6 +9,7 @@
 //! | `POST /commit {"position": "P", "state": {...}?}` | 200 once the fenced commit landed; 409 fenced (the run no longer owns the channel: exit); 503 not landed (node paused or store unavailable: commit again later); 413 state over 64 KiB |
 //! | `POST /fail {"reason": "..."}` | 200: the channel is broken; the node stops the worker and acks `WatchFailed` |
 //! | `GET /state` | 200 `{"state": "running" \| "paused", "channel", "epoch"}` |
+//! | `GET /read?after=P&max=N&wait_ms=W` | when the node has a log (`--log`): 200 `{"messages": [{"position", "payload"}]}`, the channel's next messages after `P` (empty: from the start; the payloads in hex), waiting up to `W` ms (default 1000, at most 10000) for one; 404 without a log; 503 log unavailable |
 //!
 //! Every request carries `Authorization: Bearer $CHANWATCH_AGENT_TOKEN`: 401 without one, 403
 //! with a token no running child holds (a stopped child's, or a made-up one). The token names
@@ -36,17 +37,30 @@ use crate::handler::{ChannelContext, CommitError};
 
 /// What the agent knows of one child: its run's context, whether its load is done, and
 /// whether the node is paused.
-#[derive(Debug)]
 pub(crate) struct AgentChild {
     pub(crate) ctx: ChannelContext,
+    /// The log `GET /read` serves, when the node has one.
+    pub(crate) log: Option<Arc<dyn chanwatch_stream::Log>>,
     pub(crate) ready: watch::Sender<bool>,
     pub(crate) paused: AtomicBool,
+}
+
+impl std::fmt::Debug for AgentChild {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentChild")
+            .field("channel", &self.ctx.info.channel)
+            .field("epoch", &self.ctx.info.epoch)
+            .field("log", &self.log.is_some())
+            .field("paused", &self.paused)
+            .finish_non_exhaustive()
+    }
 }
 
 impl AgentChild {
     pub(crate) fn new(ctx: ChannelContext) -> Self {
         AgentChild {
             ctx,
+            log: None,
             ready: watch::Sender::new(false),
             paused: AtomicBool::new(false),
         }
@@ -137,6 +151,7 @@ fn router(table: Arc<Table>) -> Router {
         .route("/commit", post(commit))
         .route("/fail", post(fail))
         .route("/state", get(state))
+        .route("/read", get(read))
         .with_state(table)
 }
 
@@ -298,6 +313,59 @@ async fn state(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response 
             .into_response()
         }
         Err(r) => r.into_response(),
+    }
+}
+
+async fn read(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> Response {
+    use std::fmt::Write;
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let Some(log) = &c.log else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this node has no --log: read the log yourself",
+        );
+    };
+    let after = match q.get("after").map(String::as_str).unwrap_or("") {
+        "" => chanwatch_stream::Position::START,
+        p => match p.parse() {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("after: {e}")),
+        },
+    };
+    let num = |k: &str, default: u64, max: u64| {
+        q.get(k)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+            .min(max)
+    };
+    let max = usize::try_from(num("max", 256, 4096)).unwrap_or(256).max(1);
+    let wait = std::time::Duration::from_millis(num("wait_ms", 1000, 10_000));
+    match log
+        .read(c.ctx.info.channel.as_str(), after, max, wait)
+        .await
+    {
+        Ok(batch) => {
+            let messages: Vec<Value> = batch
+                .iter()
+                .map(|m| {
+                    let mut hex = String::with_capacity(m.payload.len() * 2);
+                    for b in m.payload.iter() {
+                        let _ = write!(hex, "{b:02x}");
+                    }
+                    json!({ "position": m.position.to_string(), "payload": hex })
+                })
+                .collect();
+            Json(json!({ "messages": messages })).into_response()
+        }
+        Err(e) if e.is_retryable() => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
 
@@ -463,6 +531,65 @@ mod tests {
         assert_eq!(
             call(&agent, "GET", "/state", Some("tok-a"), "").await.0,
             403
+        );
+    }
+
+    #[tokio::test]
+    async fn read_serves_the_childs_own_channel_after_a_position_when_the_node_has_a_log() {
+        let agent = agent().await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log: Arc<dyn chanwatch_stream::Log> = Arc::new(
+            chanwatch_stream::FileLog::open(
+                dir.path(),
+                chanwatch_stream::FileLogOptions::default(),
+            )
+            .expect("log"),
+        );
+        for p in [&b"one"[..], b"two", b"\x00\xff"] {
+            log.append("a", bytes::Bytes::copy_from_slice(p))
+                .await
+                .expect("append");
+        }
+        log.append("b", bytes::Bytes::from_static(b"not a's"))
+            .await
+            .expect("append");
+        let (ctx, _ev) = context("a");
+        let child = Arc::new(AgentChild {
+            log: Some(log),
+            ..AgentChild::new(ctx)
+        });
+        let _reg = agent.register("tok-a".into(), child);
+        let (s, body) = call(
+            &agent,
+            "GET",
+            "/read?after=1&max=10&wait_ms=0",
+            Some("tok-a"),
+            "",
+        )
+        .await;
+        assert_eq!(s, 200, "{body}");
+        assert_eq!(
+            body["messages"],
+            json!([{"position": "2", "payload": "74776f"}, {"position": "3", "payload": "00ff"}])
+        );
+        let (s, body) = call(&agent, "GET", "/read?max=1&wait_ms=0", Some("tok-a"), "").await;
+        assert_eq!(
+            (s, body["messages"][0]["position"].as_str()),
+            (200, Some("1"))
+        );
+        assert_eq!(
+            call(&agent, "GET", "/read?after=x", Some("tok-a"), "")
+                .await
+                .0,
+            400
+        );
+        assert_eq!(call(&agent, "GET", "/read", Some("nope"), "").await.0, 403);
+        let (ctx, _ev) = context("b");
+        let _rb = agent.register("tok-b".into(), Arc::new(AgentChild::new(ctx)));
+        assert_eq!(
+            call(&agent, "GET", "/read", Some("tok-b"), "").await.0,
+            404,
+            "no log"
         );
     }
 

@@ -334,7 +334,8 @@ pub struct HandlerArgs {
     /// CHANWATCH_RESUME_POSITION, CHANWATCH_RESUME_STATE (JSON), CHANWATCH_AGENT_URL and
     /// CHANWATCH_AGENT_TOKEN, and calls the agent API with the token as bearer:
     /// POST /ready, /progress {percent}, /commit {position, state?} (409: fenced, exit; 503:
-    /// paused or store away, retry), /fail {reason}; GET /state (running|paused). Its exit fails
+    /// paused or store away, retry), /fail {reason}; GET /state (running|paused); with --log,
+    /// GET /read?after=POS&max=N&wait_ms=MS (the channel's next messages). Its exit fails
     /// the channel; release sends SIGTERM to its process group, SIGKILL after --stop-grace.
     #[arg(long, env = "CHANWATCH_EXEC", value_name = "CMD")]
     pub exec: Option<String>,
@@ -350,12 +351,13 @@ pub struct HandlerArgs {
 }
 
 impl HandlerArgs {
-    /// The exec handler when `--exec` is given, its agent API bound; `None` otherwise.
+    /// The exec handler when `--exec` is given, its agent API bound, serving `--log` (if
+    /// given) at `GET /read`; `None` otherwise.
     ///
     /// # Errors
     /// `--exec` with `--handler stream`, an empty command, an agent address that cannot be
-    /// bound.
-    pub async fn exec(&self) -> Result<Option<chanwatch_node::ExecHandler>> {
+    /// bound, a `--log` that cannot be opened.
+    pub async fn exec(&self, keys: &Keys) -> Result<Option<chanwatch_node::ExecHandler>> {
         let Some(command) = &self.exec else {
             return Ok(None);
         };
@@ -368,7 +370,10 @@ impl HandlerArgs {
             stop_grace: self.stop_grace,
             ready_on_start: self.ready_on_start,
         };
-        let handler = chanwatch_node::ExecHandler::bind(options, &self.agent).await?;
+        let mut handler = chanwatch_node::ExecHandler::bind(options, &self.agent).await?;
+        if self.log.log.is_some() {
+            handler = handler.with_log(self.log.open(keys, None).await?);
+        }
         tracing::info!(agent = handler.agent_url(), command = %command, "exec: workers will be spawned per channel");
         Ok(Some(handler))
     }

@@ -504,14 +504,30 @@ async fn a_fenced_workers_commit_gets_409_and_writes_nothing() {
 async fn the_python_worker_consumes_exactly_once_through_a_killed_node_and_audit_agrees() {
     let w = World::start().await;
     let dir = w.path("log");
-    let log = format!("--log=file:{}", dir.display());
     let python = format!(
         "exec python3 '{}/consumer.py' 'file:{}'",
         workers().display(),
         dir.display()
     );
-    let mut a = w.node("node-a", &python, &[]);
-    let b = w.node("node-b", &python, &[]);
+    python_exactly_once(&w, &format!("--log=file:{}", dir.display()), &python, &[]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_worker_reads_nats_through_the_agent_exactly_once_through_a_killed_node() {
+    let w = World::start().await;
+    let nats = chanwatch_testkit::NatsFixture::start().await.expect("nats");
+    let log = format!("--log={}", nats.url());
+    let python = format!("exec python3 '{}/consumer.py' agent", workers().display());
+    python_exactly_once(&w, &log, &python, &[&log]);
+}
+
+/// Two nodes run the Python worker `python` on 4 channels while `produce` appends to `log`;
+/// one node is killed mid-stream (its workers die with it, its channels move); `audit` finds
+/// every channel exact.
+fn python_exactly_once(w: &World, log: &str, python: &str, node_args: &[&str]) {
+    let log = log.to_owned();
+    let mut a = w.node("node-a", python, node_args);
+    let b = w.node("node-b", python, node_args);
     for c in ["p-0", "p-1", "p-2", "p-3"] {
         w.add_channel(c, &[]);
     }
@@ -540,7 +556,10 @@ async fn the_python_worker_consumes_exactly_once_through_a_killed_node_and_audit
     );
     // kill -9: a's workers die with it; its channels move after the TTL and resume from the
     // Python workers' commits.
-    drop(std::mem::replace(&mut a, w.node("node-c", &python, &[])));
+    drop(std::mem::replace(
+        &mut a,
+        w.node("node-c", python, node_args),
+    ));
     let out = producer.wait_with_output().expect("produce ends");
     assert!(
         out.status.success(),

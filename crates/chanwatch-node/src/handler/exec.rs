@@ -112,6 +112,8 @@ struct Run {
 /// channel of every node that shares it; runs are keyed by node and channel.
 pub struct ExecHandler {
     options: ExecOptions,
+    /// The log the agent's `GET /read` serves (`--log`), if any.
+    log: Option<Arc<dyn chanwatch_stream::Log>>,
     agent: Agent,
     runs: Mutex<HashMap<(NodeId, ChannelName), Run>>,
 }
@@ -160,9 +162,18 @@ impl ExecHandler {
         })?;
         Ok(ExecHandler {
             options,
+            log: None,
             agent,
             runs: Mutex::default(),
         })
+    }
+
+    /// Lets workers read their channel of `log` through the agent (`GET /read`), for logs a
+    /// worker cannot read itself (NATS without a client library).
+    #[must_use]
+    pub fn with_log(mut self, log: Arc<dyn chanwatch_stream::Log>) -> Self {
+        self.log = Some(log);
+        self
     }
 
     /// The agent API's base URL (`CHANWATCH_AGENT_URL`).
@@ -230,7 +241,10 @@ impl ChannelHandler for ExecHandler {
             .await
             .map_err(|e| format!("cannot read the checkpoint: {e}"))?;
         let token = random_token().map_err(|e| format!("cannot make an agent token: {e}"))?;
-        let child = Arc::new(AgentChild::new(ctx.clone()));
+        let child = Arc::new(AgentChild {
+            log: self.log.clone(),
+            ..AgentChild::new(ctx.clone())
+        });
         let registration = self.agent.register(token.clone(), child.clone());
         let (position, state) = match resumed {
             Some(cp) => (

@@ -122,7 +122,7 @@ async fn handler(args: &Args) -> Result<Arc<dyn chanwatch_node::ChannelHandler>>
     }
     let log = args.handler_log.as_deref();
     let keys = args.root.keys()?;
-    if let Some(exec) = args.handler.exec().await? {
+    if let Some(exec) = args.handler.exec(&keys).await? {
         return audited(exec, log);
     }
     match args.handler.consumer(&keys, None).await? {
@@ -159,7 +159,13 @@ mod tests {
         );
         assert_eq!(args.handler.stop_grace, Duration::from_millis(1500));
         assert!(args.handler.ready_on_start);
-        let exec = args.handler.exec().await.expect("binds").expect("some");
+        let keys = chanwatch_core::Keys::default();
+        let exec = args
+            .handler
+            .exec(&keys)
+            .await
+            .expect("binds")
+            .expect("some");
         assert!(exec.agent_url().starts_with("http://127.0.0.1:"));
         let both = Cli::try_parse_from(["chanwatch", "node", "--exec", "w", "--handler", "stream"])
             .expect("parses");
@@ -167,7 +173,7 @@ mod tests {
             panic!("not the node command");
         };
         assert!(
-            args.handler.exec().await.is_err(),
+            args.handler.exec(&keys).await.is_err(),
             "--exec with --handler stream"
         );
         let mut help = Vec::new();
