@@ -2,7 +2,7 @@
 //! nodes as processes and their workers as real child processes, judged from outside — `ctl
 //! --json`, `etcdctl`, the nodes' logs, the workers' own files and `/proc`.
 //!
-//! Over 600 lines: seven scenarios on one harness (`World`: etcd, a coordinator, nodes and
+//! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
 //! `tests/exec/` module when it grows again.
 
@@ -455,6 +455,41 @@ async fn a_worker_that_ignores_sigterm_is_killed_after_the_grace() {
             (out.contains("did not exit within the stop grace")
                 && out.contains("killed by signal 9"))
             .then_some(())
+        },
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_removed_before_it_is_ready_is_killed_at_once_without_the_grace() {
+    let w = World::start().await;
+    let marker = w.dir.path().display().to_string();
+    // Never calls /ready, ignores SIGTERM; the grace (60 s) would outlast the test.
+    let loading = format!(
+        "trap '' TERM; while :; do sleep 0.2; done # {}",
+        w.dir.path().display()
+    );
+    let node = w.node("node", &loading, &["--stop-grace=60s"]);
+    w.add_channel("l-0", &[]);
+    wait_for(
+        20,
+        || format!("worker up: {}", node.output()),
+        || (!procs_with(&marker).is_empty()).then_some(()),
+    );
+    assert_eq!(w.row("l-0").expect("row")["state"], "ToWatch");
+    let (ok, _, err) = w.ctl(&["remove-channel", "l-0"]);
+    assert!(ok, "{err}");
+    wait_for(
+        10,
+        || format!("loading worker gone: {}", node.output()),
+        || procs_with(&marker).is_empty().then_some(()),
+    );
+    wait_for(
+        10,
+        || format!("killed at once: {}", node.output()),
+        || {
+            node.output()
+                .contains("released while paused or loading")
+                .then_some(())
         },
     );
 }

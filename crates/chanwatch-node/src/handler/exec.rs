@@ -24,7 +24,8 @@
 //! - **pause** turns `GET /state` to `paused` (the child must stop its external effects;
 //!   `/commit` answers 503 meanwhile); a pause that ends in a stop (the lease was lost) is a
 //!   release without grace: `SIGKILL` at once, since a paused worker can commit nothing and a
-//!   node fencing itself must be done before its margin runs out.
+//!   node fencing itself must be done before its margin runs out. The same for a worker
+//!   released before its load completed (a cancelled load, or one a pause caught).
 //! - **the node's death**, even by `kill -9`: each child is spawned with `PR_SET_PDEATHSIG =
 //!   SIGKILL` from a spawner thread that lives as long as the process, so the kernel kills the
 //!   direct child when the node dies. Processes the child forked itself are killed with the
@@ -102,6 +103,8 @@ struct Run {
     pgid: u32,
     child: Arc<AgentChild>,
     stopping: Arc<AtomicBool>,
+    /// Whether its load completed (`/ready`).
+    loaded: Arc<AtomicBool>,
     /// `Some(how it ended)` once the process was reaped.
     exited: watch::Receiver<Option<String>>,
     /// Held until the worker is gone: its token works until then (a last commit on SIGTERM).
@@ -207,8 +210,10 @@ impl ExecHandler {
         let clock = run.child.ctx.clock();
         let grace = self.options.stop_grace;
         // A paused worker can commit nothing (503), so a grace buys it nothing, and a node
-        // that fences itself must not wait out its margin here: SIGKILL at once.
-        let paused = run.child.paused.load(Ordering::SeqCst);
+        // that fences itself must not wait out its margin here: SIGKILL at once. So is a
+        // worker whose load did not complete (cancelled, or caught by a pause, which the
+        // handler is not told of during a load).
+        let paused = run.child.paused.load(Ordering::SeqCst) || !run.loaded.load(Ordering::SeqCst);
         let stopped = !paused && {
             sys::signal_group(run.pgid, libc::SIGTERM);
             tokio::select! {
@@ -217,7 +222,7 @@ impl ExecHandler {
             }
         };
         if paused {
-            info!(%channel, pid = run.pgid, "exec: released while paused; SIGKILL to the worker's process group");
+            info!(%channel, pid = run.pgid, "exec: released while paused or loading; SIGKILL to the worker's process group");
             sys::signal_group(run.pgid, libc::SIGKILL);
             let _ = exited.wait_for(Option::is_some).await;
         } else if !stopped {
@@ -309,6 +314,7 @@ impl ChannelHandler for ExecHandler {
                 pgid: pid,
                 child: child.clone(),
                 stopping,
+                loaded: loaded.clone(),
                 exited: exited.clone(),
                 _registration: registration,
             },
