@@ -27,7 +27,7 @@
 //!   node fencing itself must be done before its margin runs out. The same for a worker
 //!   released before its load completed (a cancelled load, or one a pause caught).
 //! - **the node's death**, even by `kill -9`: each child is spawned with `PR_SET_PDEATHSIG =
-//!   SIGKILL` from a spawner thread that lives as long as the process, so the kernel kills the
+//!   SIGKILL` from spawner threads that live as long as the process, so the kernel kills the
 //!   direct child when the node dies. Processes the child forked itself are killed with the
 //!   group on release and on the child's exit, but not by the kernel when the node dies:
 //!   `exec` the worker (or have it set its own death signal on its children).
@@ -424,29 +424,40 @@ struct SpawnJob {
     reply: oneshot::Sender<std::io::Result<tokio::process::Child>>,
 }
 
-/// Spawns `cmd` from the one spawner thread, which lives as long as the process: the kernel
-/// sends `PR_SET_PDEATHSIG` when the *thread* that forked a child exits, so forking from a
-/// runtime worker or blocking thread (which come and go) would kill children early.
+/// Spawner threads: forks with a `pre_exec` hook cannot use `posix_spawn`, so each takes a
+/// few milliseconds; several threads spawn a thousand workers in parallel.
+const SPAWNERS: usize = 4;
+
+/// Spawns `cmd` from one of the spawner threads, which live as long as the process: the
+/// kernel sends `PR_SET_PDEATHSIG` when the *thread* that forked a child exits, so forking
+/// from a runtime worker or blocking thread (which come and go) would kill children early.
 async fn spawn(cmd: std::process::Command) -> std::io::Result<tokio::process::Child> {
-    static SPAWNER: OnceLock<Mutex<std::sync::mpsc::Sender<SpawnJob>>> = OnceLock::new();
-    let spawner = SPAWNER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<SpawnJob>();
-        let started = std::thread::Builder::new()
-            .name("chanwatch-exec-spawner".into())
-            .spawn(move || {
-                for job in rx {
-                    let _runtime = job.runtime.enter();
-                    let child = tokio::process::Command::from(job.cmd)
-                        .kill_on_drop(true)
-                        .spawn();
-                    let _ = job.reply.send(child);
+    type Spawners = Vec<Mutex<std::sync::mpsc::Sender<SpawnJob>>>;
+    static SPAWNER: OnceLock<Spawners> = OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let spawners = SPAWNER.get_or_init(|| {
+        (0..SPAWNERS)
+            .map(|i| {
+                let (tx, rx) = std::sync::mpsc::channel::<SpawnJob>();
+                let started = std::thread::Builder::new()
+                    .name(format!("chanwatch-exec-spawner-{i}"))
+                    .spawn(move || {
+                        for job in rx {
+                            let _runtime = job.runtime.enter();
+                            let child = tokio::process::Command::from(job.cmd)
+                                .kill_on_drop(true)
+                                .spawn();
+                            let _ = job.reply.send(child);
+                        }
+                    });
+                if let Err(e) = started {
+                    tracing::error!(error = %e, "exec: cannot start a spawner thread; workers sent to it cannot start");
                 }
-            });
-        if let Err(e) = started {
-            tracing::error!(error = %e, "exec: cannot start the spawner thread; no worker can start");
-        }
-        Mutex::new(tx)
+                Mutex::new(tx)
+            })
+            .collect()
     });
+    let spawner = &spawners[NEXT.fetch_add(1, Ordering::Relaxed) % spawners.len()];
     let (reply, answer) = oneshot::channel();
     let job = SpawnJob {
         cmd,
