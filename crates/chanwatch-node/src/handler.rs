@@ -2,7 +2,9 @@
 //! handlers: [`SimulatedLoad`] (the default: a load that takes `--load-delay`, and for
 //! black-box tests fails or hangs for channels matching [`NamePatterns`]), [`AuditLog`] (writes
 //! the handler log around another handler), [`StreamConsumer`] (`consumer`: reads a channel of a
-//! `chanwatch_stream::Log` from its checkpoint and commits fenced checkpoints) and, with the
+//! `chanwatch_stream::Log` from its checkpoint and commits fenced checkpoints), [`ExecHandler`]
+//! (`exec`: one supervised child process per channel, talking to the node through the
+//! [agent API](crate::agent)) and, with the
 //! `testing` feature, `RecordingHandler`
 //! (records when each node ran each channel, so tests can check single ownership).
 //!
@@ -410,6 +412,8 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
 
 pub mod consumer;
 pub use consumer::{ConsumerOptions, StreamConsumer, StreamState};
+pub mod exec;
+pub use exec::{ExecError, ExecHandler, ExecOptions};
 
 #[cfg(any(test, feature = "testing"))]
 mod recording;

@@ -44,7 +44,7 @@
 //! `embed` (builder and handle), `runtime` (sessions one after another), `register`,
 //! `session` (the event loop), `runner` (one task per channel), `acks` (group commit),
 //! `watchdog` (when to pause; the lease keeper is `chanwatch_store::keep_lease`), `handler` (the trait and built-in handlers),
-//! `admin` (HTTP), `metrics`, `config`. The `testing` feature adds `RecordingHandler`, a
+//! `admin` (HTTP), `agent` (the local API of `--exec` workers), `metrics`, `config`. The `testing` feature adds `RecordingHandler`, a
 //! fixture for tests.
 //!
 //! Owns: the session, the keepalive loop, the runners and the handler lifecycle.
@@ -53,6 +53,7 @@
 
 mod acks;
 pub mod admin;
+pub mod agent;
 pub mod checkpoint;
 mod config;
 mod embed;
@@ -67,7 +68,9 @@ mod watchdog;
 pub use checkpoint::CommitError;
 pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug};
 pub use embed::{Node, NodeBuilder, NodeHandle};
-pub use handler::{AuditLog, ChannelContext, ChannelHandler, NamePatterns, SimulatedLoad};
+pub use handler::{
+    AuditLog, ChannelContext, ChannelHandler, ExecHandler, ExecOptions, NamePatterns, SimulatedLoad,
+};
 /// Test fixtures (feature `testing`): a handler that records who ran what, when.
 #[cfg(any(test, feature = "testing"))]
 pub use handler::{Behaviour, Interval, RecordingHandler};

@@ -328,9 +328,56 @@ pub struct HandlerArgs {
     /// …or this long after its last commit, whichever comes first.
     #[arg(long, env = "CHANWATCH_COMMIT_INTERVAL", value_parser = humantime_secs, default_value = "1s")]
     pub commit_interval: Duration,
+    /// Run a worker process per channel instead of a built-in handler: `/bin/sh -c CMD` (shell
+    /// text: quote it as one argument; prefix `exec` so the worker is the direct child). It gets
+    /// CHANWATCH_CHANNEL, CHANWATCH_EPOCH, CHANWATCH_NODE, CHANWATCH_VCHANNEL (JSON),
+    /// CHANWATCH_RESUME_POSITION, CHANWATCH_RESUME_STATE (JSON), CHANWATCH_AGENT_URL and
+    /// CHANWATCH_AGENT_TOKEN, and calls the agent API with the token as bearer:
+    /// POST /ready, /progress {percent}, /commit {position, state?} (409: fenced, exit; 503:
+    /// paused or store away, retry), /fail {reason}; GET /state (running|paused); with --log,
+    /// GET /read?after=POS&max=N&wait_ms=MS (the channel's next messages). Its exit fails
+    /// the channel; release sends SIGTERM to its process group, SIGKILL after --stop-grace.
+    #[arg(long, env = "CHANWATCH_EXEC", value_name = "CMD")]
+    pub exec: Option<String>,
+    /// How long a released --exec worker gets between SIGTERM and SIGKILL.
+    #[arg(long, env = "CHANWATCH_STOP_GRACE", value_parser = humantime_secs, default_value = "10s")]
+    pub stop_grace: Duration,
+    /// Where the agent API of --exec workers listens (port 0: a free port).
+    #[arg(long, env = "CHANWATCH_AGENT", default_value = "127.0.0.1:0")]
+    pub agent: String,
+    /// An --exec worker's load is done once it is spawned (do not wait for its POST /ready).
+    #[arg(long, env = "CHANWATCH_READY_ON_START")]
+    pub ready_on_start: bool,
 }
 
 impl HandlerArgs {
+    /// The exec handler when `--exec` is given, its agent API bound, serving `--log` (if
+    /// given) at `GET /read`; `None` otherwise.
+    ///
+    /// # Errors
+    /// `--exec` with `--handler stream`, an empty command, an agent address that cannot be
+    /// bound, a `--log` that cannot be opened.
+    pub async fn exec(&self, keys: &Keys) -> Result<Option<chanwatch_node::ExecHandler>> {
+        let Some(command) = &self.exec else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            self.handler == HandlerKind::Simulated,
+            "--exec runs a worker process per channel; it cannot be combined with --handler stream"
+        );
+        let options = chanwatch_node::ExecOptions {
+            command: command.clone(),
+            stop_grace: self.stop_grace,
+            ready_on_start: self.ready_on_start,
+        };
+        let mut handler = chanwatch_node::ExecHandler::bind(options, &self.agent).await?;
+        if self.log.log.is_some() {
+            handler = handler.with_log(self.log.open(keys, None).await?);
+        }
+        tracing::info!(agent = handler.agent_url(), command = %command, "exec: workers will be spawned per channel");
+        Ok(Some(handler))
+    }
+
     /// The stream consumer on its log (`default_log` when no `--log`), or `None` for the
     /// simulated load.
     ///

@@ -5,5 +5,6 @@
 mod checkpoints;
 mod consumer;
 mod example;
+mod exec;
 mod liveness;
 mod metrics;

@@ -5,7 +5,8 @@
 //! and the median every benchmark reports. The workloads are in `store` (store floor),
 //! `failover` and `system` (assign, balance, ack, planner); the data plane's in `checkpoint`
 //! (fenced commits), `consume` (consumer throughput against a bare reader) and
-//! `data_failover` (a consuming node killed under load), with their instruments in `meter`.
+//! `data_failover` (a consuming node killed under load), with their instruments in `meter`;
+//! `exec` (`--exec` workers).
 //! Must not: assert on timings (benchmarks report; they never fail for being slow).
 
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use crate::flags::EtcdArgs;
 mod checkpoint;
 mod consume;
 mod data_failover;
+mod exec;
 mod failover;
 mod meter;
 mod store;
@@ -56,6 +58,9 @@ pub enum What {
     /// A node consuming under a steady producer is killed: time until every moved channel
     /// commits again on its new owner, and the messages re-read.
     DataFailover(BenchDataFailoverArgs),
+    /// `--exec` workers: time to start a child per channel, node memory per child, agent
+    /// commits/s against the in-process handler's (embedded store, one node).
+    Exec(BenchExecArgs),
 }
 
 /// Flags of `bench checkpoint`.
@@ -147,6 +152,20 @@ pub struct BenchDataFailoverArgs {
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
+}
+
+/// Flags of `bench exec`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchExecArgs {
+    /// Channels (one trivial child each) for the start and memory figures.
+    #[arg(long, default_value_t = 1000)]
+    pub channels: usize,
+    /// Channels committing at once for the commits/s figures (a Python child each).
+    #[arg(long, default_value_t = 16)]
+    pub commit_channels: usize,
+    /// How long each committer commits.
+    #[arg(long, default_value_t = 5)]
+    pub seconds: u64,
 }
 
 /// Flags of `bench planner`.
@@ -298,6 +317,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Checkpoint(args) => checkpoint::run(&args).await,
         What::Consume(args) => consume::run(&args).await,
         What::DataFailover(args) => data_failover::run(&args).await,
+        What::Exec(args) => exec::run(&args).await,
     }
 }
 

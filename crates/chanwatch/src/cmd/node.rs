@@ -1,5 +1,5 @@
-//! `chanwatch node`: a node running the built-in simulated load or the stream consumer
-//! (`--handler stream --log URL`), built from flags, run until Ctrl-C or SIGTERM.
+//! `chanwatch node`: a node running the built-in simulated load, the stream consumer
+//! (`--handler stream --log URL`) or a worker process per channel (`--exec CMD`), built from flags, run until Ctrl-C or SIGTERM.
 //!
 //! Owns: the node's flags (`Args`, the hidden `--plant`), its handler (simulated load or
 //! stream consumer, with the optional `--handler-log` audit) and serving its admin HTTP.
@@ -68,23 +68,7 @@ pub async fn run(args: Args) -> Result<()> {
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let stop = shared_shutdown();
     info!(admin = %admin_addr, store = %store.describe(), "node starting");
-    let consumer = args.handler.consumer(&keys, None).await?;
-    let load = args.test_load.simulated_load(args.load_delay);
-    let audit = |path: &std::path::Path, e: std::io::Error| {
-        anyhow::anyhow!("cannot append to --handler-log {}: {e}", path.display())
-    };
-    let handler: Arc<dyn chanwatch_node::ChannelHandler> = match (consumer, &args.handler_log) {
-        (None, None) => Arc::new(load),
-        (Some(consumer), None) => Arc::new(consumer),
-        (None, Some(path)) => Arc::new(
-            chanwatch_node::AuditLog::open(load, path, Clock::system())
-                .map_err(|e| audit(path, e))?,
-        ),
-        (Some(consumer), Some(path)) => Arc::new(
-            chanwatch_node::AuditLog::open(consumer, path, Clock::system())
-                .map_err(|e| audit(path, e))?,
-        ),
-    };
+    let handler = handler(&args).await?;
     let planted_bug = args.plant.map(|p| match p {
         PlantArg::NoWatchProgress => chanwatch_node::PlantedBug::NoWatchProgress,
     });
@@ -120,12 +104,93 @@ pub async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// The node's handler from its flags: an `--exec` worker per channel, the stream consumer, or
+/// the simulated load; wrapped in the handler log with `--handler-log`.
+async fn handler(args: &Args) -> Result<Arc<dyn chanwatch_node::ChannelHandler>> {
+    fn audited<H: chanwatch_node::ChannelHandler>(
+        h: H,
+        log: Option<&std::path::Path>,
+    ) -> Result<Arc<dyn chanwatch_node::ChannelHandler>> {
+        Ok(match log {
+            None => Arc::new(h),
+            Some(path) => Arc::new(
+                chanwatch_node::AuditLog::open(h, path, Clock::system()).map_err(|e| {
+                    anyhow::anyhow!("cannot append to --handler-log {}: {e}", path.display())
+                })?,
+            ),
+        })
+    }
+    let log = args.handler_log.as_deref();
+    let keys = args.root.keys()?;
+    if let Some(exec) = args.handler.exec(&keys).await? {
+        return audited(exec, log);
+    }
+    match args.handler.consumer(&keys, None).await? {
+        Some(consumer) => audited(consumer, log),
+        None => audited(args.test_load.simulated_load(args.load_delay), log),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::*;
     use crate::cli::{Cli, Command};
+
+    #[tokio::test]
+    async fn exec_flags_reach_the_handler_and_help_explains_them() {
+        let cli = Cli::try_parse_from([
+            "chanwatch",
+            "node",
+            "--exec",
+            "exec python3 w.py 'a b'",
+            "--stop-grace",
+            "1500ms",
+            "--ready-on-start",
+        ])
+        .expect("parses");
+        let Command::Node(args) = cli.command else {
+            panic!("not the node command");
+        };
+        assert_eq!(
+            args.handler.exec.as_deref(),
+            Some("exec python3 w.py 'a b'")
+        );
+        assert_eq!(args.handler.stop_grace, Duration::from_millis(1500));
+        assert!(args.handler.ready_on_start);
+        let keys = chanwatch_core::Keys::default();
+        let exec = args
+            .handler
+            .exec(&keys)
+            .await
+            .expect("binds")
+            .expect("some");
+        assert!(exec.agent_url().starts_with("http://127.0.0.1:"));
+        let both = Cli::try_parse_from(["chanwatch", "node", "--exec", "w", "--handler", "stream"])
+            .expect("parses");
+        let Command::Node(args) = both.command else {
+            panic!("not the node command");
+        };
+        assert!(
+            args.handler.exec(&keys).await.is_err(),
+            "--exec with --handler stream"
+        );
+        let mut help = Vec::new();
+        let mut cmd = Cli::command();
+        let node = cmd.find_subcommand_mut("node").expect("node subcommand");
+        node.write_long_help(&mut help).expect("help renders");
+        let help = String::from_utf8_lossy(&help);
+        for want in [
+            "--exec",
+            "CHANWATCH_AGENT_TOKEN",
+            "/commit",
+            "--stop-grace",
+            "--agent",
+        ] {
+            assert!(help.contains(want), "--help lacks {want}:\n{help}");
+        }
+    }
 
     /// What the switches make the load do is tested beside `SimulatedLoad`.
     #[test]

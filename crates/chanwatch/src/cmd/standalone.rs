@@ -64,14 +64,18 @@ pub async fn run(args: Args) -> Result<()> {
             .join("chanwatch-standalone-log")
             .display()
     );
-    let handler: Arc<dyn chanwatch_node::ChannelHandler> = match args
-        .handler
-        .consumer(&chanwatch_core::Keys::default(), Some(default_log))
-        .await?
-    {
-        Some(consumer) => Arc::new(consumer),
-        None => Arc::new(args.test_load.simulated_load(args.load_delay)),
-    };
+    let handler: Arc<dyn chanwatch_node::ChannelHandler> =
+        match args.handler.exec(&chanwatch_core::Keys::default()).await? {
+            Some(exec) => Arc::new(exec),
+            None => match args
+                .handler
+                .consumer(&chanwatch_core::Keys::default(), Some(default_log))
+                .await?
+            {
+                Some(consumer) => Arc::new(consumer),
+                None => Arc::new(args.test_load.simulated_load(args.load_delay)),
+            },
+        };
     let token = args.access.token_for(listener.local_addr()?)?;
     let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone())?;
     let stop = shared_shutdown();

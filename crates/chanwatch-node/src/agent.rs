@@ -1,0 +1,373 @@
+//! The local agent API (issue 14, DESIGN §7): the HTTP endpoints an `--exec` worker process
+//! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler),
+//! one random bearer token per child.
+//!
+//! | request | answer |
+//! |---|---|
+//! | `POST /ready` | 200: the load is done (the node acks `Watched`) |
+//! | `POST /progress {"percent": N}` | 200: load progress, feeds the coordinator's watch timeout |
+//! | `POST /commit {"position": "P", "state": {...}?}` | 200 once the fenced commit landed; 409 fenced (the run no longer owns the channel: exit); 503 not landed (node paused or store unavailable: commit again later); 413 state over 64 KiB |
+//! | `POST /fail {"reason": "..."}` | 200: the channel is broken; the node stops the worker and acks `WatchFailed` |
+//! | `GET /state` | 200 `{"state": "running" \| "paused", "channel", "epoch"}` |
+//! | `GET /read?after=P&max=N&wait_ms=W` | when the node has a log (`--log`): 200 `{"messages": [{"position", "payload"}]}`, the channel's next messages after `P` (empty: from the start; the payloads in hex), waiting up to `W` ms (default 1000, at most 10000) for one; 404 without a log; 503 log unavailable |
+//!
+//! Every request carries `Authorization: Bearer $CHANWATCH_AGENT_TOKEN`: 401 without one, 403
+//! with a token no running child holds (a stopped child's, or a made-up one). The token names
+//! the child, so a request with another child's token acts on that other child only — a child
+//! can act only as itself as long as it keeps its token to itself. Errors are
+//! `{"error": "..."}`; a body that is not the JSON object asked for is 400.
+//!
+//! Owns: the listener, the table token → child, and mapping each request onto the child's
+//! [`ChannelContext`]. Must not: touch the store (commits go through the context), or start and
+//! stop processes (the exec handler does).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use crate::handler::{ChannelContext, CommitError};
+
+/// What the agent knows of one child: its run's context, whether its load is done, and
+/// whether the node is paused.
+pub(crate) struct AgentChild {
+    pub(crate) ctx: ChannelContext,
+    /// The log `GET /read` serves, when the node has one.
+    pub(crate) log: Option<Arc<dyn chanwatch_stream::Log>>,
+    pub(crate) ready: watch::Sender<bool>,
+    pub(crate) paused: AtomicBool,
+}
+
+impl std::fmt::Debug for AgentChild {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentChild")
+            .field("channel", &self.ctx.info.channel)
+            .field("epoch", &self.ctx.info.epoch)
+            .field("log", &self.log.is_some())
+            .field("paused", &self.paused)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentChild {
+    pub(crate) fn new(ctx: ChannelContext) -> Self {
+        AgentChild {
+            ctx,
+            log: None,
+            ready: watch::Sender::new(false),
+            paused: AtomicBool::new(false),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    children: Mutex<HashMap<String, Arc<AgentChild>>>,
+}
+
+impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<AgentChild>>> {
+        self.children
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The agent: its address and the children it answers. Cloning shares it.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    table: Arc<Table>,
+    url: String,
+}
+
+/// A child's place in the agent; dropping it revokes the token (its requests get 403).
+#[derive(Debug)]
+pub(crate) struct Registration {
+    table: Arc<Table>,
+    token: String,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.table.lock().remove(&self.token);
+    }
+}
+
+impl Agent {
+    /// Serves the agent API on `listener` until the process ends (the task holds nothing
+    /// but the table).
+    pub fn serve(listener: tokio::net::TcpListener) -> std::io::Result<Agent> {
+        let addr = listener.local_addr()?;
+        let table = Arc::new(Table::default());
+        let app = router(table.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "exec: the agent API stopped serving");
+            }
+        });
+        Ok(Agent {
+            table,
+            url: format!("http://{addr}"),
+        })
+    }
+
+    /// The base URL children get as `CHANWATCH_AGENT_URL` (`http://127.0.0.1:PORT`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Answers requests bearing `token` for `child` until the registration is dropped.
+    pub(crate) fn register(&self, token: String, child: Arc<AgentChild>) -> Registration {
+        self.table.lock().insert(token.clone(), child);
+        Registration {
+            table: self.table.clone(),
+            token,
+        }
+    }
+}
+
+/// A fresh random token: 32 hex digits from the OS's random source.
+///
+/// # Errors
+/// `/dev/urandom` cannot be read.
+pub(crate) fn random_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn router(table: Arc<Table>) -> Router {
+    Router::new()
+        .route("/ready", post(ready))
+        .route("/progress", post(progress))
+        .route("/commit", post(commit))
+        .route("/fail", post(fail))
+        .route("/state", get(state))
+        .route("/read", get(read))
+        .with_state(table)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+/// A refused request: its status and why.
+struct Refused(StatusCode, &'static str);
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        error(self.0, self.1)
+    }
+}
+
+/// The child the request's bearer token names, or the answer that refuses it.
+fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused> {
+    let Some(token) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return Err(Refused(
+            StatusCode::UNAUTHORIZED,
+            "no `Authorization: Bearer $CHANWATCH_AGENT_TOKEN` header",
+        ));
+    };
+    table.lock().get(token.trim()).cloned().ok_or(Refused(
+        StatusCode::FORBIDDEN,
+        "this token belongs to no running worker (its run ended, or it was never issued): exit",
+    ))
+}
+
+/// The body as a JSON object (an empty body is `{}`).
+fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Refused> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) | Err(_) => Err(Refused(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON object",
+        )),
+    }
+}
+
+fn ok() -> Response {
+    Json(json!({ "ok": true })).into_response()
+}
+
+async fn ready(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
+    match child(&table, &headers) {
+        Ok(c) => {
+            c.ready.send_replace(true);
+            ok()
+        }
+        Err(r) => r.into_response(),
+    }
+}
+
+async fn progress(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let body = match object(&body) {
+        Ok(b) => b,
+        Err(r) => return r.into_response(),
+    };
+    let Some(percent) = body.get("percent").and_then(Value::as_u64) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "want {\"percent\": 0..100} (an unsigned integer)",
+        );
+    };
+    c.ctx
+        .progress(u8::try_from(percent.min(100)).unwrap_or(100));
+    ok()
+}
+
+async fn commit(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let mut body = match object(&body) {
+        Ok(b) => b,
+        Err(r) => return r.into_response(),
+    };
+    let position =
+        match body.remove("position") {
+            Some(Value::String(p)) if !p.is_empty() => p,
+            _ => return error(
+                StatusCode::BAD_REQUEST,
+                "want {\"position\": \"...\" (a non-empty string), \"state\": {...} (optional)}",
+            ),
+        };
+    let state = body.remove("state").filter(|s| !s.is_null());
+    if c.paused.load(Ordering::SeqCst) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the node is paused (it cannot reach the store): nothing committed; stop external effects and commit again once GET /state says running",
+        );
+    }
+    match c.ctx.commit(position, state).await {
+        Ok(()) => ok(),
+        Err(e @ CommitError::Fenced(_)) => error(StatusCode::CONFLICT, e.to_string()),
+        Err(e @ CommitError::Unavailable(_)) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
+        Err(e @ CommitError::TooLarge(_)) => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
+    }
+}
+
+async fn fail(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let body = match object(&body) {
+        Ok(b) => b,
+        Err(r) => return r.into_response(),
+    };
+    let reason = body
+        .get("reason")
+        .and_then(Value::as_str)
+        .unwrap_or("the worker reported itself broken (no reason given)");
+    c.ctx.fail(format!("worker: {reason}"));
+    ok()
+}
+
+async fn state(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
+    match child(&table, &headers) {
+        Ok(c) => {
+            let state = if c.paused.load(Ordering::SeqCst) {
+                "paused"
+            } else {
+                "running"
+            };
+            Json(json!({
+                "state": state,
+                "channel": c.ctx.info.channel.as_str(),
+                "epoch": c.ctx.info.epoch.0,
+            }))
+            .into_response()
+        }
+        Err(r) => r.into_response(),
+    }
+}
+
+async fn read(
+    State(table): State<Arc<Table>>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> Response {
+    use std::fmt::Write;
+    let c = match child(&table, &headers) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let Some(log) = &c.log else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this node has no --log: read the log yourself",
+        );
+    };
+    let after = match q.get("after").map(String::as_str).unwrap_or("") {
+        "" => chanwatch_stream::Position::START,
+        p => match p.parse() {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("after: {e}")),
+        },
+    };
+    let num = |k: &str, default: u64, max: u64| {
+        q.get(k)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+            .min(max)
+    };
+    let max = usize::try_from(num("max", 256, 4096)).unwrap_or(256).max(1);
+    let wait = std::time::Duration::from_millis(num("wait_ms", 1000, 10_000));
+    match log
+        .read(c.ctx.info.channel.as_str(), after, max, wait)
+        .await
+    {
+        Ok(batch) => {
+            let messages: Vec<Value> = batch
+                .iter()
+                .map(|m| {
+                    let mut hex = String::with_capacity(m.payload.len() * 2);
+                    for b in m.payload.iter() {
+                        let _ = write!(hex, "{b:02x}");
+                    }
+                    json!({ "position": m.position.to_string(), "payload": hex })
+                })
+                .collect();
+            Json(json!({ "messages": messages })).into_response()
+        }
+        Err(e) if e.is_retryable() => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,230 @@
+//! Unit tests of the agent API over a real socket: token checks, one child's token acting
+//! on that child only, revocation, the pause in `GET /state`, and `GET /read`.
+use super::*;
+use crate::handler::RunnerEvent;
+use chanwatch_core::{ChannelInfo, ChannelName, Epoch, NodeId, VChannelInfo};
+use tokio::sync::mpsc;
+
+/// A context outside any node: its events (progress, fail) land in the receiver.
+fn context(channel: &str) -> (ChannelContext, mpsc::UnboundedReceiver<RunnerEvent>) {
+    let (events, rx) = mpsc::unbounded_channel();
+    let ctx = ChannelContext {
+        node: NodeId(1),
+        info: ChannelInfo::new(
+            ChannelName::new(channel).expect("valid"),
+            Epoch(3),
+            0,
+            VChannelInfo::default(),
+        ),
+        clock: chanwatch_store::Clock::system(),
+        events,
+        last_progress: Arc::default(),
+        progress_interval: std::time::Duration::from_secs(5),
+        generation: 1,
+        committer: None,
+    };
+    (ctx, rx)
+}
+
+async fn call(
+    agent: &Agent,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = agent.url().trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    let status = out[9..12].parse().expect("status");
+    let json = out
+        .split("\r\n\r\n")
+        .nth(1)
+        .and_then(|b| serde_json::from_str(b).ok())
+        .unwrap_or(Value::Null);
+    (status, json)
+}
+
+async fn agent() -> Agent {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    Agent::serve(l).expect("serve")
+}
+
+#[tokio::test]
+async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes_nothing() {
+    let agent = agent().await;
+    let (ctx, mut events) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child.clone());
+    assert_eq!(call(&agent, "POST", "/ready", None, "").await.0, 401);
+    assert_eq!(
+        call(&agent, "POST", "/ready", Some("nope"), "").await.0,
+        403
+    );
+    assert_eq!(
+        call(&agent, "POST", "/fail", Some("nope"), "{\"reason\":\"x\"}")
+            .await
+            .0,
+        403
+    );
+    assert_eq!(call(&agent, "GET", "/state", Some("nope"), "").await.0, 403);
+    assert!(!*child.ready.borrow());
+    assert!(
+        events.try_recv().is_err(),
+        "a refused /fail reached the node"
+    );
+    assert_eq!(
+        call(&agent, "POST", "/ready", Some("tok-a"), "").await.0,
+        200
+    );
+    assert!(*child.ready.borrow());
+}
+
+#[tokio::test]
+async fn another_childs_token_acts_on_that_child_only() {
+    let agent = agent().await;
+    let (ctx_a, mut ev_a) = context("a");
+    let (ctx_b, mut ev_b) = context("b");
+    let a = Arc::new(AgentChild::new(ctx_a));
+    let b = Arc::new(AgentChild::new(ctx_b));
+    let _ra = agent.register("tok-a".into(), a.clone());
+    let _rb = agent.register("tok-b".into(), b.clone());
+    assert_eq!(
+        call(&agent, "POST", "/ready", Some("tok-b"), "").await.0,
+        200
+    );
+    assert!(*b.ready.borrow() && !*a.ready.borrow());
+    assert_eq!(
+        call(
+            &agent,
+            "POST",
+            "/fail",
+            Some("tok-b"),
+            "{\"reason\":\"boom\"}"
+        )
+        .await
+        .0,
+        200
+    );
+    assert!(ev_a.try_recv().is_err());
+    assert!(ev_b.try_recv().is_ok());
+    let (s, body) = call(&agent, "GET", "/state", Some("tok-a"), "").await;
+    assert_eq!((s, body["channel"].as_str()), (200, Some("a")));
+}
+
+#[tokio::test]
+async fn a_dropped_registration_revokes_the_token_and_state_follows_the_pause() {
+    let agent = agent().await;
+    let (ctx, _ev) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let reg = agent.register("tok-a".into(), child.clone());
+    assert_eq!(
+        call(&agent, "GET", "/state", Some("tok-a"), "").await.1["state"],
+        "running"
+    );
+    child.paused.store(true, Ordering::SeqCst);
+    assert_eq!(
+        call(&agent, "GET", "/state", Some("tok-a"), "").await.1["state"],
+        "paused"
+    );
+    let (s, _) = call(
+        &agent,
+        "POST",
+        "/commit",
+        Some("tok-a"),
+        "{\"position\":\"3\"}",
+    )
+    .await;
+    assert_eq!(s, 503, "a paused node commits nothing");
+    assert_eq!(
+        call(&agent, "POST", "/commit", Some("tok-a"), "[1]")
+            .await
+            .0,
+        400
+    );
+    drop(reg);
+    assert_eq!(
+        call(&agent, "GET", "/state", Some("tok-a"), "").await.0,
+        403
+    );
+}
+
+#[tokio::test]
+async fn read_serves_the_childs_own_channel_after_a_position_when_the_node_has_a_log() {
+    let agent = agent().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log: Arc<dyn chanwatch_stream::Log> = Arc::new(
+        chanwatch_stream::FileLog::open(dir.path(), chanwatch_stream::FileLogOptions::default())
+            .expect("log"),
+    );
+    for p in [&b"one"[..], b"two", b"\x00\xff"] {
+        log.append("a", bytes::Bytes::copy_from_slice(p))
+            .await
+            .expect("append");
+    }
+    log.append("b", bytes::Bytes::from_static(b"not a's"))
+        .await
+        .expect("append");
+    let (ctx, _ev) = context("a");
+    let child = Arc::new(AgentChild {
+        log: Some(log),
+        ..AgentChild::new(ctx)
+    });
+    let _reg = agent.register("tok-a".into(), child);
+    let (s, body) = call(
+        &agent,
+        "GET",
+        "/read?after=1&max=10&wait_ms=0",
+        Some("tok-a"),
+        "",
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(
+        body["messages"],
+        json!([{"position": "2", "payload": "74776f"}, {"position": "3", "payload": "00ff"}])
+    );
+    let (s, body) = call(&agent, "GET", "/read?max=1&wait_ms=0", Some("tok-a"), "").await;
+    assert_eq!(
+        (s, body["messages"][0]["position"].as_str()),
+        (200, Some("1"))
+    );
+    assert_eq!(
+        call(&agent, "GET", "/read?after=x", Some("tok-a"), "")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(call(&agent, "GET", "/read", Some("nope"), "").await.0, 403);
+    let (ctx, _ev) = context("b");
+    let _rb = agent.register("tok-b".into(), Arc::new(AgentChild::new(ctx)));
+    assert_eq!(
+        call(&agent, "GET", "/read", Some("tok-b"), "").await.0,
+        404,
+        "no log"
+    );
+}
+
+#[test]
+fn tokens_are_random_and_long() {
+    let (a, b) = (
+        random_token().expect("token"),
+        random_token().expect("token"),
+    );
+    assert_eq!(a.len(), 32);
+    assert_ne!(a, b);
+}

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""A chanwatch `--exec` worker in Python (standard library only): the stream consumer.
+
+    chanwatch node --exec 'exec python3 examples/workers/consumer.py file:/var/lib/cwlog'
+    chanwatch node --log nats://127.0.0.1:4222 --exec 'exec python3 examples/workers/consumer.py agent'
+
+It reads its channel after CHANWATCH_RESUME_POSITION — from the embedded file log directly
+(`file:DIR`, the dir `produce --log file:DIR` writes), or through the agent's `GET /read`
+(`agent`: any log the node was given with `--log`, NATS included) — folds every message into the same state as the Rust consumer
+(count, highest sequence number, wrapping sum of FNV-1a hashes) so that `chanwatch audit` can
+judge it, and commits (position, state) through the node's agent API. The commit is fenced:
+only the channel's current owner can land one, and the next owner resumes from the last one
+that landed, so the committed state holds every message exactly once.
+
+File log format (crates/chanwatch-stream/src/file.rs): `DIR/CHANNEL.log` is a sequence of
+records `len: u32 LE, crc: u32 LE, payload`, crc = CRC-32 (IEEE, zlib.crc32) over the length
+bytes and the payload; a message's position is its record's 1-based index in the file.
+"""
+import json
+import os
+import signal
+import struct
+import sys
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+AGENT = os.environ["CHANWATCH_AGENT_URL"]
+TOKEN = os.environ["CHANWATCH_AGENT_TOKEN"]
+CHANNEL = os.environ["CHANWATCH_CHANNEL"]
+COMMIT_EVERY, COMMIT_INTERVAL = 100, 0.2
+MASK = (1 << 64) - 1
+
+
+def call(method, path, body=None):
+    """One agent request: (status, JSON answer)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(AGENT + path, data=data, method=method, headers={
+        "Authorization": "Bearer " + TOKEN, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def fnv1a(payload):
+    h = 0xCBF29CE484222325
+    for b in payload:
+        h = ((h ^ b) * 0x100000001B3) & MASK
+    return h
+
+
+class AgentLog:
+    """The channel through the agent's GET /read (positions are opaque strings: NATS has gaps)."""
+
+    def __init__(self, position):
+        self.after = position
+
+    def read(self, max_records):
+        """The next messages, as (position, payload); waits up to 200 ms for one."""
+        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=200")
+        if status != 200:
+            time.sleep(0.2)
+            return []
+        out = [(m["position"], bytes.fromhex(m["payload"])) for m in answer["messages"]]
+        if out:
+            self.after = out[-1][0]
+        return out
+
+
+class FileLog:
+    """One channel file of the embedded log, read record by record from a byte offset; a
+    message's position is its record's 1-based index."""
+
+    def __init__(self, path, position):
+        self.path, self.file, self.offset, self.index = path, None, 0, 0
+        skip = int(position or 0)  # records up to the resume position were folded already
+        while skip > 0:
+            n = len(self.read(skip))
+            skip -= n
+            if not n:
+                time.sleep(0.05)
+
+    def read(self, max_records):
+        """The next complete, checksummed records as (position, payload); a torn or
+        unfinished tail waits."""
+        if self.file is None:
+            if not os.path.exists(self.path):
+                return []
+            self.file = open(self.path, "rb")
+        self.file.seek(self.offset)
+        data = self.file.read(4 << 20)
+        out, i = [], 0
+        while len(out) < max_records and len(data) - i >= 8:
+            length, crc = struct.unpack_from("<II", data, i)
+            if len(data) - i - 8 < length:
+                break
+            payload = data[i + 8:i + 8 + length]
+            if zlib.crc32(data[i:i + 4] + payload) != crc:
+                break
+            self.index += 1
+            out.append((str(self.index), payload))
+            i += 8 + length
+        self.offset += i
+        return out
+
+
+def main():
+    source = sys.argv[1] if len(sys.argv) > 1 else ""
+
+    position = os.environ.get("CHANWATCH_RESUME_POSITION") or ""
+    state = json.loads(os.environ.get("CHANWATCH_RESUME_STATE") or "null") or {}
+    count, max_seq = state.get("count", 0), state.get("max_seq", 0)
+    digest = int(state.get("digest", "0"), 16)
+    if source.startswith("file:"):
+        log = FileLog(os.path.join(source[len("file:"):], CHANNEL + ".log"), position)
+    elif source == "agent":
+        log = AgentLog(position)
+    else:
+        sys.exit("usage: consumer.py file:DIR | agent")
+    stopping = []  # from here SIGTERM (release) ends the loop after one last commit
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    call("POST", "/ready")
+    print(f"{CHANNEL}: consuming after position {position!r} (count {count})", flush=True)
+
+    committed, pending, last_commit, paused = position, 0, time.monotonic(), False
+    last_state_check = 0.0
+
+    def commit():
+        body = {"position": position, "state": {
+            "count": count, "max_seq": max_seq, "digest": f"{digest:016x}"}}
+        status, answer = call("POST", "/commit", body)
+        if status in (409, 401, 403):  # fenced: someone else owns the channel now
+            print(f"{CHANNEL}: commit refused ({status}: {answer.get('error')}); exiting", flush=True)
+            sys.exit(0)
+        return status == 200
+
+    while not stopping:
+        now = time.monotonic()
+        if paused or now - last_state_check > 0.5:  # the node pauses when it cannot reach etcd
+            paused = call("GET", "/state")[1].get("state") == "paused"
+            last_state_check = now
+            if paused:
+                time.sleep(0.1)
+                continue
+        batch = log.read(1000)
+        for position, payload in batch:
+            count += 1
+            if len(payload) >= 8:
+                max_seq = max(max_seq, struct.unpack_from(">Q", payload)[0])
+            digest = (digest + fnv1a(payload)) & MASK
+        pending += len(batch)
+        due = now - last_commit >= COMMIT_INTERVAL
+        if position != committed and (pending >= COMMIT_EVERY or due):
+            if commit():
+                committed, pending = position, 0
+            last_commit = now
+        if not batch:
+            time.sleep(0.05)
+    # Released (SIGTERM): one last commit, so that the next owner re-reads less.
+    if position != committed and not paused:
+        commit()
+
+
+if __name__ == "__main__":
+    main()
