@@ -147,7 +147,9 @@ impl Session {
         }
         let mut commits = commits;
         commits.sort_by(|a, b| a.channel.cmp(&b.channel));
-        for c in commits {
+        // A commit whose run is gone (its reply dropped) has no one to tell and nothing to
+        // keep: the next run resumes from what is in the store.
+        for c in commits.into_iter().filter(|c| !c.reply.is_closed()) {
             let CommitRequest {
                 channel,
                 compares,
@@ -167,23 +169,7 @@ impl Session {
                 },
             ));
         }
-        let mut chunks: Vec<Vec<AckWrite>> = vec![Vec::new()];
-        let (mut bytes, mut guards) = (0, 0);
-        for (len, write) in writes {
-            let last = chunks.last().map_or(0, Vec::len);
-            let full = last >= max_ops
-                || guards + write.compares.len() > max_ops
-                || bytes + len > max_bytes;
-            if last > 0 && full {
-                chunks.push(Vec::new());
-                (bytes, guards) = (0, 0);
-            }
-            bytes += len;
-            guards += write.compares.len();
-            if let Some(c) = chunks.last_mut() {
-                c.push(write);
-            }
-        }
+        let chunks = chunk(writes, max_ops, max_bytes);
         self.ack_in_flight = true;
         let store = self.store.clone();
         let done = self.acks_done_tx.clone();
@@ -271,6 +257,39 @@ impl Session {
     }
 }
 
+/// Splits writes, in order, into txns of at most `max_ops` writes and guards and `max_bytes`
+/// of values. etcd refuses a txn that writes one key twice ("duplicate key given in txn
+/// request"): a second write of a key (two acks of one channel, a checkpoint committed twice)
+/// starts the next txn, which runs after the first has landed.
+fn chunk(writes: Vec<(usize, AckWrite)>, max_ops: usize, max_bytes: usize) -> Vec<Vec<AckWrite>> {
+    let mut chunks: Vec<Vec<AckWrite>> = vec![Vec::new()];
+    let (mut bytes, mut guards) = (0, 0);
+    let mut keys: std::collections::HashSet<String> = std::collections::HashSet::new();
+    for (len, write) in writes {
+        let last = chunks.last().map_or(0, Vec::len);
+        let key = match &write.put {
+            TxnOp::Put { key, .. } => key.clone(),
+            _ => String::new(),
+        };
+        let full = last >= max_ops
+            || guards + write.compares.len() > max_ops
+            || bytes + len > max_bytes
+            || keys.contains(&key);
+        if last > 0 && full {
+            chunks.push(Vec::new());
+            (bytes, guards) = (0, 0);
+            keys.clear();
+        }
+        keys.insert(key);
+        bytes += len;
+        guards += write.compares.len();
+        if let Some(c) = chunks.last_mut() {
+            c.push(write);
+        }
+    }
+    chunks
+}
+
 #[cfg(test)]
 mod tests {
     use chanwatch_core::{ChannelName, ChannelState, Epoch, VChannelInfo};
@@ -309,6 +328,44 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[tokio::test]
+    async fn a_key_written_twice_goes_to_the_next_txn_and_limits_split_the_rest() {
+        let store = EmbeddedStore::new();
+        let mut writes: Vec<(usize, AckWrite)> = assigned(&store, 3)
+            .await
+            .into_iter()
+            .map(|w| (10, w))
+            .collect();
+        let again = assigned(&store, 1).await.into_iter().map(|w| (10, w));
+        writes.extend(again); // the first channel's key once more
+        let keys = |c: &Vec<AckWrite>| -> Vec<String> {
+            c.iter()
+                .map(|w| match &w.put {
+                    TxnOp::Put { key, .. } => key.clone(),
+                    _ => String::new(),
+                })
+                .collect()
+        };
+        let chunks = chunk(writes, 128, 1 << 20);
+        assert_eq!(
+            chunks.len(),
+            2,
+            "{:?}",
+            chunks.iter().map(keys).collect::<Vec<_>>()
+        );
+        assert_eq!(keys(&chunks[0]).len(), 3);
+        let mut first = keys(&chunks[0]);
+        first.dedup();
+        assert_eq!(first.len(), 3, "no key twice in one txn");
+        // The op and byte limits split too.
+        let writes: Vec<(usize, AckWrite)> = assigned(&store, 5)
+            .await
+            .into_iter()
+            .map(|w| (10, w))
+            .collect();
+        assert_eq!(chunk(writes, 2, 1 << 20).len(), 3);
     }
 
     #[tokio::test]
