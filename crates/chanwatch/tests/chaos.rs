@@ -44,9 +44,12 @@ use chanwatch_testkit::{ClusterOptions, EtcdCluster};
 
 #[path = "chaos/audit.rs"]
 mod audit;
+#[path = "chaos/data.rs"]
+mod data;
 #[path = "chaos/netns.rs"]
 mod netns;
 use audit::{intervals, tail};
+use data::DataPlane;
 use netns::Netns;
 
 const NODES: usize = 5;
@@ -114,6 +117,8 @@ struct Chaos {
     killed: Vec<(PathBuf, u64)>,
     /// (log file, from, to) of processes stopped with SIGSTOP.
     frozen: Vec<(PathBuf, u64, u64)>,
+    /// The stream consumer's flags for nodes outside and inside the namespace (data plane).
+    data_args: Option<(Vec<String>, Vec<String>)>,
     rng: u64,
 }
 
@@ -224,17 +229,24 @@ impl Chaos {
         // which node ID a process has now (`node_id`).
         let admin = format!("127.0.0.1:{}", free_port());
         let flag = format!("--admin={admin}");
-        let mut p = self.spawn(
-            &[
-                "node",
-                &ttl,
-                &flag,
-                "--load-delay=200ms",
-                "--progress-interval=1s",
-            ],
-            Some(log),
-            in_netns,
-        );
+        let mut args = vec![
+            "node",
+            &ttl,
+            &flag,
+            "--load-delay=200ms",
+            "--progress-interval=1s",
+        ];
+        if let Some((outside, inside)) = &self.data_args {
+            let data = if in_netns && self.netns.is_some() {
+                inside
+            } else {
+                outside
+            };
+            args.extend(data.iter().map(String::as_str));
+        }
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut p = self.spawn(&args, Some(log), in_netns);
         p.admin = admin;
         self.nodes.push(p);
     }
@@ -482,8 +494,25 @@ async fn chaos_against_real_etcd() {
         spawned: 0,
         killed: Vec::new(),
         frozen: Vec::new(),
+        data_args: None,
         rng: seed | 1,
     };
+    // The data plane (default; `CHANWATCH_CHAOS_DATA=0` runs the nodes' timer load instead).
+    let mut data = match std::env::var("CHANWATCH_CHAOS_DATA").as_deref() {
+        Ok("0") => None,
+        _ => Some(
+            DataPlane::start(
+                c.store.clone(),
+                c.keys.clone(),
+                netns.as_ref().map(|n| n.host_ip.as_str()),
+                c.dir.path(),
+            )
+            .await,
+        ),
+    };
+    c.data_args = data
+        .as_ref()
+        .map(|d| (d.node_args(false), d.node_args(true)));
     println!(
         "chaos: seed {seed}, {secs} s, logs in {}",
         c.dir.path().display()
@@ -524,6 +553,13 @@ async fn chaos_against_real_etcd() {
         started.elapsed()
     );
 
+    if let Some(d) = data.as_mut() {
+        d.start_producer(&c.bin, &c.endpoints, secs);
+        println!(
+            "chaos: producing {} msg/s over all channels for {secs} s",
+            data::RATE
+        );
+    }
     let deadline = Instant::now() + Duration::from_secs(secs);
     let mut settle: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
     let mut violations = Vec::new();
@@ -538,6 +574,9 @@ async fn chaos_against_real_etcd() {
     ];
     if netns.is_some() {
         kinds.push("partition");
+    }
+    if data.is_some() {
+        kinds.push("nats-restart");
     }
     // `CHANWATCH_CHAOS_KINDS=partition,nospace` injects only these (to reproduce one).
     if let Ok(only) = std::env::var("CHANWATCH_CHAOS_KINDS") {
@@ -717,6 +756,22 @@ async fn chaos_against_real_etcd() {
                 );
                 settled_while = during.ok();
             }
+            "nats-restart" => {
+                let d = data.as_mut().expect("nats-restart needs the data plane");
+                let down = Duration::from_millis(3_000 + c.rand(5_001));
+                d.restart_nats(down).await;
+                // Measured from the server's return: every channel commits again (the
+                // consumers and the producer reconnect by themselves).
+                t0 = Instant::now();
+                let back = d
+                    .wait_committed_since(CHANNELS, unix_ms(), t0, SETTLE)
+                    .await;
+                what = format!("down {:.1} s (kill -9)", down.as_secs_f64());
+                match back {
+                    Ok(took) => settled_while = Some(took),
+                    Err(why) => violations.push(format!("nats-restart: {why}")),
+                }
+            }
             _ => {
                 if let Ok(l) = c.store.range(&c.keys.leader()).await {
                     let _ = c.store.compact(l.revision).await;
@@ -745,6 +800,9 @@ async fn chaos_against_real_etcd() {
             After::NodeGone(id) => Some(id),
             _ => None,
         };
+        if let Some(d) = data.as_mut() {
+            d.note_fault(kind, started_ms, target.map(|n| n.0));
+        }
         let unexpected: Vec<String> = sessions0
             .difference(&sessions1)
             .filter(|id| Some(**id) != target)
@@ -789,6 +847,9 @@ async fn chaos_against_real_etcd() {
         }
         tokio::time::sleep(Duration::from_millis(500 + c.rand(1500))).await;
     }
+    if let Some(d) = data.as_mut() {
+        violations.extend(d.stop_producing(Duration::from_secs(90)).await);
+    }
     if let Err(why) = c
         .wait_settled(true, &After::Nothing, Instant::now(), SETTLE)
         .await
@@ -829,6 +890,11 @@ async fn chaos_against_real_etcd() {
     let fences = audit::fence_reasons(c.dir.path());
     for (reason, n) in &fences {
         println!("chaos: {n:>3} × a node fenced itself: {reason}");
+    }
+    if let Some(d) = &data {
+        violations.extend(d.report());
+        let audit = d.audit(&c.bin, &c.endpoints, &*c.store, CHANNELS).await;
+        violations.extend(audit);
     }
     println!("chaos: violations: {}", violations.len());
     for p in c.coords.iter_mut().chain(c.nodes.iter_mut()) {
