@@ -1,19 +1,27 @@
 //! Process-level chaos against real etcd: a 3-member etcd cluster, 2 coordinator and 5 node
-//!
-//! Over 600 lines on purpose: one scenario (start, inject, measure, audit) read top to bottom;
-//! the log audit is in `chaos/audit.rs`, the network namespace in `chaos/netns.rs`.
 //! processes of the real binary, 500 channels. For `CHANWATCH_CHAOS_SECS` (default 120) it
 //! injects at random: `kill -9` of a node or of the leader, `SIGSTOP`/`SIGCONT` of a node past
 //! its TTL, a restart of one etcd member, compaction, an etcd-wide outage (every member
 //! `kill -9`ed for 5-20 s, then restarted on its data), a full quota (junk outside the root
-//! until NOSPACE, held 5-10 s, then deleted, compacted, defragmented, alarm disarmed) and a
+//! until NOSPACE, held 5-10 s, then deleted, compacted, defragmented, alarm disarmed), a
 //! network partition of one node (the node runs in a network namespace, see `chaos/netns.rs`;
-//! iptables drops its etcd traffic for 5-15 s; without root, `ip` or `iptables` the run says
-//! why and goes on without this kind, unless `CHANWATCH_CHAOS_NETNS=require`).
+//! iptables drops its traffic to the host for 5-15 s; without root, `ip` or `iptables` the run
+//! says why and goes on without this kind, unless `CHANWATCH_CHAOS_NETNS=require`) and a
+//! restart of nats-server (`kill -9`, down 3-8 s, started again on its store dir).
+//!
+//! The data plane (`chaos/data.rs`; `CHANWATCH_CHAOS_DATA=0` leaves it out and the nodes run
+//! the timer load): the nodes run the stream consumer on a `nats-server -js`, `chanwatch
+//! produce --all` appends at a steady rate for the whole fault phase, and at the end
+//! `chanwatch audit` must find every channel exact (0 lost, 0 duplicated, 0 behind); then a
+//! planted loss and duplicate (two checkpoints rewritten as a broken consumer would commit
+//! them) must be caught by a second audit. A watch on the store times every commit: the table
+//! at the end gives, per fault kind, the old owner's last commit → the new owner's first, the
+//! longest any channel went without a commit, and a bound on the messages re-read.
 //!
 //! After each fault it measures the time until every channel is `Watched` on a live node and
 //! that node's handler log says it runs it (same epoch, started, not stopped or paused); for
-//! the outage and the quota the time counts from etcd's return (the restart, the disarm). Any
+//! the outage and the quota the time counts from etcd's return (the restart, the disarm); for
+//! the nats-server restart, from its return until every channel committed again. Any
 //! chanwatch process that exits by itself is a violation (its output's tail is printed; it is
 //! replaced). At the end it checks single ownership from the nodes' handler logs
 //! (`--handler-log`).
@@ -28,7 +36,7 @@
 //!
 //! Over 600 lines because the fault schedule, with each kind's check, reads best as one
 //! story; what reads the handler logs is in `chaos/audit.rs`, the network namespace in
-//! `chaos/netns.rs`.
+//! `chaos/netns.rs`, the data plane in `chaos/data.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -768,7 +776,10 @@ async fn chaos_against_real_etcd() {
                     .await;
                 what = format!("down {:.1} s (kill -9)", down.as_secs_f64());
                 match back {
-                    Ok(took) => settled_while = Some(took),
+                    Ok((first, all)) => {
+                        what += &format!(", first commit {:.2} s", first.as_secs_f64());
+                        settled_while = Some(all);
+                    }
                     Err(why) => violations.push(format!("nats-restart: {why}")),
                 }
             }
