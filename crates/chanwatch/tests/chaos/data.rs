@@ -409,6 +409,9 @@ impl DataPlane {
     /// one checkpoint made to miss a message and one to hold a message twice (as a broken
     /// consumer would commit them), which a second audit of those two channels must call
     /// lost and duplicated. Returns violations.
+    ///
+    /// `CHANWATCH_CHAOS_PLANT=lose-one` plants them before the first audit instead (which
+    /// must then fail the run): the check that a loss fails the whole run, not just `audit`.
     pub async fn audit(
         &self,
         bin: &Path,
@@ -416,6 +419,11 @@ impl DataPlane {
         store: &dyn MetaStore,
         channels: usize,
     ) -> Vec<String> {
+        let planted = std::env::var("CHANWATCH_CHAOS_PLANT").as_deref() == Ok("lose-one");
+        if planted {
+            let done = self.plant(store).await.map(|_| "planted");
+            println!("chaos data: CHANWATCH_CHAOS_PLANT=lose-one: a loss and a duplicate {done:?}");
+        }
         let started = Instant::now();
         let (ok, last, text) = self.run_audit(bin, endpoints, &self.produced);
         println!(
@@ -440,6 +448,10 @@ impl DataPlane {
                 "audit: not exactly once over {channels} channels: {last}\n{}",
                 bad.join("\n")
             ));
+            return out;
+        }
+        if planted {
+            out.push("CHANWATCH_CHAOS_PLANT=lose-one, yet the audit found nothing".to_owned());
             return out;
         }
         match self.plant(store).await {
