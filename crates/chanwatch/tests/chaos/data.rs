@@ -12,9 +12,10 @@
 //! What it measures, from outside (receive times of a watch on `{root}/`, one clock):
 //! * a **move** is a checkpoint whose epoch differs from the channel's previous checkpoint;
 //!   its **gap** is the old owner's last commit → the new owner's first commit. It is a
-//!   *failover* when the old epoch's owner (from the assignment keys) is the node the fault
-//!   aimed at, else another move (balance, a drain). Each is attributed to the fault in
-//!   progress when the new owner's first commit landed (a fault lasts until the next begins).
+//!   *failover* when the old epoch's owner, or the owner of an epoch in between (one that
+//!   never committed), is the node the fault aimed at (owners from the assignment keys);
+//!   else another move (balance, a drain). Each is attributed to the fault in progress when
+//!   the new owner's first commit landed (a fault lasts until the next begins).
 //! * the **worst gap** of a fault: the longest time any channel went without a commit, over
 //!   the gaps that ended during the fault — the unavailability of faults that move nothing
 //!   (an outage, a NATS restart: channels pause in place).
@@ -544,6 +545,10 @@ impl DataPlane {
         let mut kinds: BTreeMap<&str, Kind> = BTreeMap::new();
         let mut worst = vec![0u64; self.faults.len()];
         let mut spacing = Vec::new();
+        // (fault, old owner, new owner) → (moves, longest gap), printed with
+        // CHANWATCH_CHAOS_VERBOSE.
+        type Owners = (usize, Option<u64>, Option<u64>);
+        let mut moves: BTreeMap<Owners, (usize, u64)> = BTreeMap::new();
         let fault_at = |ms: u64| self.faults.iter().rposition(|f| f.start_ms <= ms);
         for f in &self.faults {
             kinds.entry(f.kind).or_default().faults += 1;
@@ -572,12 +577,36 @@ impl DataPlane {
                     continue;
                 }
                 let old_owner = seen.owners.get(&(channel.clone(), a.epoch)).copied();
-                if old_owner.is_some() && old_owner == self.faults[i].target {
+                let new_owner = seen.owners.get(&(channel.clone(), b.epoch)).copied();
+                let m = moves.entry((i, old_owner, new_owner)).or_default();
+                m.0 += 1;
+                m.1 = m.1.max(gap);
+                // An owner that never committed (it had the channel for a moment, then lost
+                // it) is seen only through the assignment keys: a failover off the target
+                // may show as a move between two other owners.
+                let target = self.faults[i].target;
+                let aimed = target.is_some()
+                    && (a.epoch..b.epoch)
+                        .any(|e| seen.owners.get(&(channel.clone(), e)).copied() == target);
+                if aimed {
                     k.failover.push(gap);
                     k.reread.push(b.count - a.count.min(b.count));
                 } else {
                     k.other.push(gap);
                 }
+            }
+        }
+        if std::env::var_os("CHANWATCH_CHAOS_VERBOSE").is_some() {
+            for ((i, from, to), (n, gap)) in &moves {
+                let f = &self.faults[*i];
+                println!(
+                    "chaos data:   fault {i} {} at {} (aimed at {:?}): {n} moves {from:?} -> \
+                     {to:?}, longest gap {:.2} s",
+                    f.kind,
+                    f.start_ms,
+                    f.target,
+                    *gap as f64 / 1000.0
+                );
             }
         }
         for (i, f) in self.faults.iter().enumerate() {
