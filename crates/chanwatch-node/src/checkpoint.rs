@@ -225,14 +225,20 @@ impl Committer {
         let mut outcome = answer
             .await
             .unwrap_or_else(|_| Err(CommitError::Fenced("the session ended".into())));
-        if matches!(outcome, Err(CommitError::Fenced(_))) {
+        if let Err(CommitError::Fenced(why)) = &outcome {
             // The group commit retries a batch that failed with an unknown outcome write by
             // write; if the batch landed, this write's guard saw our own write. A key holding
-            // exactly what we wrote is that write (found by the chaos run: the consumer was
-            // told it was fenced and stopped for good while the node still ran the channel).
-            if let Ok(Some(kv)) = self.shared.store.get(&key).await {
-                if kv.value == bytes {
-                    outcome = Ok(kv.mod_revision);
+            // exactly what we wrote is that write; a key we cannot read leaves the outcome
+            // unknown, for the next commit to reconcile (found by the chaos run: consumers
+            // told "fenced" stopped for good while their node still ran the channels).
+            match self.shared.store.get(&key).await {
+                Ok(Some(kv)) if kv.value == bytes => outcome = Ok(kv.mod_revision),
+                Ok(_) => {}
+                Err(e) => {
+                    outcome = Err(CommitError::Unavailable(format!(
+                        "refused ({why}), and the checkpoint cannot be read to tell whether \
+                         the refused write was our own: {e}"
+                    )))
                 }
             }
         }

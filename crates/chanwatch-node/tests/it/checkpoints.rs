@@ -183,11 +183,28 @@ async fn a_state_over_64_kib_is_refused_before_it_is_sent() -> Result<()> {
 struct LosesOneAnswer {
     inner: EmbeddedStore,
     armed: std::sync::atomic::AtomicBool,
+    /// Gets to fail (`Unavailable`) after the lost answer: etcd going down meanwhile.
+    failing_gets: std::sync::atomic::AtomicUsize,
+    gets_to_fail: usize,
 }
 
 #[async_trait]
 impl MetaStore for LosesOneAnswer {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        let fail = self
+            .failing_gets
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok();
+        if fail {
+            return Err(StoreError::Unavailable {
+                endpoints: "test".into(),
+                message: "down".into(),
+            });
+        }
         self.inner.get(key).await
     }
     async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
@@ -197,6 +214,8 @@ impl MetaStore for LosesOneAnswer {
         let batch = txn.then.len() >= 2;
         let answer = self.inner.txn(txn).await;
         if batch && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.failing_gets
+                .store(self.gets_to_fail, std::sync::atomic::Ordering::SeqCst);
             return Err(StoreError::Unavailable {
                 endpoints: "test".into(),
                 message: "applied, answer lost".into(),
@@ -234,9 +253,24 @@ impl MetaStore for LosesOneAnswer {
 /// wrote is its own landed write.
 #[tokio::test(start_paused = true)]
 async fn a_group_commit_that_landed_but_got_no_answer_does_not_fence_its_runs() -> Result<()> {
+    landed_without_answer(0).await
+}
+
+/// The same while the store is going down: the refused runs cannot read their checkpoint to
+/// tell, so the outcome is unknown (`Unavailable`, reconciled by the next commit), not
+/// `Fenced` (which stopped the consumer for good).
+#[tokio::test(start_paused = true)]
+async fn a_group_commit_that_landed_without_an_answer_is_unknown_while_the_store_is_down(
+) -> Result<()> {
+    landed_without_answer(2).await
+}
+
+async fn landed_without_answer(gets_to_fail: usize) -> Result<()> {
     let inner = Arc::new(LosesOneAnswer {
         inner: EmbeddedStore::new(),
         armed: false.into(),
+        failing_gets: 0.into(),
+        gets_to_fail,
     });
     let store: Arc<dyn MetaStore> = inner.clone();
     let keeper = Arc::new(Keeper::default());
