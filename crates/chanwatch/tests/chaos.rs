@@ -1,19 +1,27 @@
 //! Process-level chaos against real etcd: a 3-member etcd cluster, 2 coordinator and 5 node
-//!
-//! Over 600 lines on purpose: one scenario (start, inject, measure, audit) read top to bottom;
-//! the log audit is in `chaos/audit.rs`, the network namespace in `chaos/netns.rs`.
 //! processes of the real binary, 500 channels. For `CHANWATCH_CHAOS_SECS` (default 120) it
 //! injects at random: `kill -9` of a node or of the leader, `SIGSTOP`/`SIGCONT` of a node past
 //! its TTL, a restart of one etcd member, compaction, an etcd-wide outage (every member
 //! `kill -9`ed for 5-20 s, then restarted on its data), a full quota (junk outside the root
-//! until NOSPACE, held 5-10 s, then deleted, compacted, defragmented, alarm disarmed) and a
+//! until NOSPACE, held 5-10 s, then deleted, compacted, defragmented, alarm disarmed), a
 //! network partition of one node (the node runs in a network namespace, see `chaos/netns.rs`;
-//! iptables drops its etcd traffic for 5-15 s; without root, `ip` or `iptables` the run says
-//! why and goes on without this kind, unless `CHANWATCH_CHAOS_NETNS=require`).
+//! iptables drops its traffic to the host for 5-15 s; without root, `ip` or `iptables` the run
+//! says why and goes on without this kind, unless `CHANWATCH_CHAOS_NETNS=require`) and a
+//! restart of nats-server (`kill -9`, down 3-8 s, started again on its store dir).
+//!
+//! The data plane (`chaos/data.rs`; `CHANWATCH_CHAOS_DATA=0` leaves it out and the nodes run
+//! the timer load): the nodes run the stream consumer on a `nats-server -js`, `chanwatch
+//! produce --all` appends at a steady rate for the whole fault phase, and at the end
+//! `chanwatch audit` must find every channel exact (0 lost, 0 duplicated, 0 behind); then a
+//! planted loss and duplicate (two checkpoints rewritten as a broken consumer would commit
+//! them) must be caught by a second audit. A watch on the store times every commit: the table
+//! at the end gives, per fault kind, the old owner's last commit → the new owner's first, the
+//! longest any channel went without a commit, and a bound on the messages re-read.
 //!
 //! After each fault it measures the time until every channel is `Watched` on a live node and
 //! that node's handler log says it runs it (same epoch, started, not stopped or paused); for
-//! the outage and the quota the time counts from etcd's return (the restart, the disarm). Any
+//! the outage and the quota the time counts from etcd's return (the restart, the disarm); for
+//! the nats-server restart, from its return until every channel committed again. Any
 //! chanwatch process that exits by itself is a violation (its output's tail is printed; it is
 //! replaced). At the end it checks single ownership from the nodes' handler logs
 //! (`--handler-log`).
@@ -28,7 +36,7 @@
 //!
 //! Over 600 lines because the fault schedule, with each kind's check, reads best as one
 //! story; what reads the handler logs is in `chaos/audit.rs`, the network namespace in
-//! `chaos/netns.rs`.
+//! `chaos/netns.rs`, the data plane in `chaos/data.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -44,9 +52,12 @@ use chanwatch_testkit::{ClusterOptions, EtcdCluster};
 
 #[path = "chaos/audit.rs"]
 mod audit;
+#[path = "chaos/data.rs"]
+mod data;
 #[path = "chaos/netns.rs"]
 mod netns;
 use audit::{intervals, tail};
+use data::DataPlane;
 use netns::Netns;
 
 const NODES: usize = 5;
@@ -114,6 +125,8 @@ struct Chaos {
     killed: Vec<(PathBuf, u64)>,
     /// (log file, from, to) of processes stopped with SIGSTOP.
     frozen: Vec<(PathBuf, u64, u64)>,
+    /// The stream consumer's flags for nodes outside and inside the namespace (data plane).
+    data_args: Option<(Vec<String>, Vec<String>)>,
     rng: u64,
 }
 
@@ -224,17 +237,24 @@ impl Chaos {
         // which node ID a process has now (`node_id`).
         let admin = format!("127.0.0.1:{}", free_port());
         let flag = format!("--admin={admin}");
-        let mut p = self.spawn(
-            &[
-                "node",
-                &ttl,
-                &flag,
-                "--load-delay=200ms",
-                "--progress-interval=1s",
-            ],
-            Some(log),
-            in_netns,
-        );
+        let mut args = vec![
+            "node",
+            &ttl,
+            &flag,
+            "--load-delay=200ms",
+            "--progress-interval=1s",
+        ];
+        if let Some((outside, inside)) = &self.data_args {
+            let data = if in_netns && self.netns.is_some() {
+                inside
+            } else {
+                outside
+            };
+            args.extend(data.iter().map(String::as_str));
+        }
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut p = self.spawn(&args, Some(log), in_netns);
         p.admin = admin;
         self.nodes.push(p);
     }
@@ -482,8 +502,25 @@ async fn chaos_against_real_etcd() {
         spawned: 0,
         killed: Vec::new(),
         frozen: Vec::new(),
+        data_args: None,
         rng: seed | 1,
     };
+    // The data plane (default; `CHANWATCH_CHAOS_DATA=0` runs the nodes' timer load instead).
+    let mut data = match std::env::var("CHANWATCH_CHAOS_DATA").as_deref() {
+        Ok("0") => None,
+        _ => Some(
+            DataPlane::start(
+                c.store.clone(),
+                c.keys.clone(),
+                netns.as_ref().map(|n| n.host_ip.as_str()),
+                c.dir.path(),
+            )
+            .await,
+        ),
+    };
+    c.data_args = data
+        .as_ref()
+        .map(|d| (d.node_args(false), d.node_args(true)));
     println!(
         "chaos: seed {seed}, {secs} s, logs in {}",
         c.dir.path().display()
@@ -524,6 +561,16 @@ async fn chaos_against_real_etcd() {
         started.elapsed()
     );
 
+    if let Some(d) = data.as_mut() {
+        // 20 s past the fault phase: a fault begun just before its end (a nats-server down
+        // for 8 s, say) is still measured on flowing data.
+        d.start_producer(&c.bin, &c.endpoints, secs + 20);
+        println!(
+            "chaos: producing {} msg/s over all channels for {} s",
+            data::RATE,
+            secs + 20
+        );
+    }
     let deadline = Instant::now() + Duration::from_secs(secs);
     let mut settle: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
     let mut violations = Vec::new();
@@ -538,6 +585,9 @@ async fn chaos_against_real_etcd() {
     ];
     if netns.is_some() {
         kinds.push("partition");
+    }
+    if data.is_some() {
+        kinds.push("nats-restart");
     }
     // `CHANWATCH_CHAOS_KINDS=partition,nospace` injects only these (to reproduce one).
     if let Ok(only) = std::env::var("CHANWATCH_CHAOS_KINDS") {
@@ -717,6 +767,25 @@ async fn chaos_against_real_etcd() {
                 );
                 settled_while = during.ok();
             }
+            "nats-restart" => {
+                let d = data.as_mut().expect("nats-restart needs the data plane");
+                let down = Duration::from_millis(3_000 + c.rand(5_001));
+                d.restart_nats(down).await;
+                // Measured from the server's return: every channel commits again (the
+                // consumers and the producer reconnect by themselves).
+                t0 = Instant::now();
+                let back = d
+                    .wait_committed_since(CHANNELS, unix_ms(), t0, SETTLE)
+                    .await;
+                what = format!("down {:.1} s (kill -9)", down.as_secs_f64());
+                match back {
+                    Ok((first, all)) => {
+                        what += &format!(", first commit {:.2} s", first.as_secs_f64());
+                        settled_while = Some(all);
+                    }
+                    Err(why) => violations.push(format!("nats-restart: {why}")),
+                }
+            }
             _ => {
                 if let Ok(l) = c.store.range(&c.keys.leader()).await {
                     let _ = c.store.compact(l.revision).await;
@@ -745,6 +814,9 @@ async fn chaos_against_real_etcd() {
             After::NodeGone(id) => Some(id),
             _ => None,
         };
+        if let Some(d) = data.as_mut() {
+            d.note_fault(kind, started_ms, target.map(|n| n.0));
+        }
         let unexpected: Vec<String> = sessions0
             .difference(&sessions1)
             .filter(|id| Some(**id) != target)
@@ -789,6 +861,9 @@ async fn chaos_against_real_etcd() {
         }
         tokio::time::sleep(Duration::from_millis(500 + c.rand(1500))).await;
     }
+    if let Some(d) = data.as_mut() {
+        violations.extend(d.stop_producing(Duration::from_secs(90)).await);
+    }
     if let Err(why) = c
         .wait_settled(true, &After::Nothing, Instant::now(), SETTLE)
         .await
@@ -829,6 +904,11 @@ async fn chaos_against_real_etcd() {
     let fences = audit::fence_reasons(c.dir.path());
     for (reason, n) in &fences {
         println!("chaos: {n:>3} × a node fenced itself: {reason}");
+    }
+    if let Some(d) = &data {
+        violations.extend(d.report());
+        let audit = d.audit(&c.bin, &c.endpoints, &*c.store, CHANNELS).await;
+        violations.extend(audit);
     }
     println!("chaos: violations: {}", violations.len());
     for p in c.coords.iter_mut().chain(c.nodes.iter_mut()) {

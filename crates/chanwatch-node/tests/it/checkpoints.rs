@@ -11,7 +11,10 @@ use async_trait::async_trait;
 use chanwatch_coord::Coordinator;
 use chanwatch_core::{ChannelInfo, ChannelName, Checkpoint, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{ChannelContext, ChannelHandler, CommitError, Node};
-use chanwatch_store::{EmbeddedStore, MetaStore};
+use chanwatch_store::{
+    EmbeddedStore, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision,
+    StoreError, StoreResult, Txn, TxnResponse, WatchStream,
+};
 use serde_json::json;
 
 /// Keeps each run's context so the test can commit through it, and what it resumed from.
@@ -180,5 +183,148 @@ async fn a_state_over_64_kib_is_refused_before_it_is_sent() -> Result<()> {
     }
     ensure!(node.metrics().commit_count("too_large") == 1);
     ensure!(node.metrics().commit_count("ok") == 0);
+    Ok(())
+}
+
+/// The embedded store, except that once armed, the next txn of two or more writes is applied
+/// and then answered with `Unavailable` (etcd killed after it applied a txn, before it
+/// answered: the client cannot tell whether it landed).
+struct LosesOneAnswer {
+    inner: EmbeddedStore,
+    armed: std::sync::atomic::AtomicBool,
+    /// Gets to fail (`Unavailable`) after the lost answer: etcd going down meanwhile.
+    failing_gets: std::sync::atomic::AtomicUsize,
+    gets_to_fail: usize,
+}
+
+#[async_trait]
+impl MetaStore for LosesOneAnswer {
+    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        let fail = self
+            .failing_gets
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok();
+        if fail {
+            return Err(StoreError::Unavailable {
+                endpoints: "test".into(),
+                message: "down".into(),
+            });
+        }
+        self.inner.get(key).await
+    }
+    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
+        self.inner.range(prefix).await
+    }
+    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+        let batch = txn.then.len() >= 2;
+        let answer = self.inner.txn(txn).await;
+        if batch && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.failing_gets
+                .store(self.gets_to_fail, std::sync::atomic::Ordering::SeqCst);
+            return Err(StoreError::Unavailable {
+                endpoints: "test".into(),
+                message: "applied, answer lost".into(),
+            });
+        }
+        answer
+    }
+    async fn watch(&self, prefix: &str, from: Revision) -> StoreResult<WatchStream> {
+        self.inner.watch(prefix, from).await
+    }
+    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
+        self.inner.grant(ttl).await
+    }
+    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
+        self.inner.keepalive(lease).await
+    }
+    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
+        self.inner.revoke(lease).await
+    }
+    async fn compact(&self, revision: Revision) -> StoreResult<()> {
+        self.inner.compact(revision).await
+    }
+    fn limits(&self) -> &Limits {
+        self.inner.limits()
+    }
+    fn describe(&self) -> String {
+        "embedded, loses one answer".into()
+    }
+}
+
+/// Found by the chaos run's data plane: a group commit whose batch txn failed with an
+/// unknown outcome is retried write by write; when the batch had landed, each retry's guard
+/// saw the run's own write and the run was told `Fenced` — its consumer stopped for good
+/// while the node still ran the channel. A refused commit whose key holds exactly what it
+/// wrote is its own landed write.
+#[tokio::test(start_paused = true)]
+async fn a_group_commit_that_landed_but_got_no_answer_does_not_fence_its_runs() -> Result<()> {
+    landed_without_answer(0).await
+}
+
+/// The same while the store is going down: the refused runs cannot read their checkpoint to
+/// tell, so the outcome is unknown (`Unavailable`, reconciled by the next commit), not
+/// `Fenced` (which stopped the consumer for good).
+#[tokio::test(start_paused = true)]
+async fn a_group_commit_that_landed_without_an_answer_is_unknown_while_the_store_is_down(
+) -> Result<()> {
+    landed_without_answer(2).await
+}
+
+async fn landed_without_answer(gets_to_fail: usize) -> Result<()> {
+    let inner = Arc::new(LosesOneAnswer {
+        inner: EmbeddedStore::new(),
+        armed: false.into(),
+        failing_gets: 0.into(),
+        gets_to_fail,
+    });
+    let store: Arc<dyn MetaStore> = inner.clone();
+    let keeper = Arc::new(Keeper::default());
+    let coordinator = Coordinator::builder(store.clone()).spawn()?;
+    let node = Node::builder(store.clone())
+        .handler(keeper.clone())
+        .spawn()?;
+    let mut ready = coordinator.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
+    let mut status = node.watch_status();
+    let id = tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.id.is_some()))
+        .await??
+        .id
+        .context("id")?;
+    for c in ["x", "y"] {
+        coordinator
+            .add_channel(ChannelName::new(c)?, VChannelInfo::default())
+            .await?;
+    }
+    let (x, y) = (
+        wait_run(&keeper, id, "x").await?,
+        wait_run(&keeper, id, "y").await?,
+    );
+    x.commit("1", None).await?;
+    y.commit("1", None).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    inner.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    // Sent together, so that they share one txn.
+    let (a, b) = tokio::join!(x.commit("2", None), y.commit("2", None));
+    ensure!(
+        !inner.armed.load(std::sync::atomic::Ordering::SeqCst),
+        "the two commits did not share a txn"
+    );
+    for (name, r) in [("x", a), ("y", b)] {
+        ensure!(
+            !matches!(r, Err(CommitError::Fenced(_))),
+            "{name}: its own landed write fenced the run: {r:?}"
+        );
+    }
+    x.commit("3", None).await?;
+    y.commit("3", None).await?;
+    for c in ["x", "y"] {
+        ensure!(checkpoint(&*store, c).await?.map(|c| c.position) == Some("3".into()));
+    }
+    node.stop().await?;
+    coordinator.stop().await?;
     Ok(())
 }

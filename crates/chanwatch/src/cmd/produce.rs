@@ -88,12 +88,25 @@ pub(crate) fn payload(seq: u64, extra: usize, rng: &mut u64) -> bytes::Bytes {
     bytes::Bytes::from(p)
 }
 
-/// The channels registered under `--root` in etcd.
+/// The channels registered under `--root` in etcd, waiting while etcd is down or electing
+/// a leader (only a configuration error ends it).
 async fn registered(args: &Args) -> Result<Vec<String>> {
     let keys = args.root.keys()?;
-    let store = args.etcd.connect_under(&keys).await?;
+    let store = args.etcd.connect_waiting(&keys).await?;
+    let mut wait = Duration::from_millis(200);
+    let list = loop {
+        match store.range(&keys.channels_prefix()).await {
+            Ok(list) => break list,
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, ?wait, "produce: cannot list the channels yet; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => bail!("cannot list the channels under {}: {e}", keys.root()),
+        }
+    };
     let mut names = std::collections::BTreeSet::new();
-    for kv in store.range(&keys.channels_prefix()).await?.kvs {
+    for kv in list.kvs {
         if let Ok(k) = keys.parse_channel(&kv.key) {
             names.insert(k.channel.to_string());
         }
@@ -201,6 +214,53 @@ pub async fn run(args: Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The chaos run's producer died at start-up when its first etcd read met a leader
+    /// election ("etcdserver: leader changed"): `--all` must wait for etcd, not exit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn produce_all_waits_for_an_etcd_that_is_down_when_it_starts() {
+        use clap::Parser;
+        let mut etcd = chanwatch_testkit::EtcdFixture::start()
+            .await
+            .expect("etcd starts");
+        etcd.etcdctl(&["put", "chanwatch/channel/remaining/ch-a", "x"])
+            .expect("a registered channel");
+        etcd.kill();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("produced.json");
+        let cli = crate::cli::Cli::try_parse_from([
+            "chanwatch".to_owned(),
+            "produce".to_owned(),
+            format!("--log=file:{}", dir.path().join("log").display()),
+            "--all".to_owned(),
+            format!("--endpoints={}", etcd.endpoint()),
+            "--connect-timeout=1s".to_owned(),
+            "--rate=100".to_owned(),
+            "--duration=300ms".to_owned(),
+            format!("--out={}", out.display()),
+        ])
+        .expect("parses");
+        let crate::cli::Command::Produce(args) = cli.command else {
+            panic!("not the produce command");
+        };
+        let producing = tokio::spawn(run(args));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(
+            !producing.is_finished(),
+            "produce ended while etcd was down: {:?}",
+            producing.await
+        );
+        etcd.start_again().await.expect("etcd starts again");
+        tokio::time::timeout(Duration::from_secs(60), producing)
+            .await
+            .expect("produce ends once etcd is back")
+            .expect("joins")
+            .expect("produce succeeds");
+        let produced: Produced =
+            serde_json::from_str(&std::fs::read_to_string(&out).expect("--out written"))
+                .expect("produce's output");
+        assert!(produced.channels["ch-a"].count > 0, "{produced:?}");
+    }
 
     #[test]
     fn a_payload_carries_its_sequence_number_and_its_length() {
