@@ -22,6 +22,7 @@ mod consume;
 mod data_failover;
 mod exec;
 mod failover;
+mod idle;
 mod meter;
 mod store;
 mod system;
@@ -61,6 +62,34 @@ pub enum What {
     /// `--exec` workers: time to start a child per channel, node memory per child, agent
     /// commits/s against the in-process handler's (embedded store, one node).
     Exec(BenchExecArgs),
+    /// A settled cluster that nothing changes: etcd's requests/s and bytes/s by method (from
+    /// its `/metrics`) and the process's CPU over an idle window, at each size.
+    Idle(BenchIdleArgs),
+}
+
+/// Flags of `bench idle`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchIdleArgs {
+    /// Which backend to measure (etcd's counters only with `etcd`).
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Channel counts, one cluster each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "2000,20000")]
+    pub channels: Vec<usize>,
+    /// Nodes.
+    #[arg(long, default_value_t = 20)]
+    pub nodes: usize,
+    /// The idle window measured.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "120s")]
+    pub duration: std::time::Duration,
+    /// Wait after every channel is Watched, before the window.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    pub settle: std::time::Duration,
+    /// The coordinator's --resync-interval (the old behaviour: 10s).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    pub resync_interval: std::time::Duration,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 /// Flags of `bench checkpoint`.
@@ -318,6 +347,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Consume(args) => consume::run(&args).await,
         What::DataFailover(args) => data_failover::run(&args).await,
         What::Exec(args) => exec::run(&args).await,
+        What::Idle(args) => idle::run(&args).await,
     }
 }
 

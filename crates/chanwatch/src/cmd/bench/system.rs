@@ -39,7 +39,7 @@ fn rss_bytes() -> u64 {
 }
 
 /// User + system CPU time of this process (Linux, clock ticks of 10 ms), in seconds.
-fn cpu_secs() -> f64 {
+pub(crate) fn cpu_secs() -> f64 {
     std::fs::read_to_string("/proc/self/stat")
         .ok()
         .and_then(|s| {
@@ -54,7 +54,7 @@ fn cpu_secs() -> f64 {
 }
 
 /// Cores and, for etcd, the local `etcd --version` line.
-fn machine(store: StoreKind) -> Value {
+pub(crate) fn machine(store: StoreKind) -> Value {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let etcd = (store == StoreKind::Etcd).then(|| {
         std::process::Command::new("etcd")
@@ -68,7 +68,7 @@ fn machine(store: StoreKind) -> Value {
     json!({ "cores": cores, "etcd": etcd })
 }
 
-async fn open(store: StoreKind, etcd: &EtcdArgs) -> Result<Arc<dyn MetaStore>> {
+pub(crate) async fn open(store: StoreKind, etcd: &EtcdArgs) -> Result<Arc<dyn MetaStore>> {
     Ok(match store {
         StoreKind::Embedded => Arc::new(EmbeddedStore::new()),
         StoreKind::Etcd => etcd.connect().await?,
@@ -102,11 +102,21 @@ async fn cluster(
     run: usize,
     nodes: usize,
 ) -> Result<(InProc, Vec<NodeProc>, Vec<NodeId>)> {
+    cluster_with(store, run, nodes, timings()).await
+}
+
+/// [`cluster`] with timings of its own.
+pub(crate) async fn cluster_with(
+    store: Arc<dyn MetaStore>,
+    run: usize,
+    nodes: usize,
+    timings: Timings,
+) -> Result<(InProc, Vec<NodeProc>, Vec<NodeId>)> {
     let keys = Keys::new(format!("bench-{}-{run}", std::process::id()))?;
     let c = InProc::start_on(
         store,
         keys,
-        timings(),
+        timings,
         Arc::new(SimulatedLoad::default()),
         "bench".into(),
     )?;
@@ -130,7 +140,7 @@ async fn cluster(
     Ok((c, procs, ids))
 }
 
-async fn teardown(c: InProc, procs: Vec<NodeProc>) -> Result<()> {
+pub(crate) async fn teardown(c: InProc, procs: Vec<NodeProc>) -> Result<()> {
     let store = c.store.clone();
     let prefix = c.keys.all_prefix();
     for p in procs {
@@ -183,7 +193,7 @@ pub(crate) async fn seed(
 }
 
 /// Waits until the coordinator counts `n` channels Watched.
-async fn until_watched(c: &InProc, n: usize, limit: Duration) -> Result<()> {
+pub(crate) async fn until_watched(c: &InProc, n: usize, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
     while c.coord_metrics.channels_in(ChannelState::Watched) < n as i64 {
         ensure!(
