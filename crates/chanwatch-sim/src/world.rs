@@ -124,9 +124,15 @@ struct DataPlane {
 impl DataPlane {
     fn new(seed: u64) -> Self {
         let log = MemLog::new();
+        // Commits every 3 s (the node's default is 1 s): a run's first commit comes late
+        // enough that a remove often lands before it, the window in which only the
+        // assignment's create revision fences the release's last commit.
         let consumer = Arc::new(StreamConsumer::new(
             Arc::new(log.clone()),
-            ConsumerOptions::default(),
+            ConsumerOptions {
+                commit_interval: Duration::from_secs(3),
+                ..ConsumerOptions::default()
+            },
         ));
         let channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));

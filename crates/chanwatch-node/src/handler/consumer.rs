@@ -377,8 +377,9 @@ async fn consume(
             // Hold everything (state stays in memory; a commit in flight is held by the
             // paused node) until resumed or stopped.
             tokio::select! {
-                _ = paused.wait_for(|p| !p) => {}
+                biased;
                 _ = stop.wait_for(|s| *s) => {}
+                _ = paused.wait_for(|p| !p) => {}
             }
             continue;
         }
@@ -387,11 +388,14 @@ async fn consume(
         let read = log.read(&channel, at, options.batch, wait);
         tokio::pin!(read);
         let step = loop {
+            // Biased: with several ready at once (a paused clock), the same one wins every
+            // time, so a simulation replays exactly.
             let step = tokio::select! {
-                r = &mut read => Step::Read(r),
-                (landed_at, c) = answer(&mut in_flight), if in_flight.is_some() => Step::Answered(landed_at, c),
+                biased;
                 _ = stop.wait_for(|s| *s) => Step::Stop,
                 _ = paused.wait_for(|p| *p) => Step::Paused,
+                (landed_at, c) = answer(&mut in_flight), if in_flight.is_some() => Step::Answered(landed_at, c),
+                r = &mut read => Step::Read(r),
             };
             let Step::Answered(landed_at, c) = step else {
                 break step;
