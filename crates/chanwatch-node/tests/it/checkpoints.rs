@@ -12,7 +12,7 @@ use chanwatch_coord::Coordinator;
 use chanwatch_core::{ChannelInfo, ChannelName, Checkpoint, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{ChannelContext, ChannelHandler, CommitError, Node};
 use chanwatch_store::{
-    EmbeddedStore, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision,
+    EmbeddedStore, KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision,
     StoreError, StoreResult, Txn, TxnResponse, WatchStream,
 };
 use serde_json::json;
@@ -216,8 +216,8 @@ impl MetaStore for LosesOneAnswer {
         }
         self.inner.get(key).await
     }
-    async fn range(&self, prefix: &str) -> StoreResult<RangeResponse> {
-        self.inner.range(prefix).await
+    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
+        self.inner.range_keys(keys).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
         let batch = txn.then.len() >= 2;
@@ -232,8 +232,8 @@ impl MetaStore for LosesOneAnswer {
         }
         answer
     }
-    async fn watch(&self, prefix: &str, from: Revision) -> StoreResult<WatchStream> {
-        self.inner.watch(prefix, from).await
+    async fn watch_keys(&self, keys: &KeyRange, from: Revision) -> StoreResult<WatchStream> {
+        self.inner.watch_keys(keys, from).await
     }
     async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
         self.inner.grant(ttl).await
