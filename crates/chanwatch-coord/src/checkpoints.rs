@@ -1,7 +1,7 @@
 //! Every channel's checkpoint as the admin API and the status page show it, read straight
-//! from the store: one range of `{root}/checkpoint/` per request.
+//! from the store: one range of `{root}/worker/checkpoint/` per request.
 //!
-//! Not from the coordinator's view: its list-watch leaves `{root}/checkpoint/` out (every
+//! Not from the coordinator's view: its list-watch leaves `{root}/worker/checkpoint/` out (every
 //! commit of every node would otherwise reach the leader), so the leader does not know them.
 //!
 //! Owns: that read and its rows. Must not: write, or feed anything it reads to the planner.

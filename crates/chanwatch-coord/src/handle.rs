@@ -266,7 +266,7 @@ impl CoordHandle {
     }
 
     /// Every channel's checkpoint, read from the store with one range of
-    /// `{root}/checkpoint/` (not from the coordinator's view, which leaves them out). Any
+    /// `{root}/worker/checkpoint/` (not from the coordinator's view, which leaves them out). Any
     /// coordinator answers, a standby too.
     ///
     /// # Errors

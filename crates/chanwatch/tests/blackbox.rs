@@ -16,6 +16,10 @@
 //! - A channel that fails to load on one node (finding 5): it settles elsewhere and is not put
 //!   back on that node within the back-off or the move cool-down; nothing else churns.
 //!
+//! - The leader's own watch stalls silently (a proxy holds its watch responses) past the watch
+//!   timeout: it notices from its keepalives' revisions, relists, sees the acks; no channel
+//!   is asked to release or assigned twice.
+//!
 //! Planted bugs prove each can fail: `CHANWATCH_BLACKBOX_PLANT=force-without-fence` (or
 //! `balance-ignores-backoff`) starts the coordinator with the hidden `--plant` switch, e.g.
 //! `CHANWATCH_BLACKBOX_PLANT=force-without-fence cargo test -p chanwatch --test blackbox
@@ -421,5 +425,67 @@ async fn a_channel_failing_on_one_node_settles_elsewhere_without_ping_pong_or_ch
             lines.join("\n")
         );
     }
+    keep(c);
+}
+
+/// The leader's own watch stalls silently (it reaches etcd through a [`GrpcProxy`] that holds
+/// its watch responses while its txns and keepalives pass) right after it assigns channels,
+/// longer than the watch timeout, with the resync 5 minutes away. It must find out from its
+/// keepalives' revisions and relist, and see the nodes' acks: judged from outside, every
+/// channel is assigned once (epoch 1), none is asked to release, and all run; the leader's
+/// `chanwatch_watch_stalls_total` says it noticed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_watch_stalls_sees_the_acks_by_relisting_and_moves_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::new("chanwatch-blackbox-leader-stall-").await;
+    let proxy = GrpcProxy::start(c.etcd.endpoint()).await.expect("proxy");
+    let ttl = format!("--session-ttl={TTL}s");
+    c.coord_via(
+        &proxy.endpoint(),
+        &[
+            &ttl,
+            "--watch-timeout=6s",
+            "--resync-interval=300s",
+            "--balance-quiet=300s",
+        ],
+    );
+    let direct = c.etcd.endpoint().to_owned();
+    c.node("a", &direct, &[&ttl]);
+    c.node("b", &direct, &[&ttl]);
+    c.node_id("a").await;
+    c.node_id("b").await;
+    c.wait_coord_nodes(2).await;
+    proxy.stall_watches();
+    let names: Vec<String> = (0..10).map(|i| format!("ls-{i:02}")).collect();
+    c.add_channels(&names).await;
+    // Past the watch timeout (6 s) with the watch held: a leader that cannot see the acks
+    // would ask for releases now.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    proxy.release_watches();
+    let settled = c.wait_settled(10, Duration::from_secs(15), |_, _| true).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let changes = c.history.changes();
+    let releases: Vec<String> = changes
+        .iter()
+        .filter(|ch| ch.state == Some(chanwatch_core::ChannelState::ToRelease))
+        .map(|ch| ch.channel.clone())
+        .collect();
+    let assigned = c.history.assignments();
+    let stalls = Cluster::metric(&c.metrics(&c.admin).await, "chanwatch_watch_stalls_total");
+    let exits = c.exits();
+    println!(
+        "leader watch stall: {} assignments, {} release requests, stalls counted {stalls:?}",
+        assigned.len(),
+        releases.len()
+    );
+    assert!(settled.is_ok(), "not settled: {settled:?}");
+    assert!(releases.is_empty(), "release requests: {}", few(&releases));
+    assert!(
+        assigned.iter().all(|(_, _, _, epoch)| *epoch == 1) && assigned.len() == 10,
+        "each channel assigned once: {}",
+        few(&assigned)
+    );
+    assert!(stalls.unwrap_or(0.0) >= 1.0, "the leader never noticed its stalled watch");
+    assert!(exits.is_empty(), "processes exited: {exits:?}");
     keep(c);
 }

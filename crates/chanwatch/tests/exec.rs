@@ -320,7 +320,7 @@ async fn a_worker_runs_per_channel_with_its_assignment_in_its_environment_and_st
     let cp = wait_for(
         20,
         || "x-0 committed".into(),
-        || w.etcd_get("chanwatch/checkpoint/x-0"),
+        || w.etcd_get("chanwatch/worker/checkpoint/x-0"),
     );
     assert!(cp.contains("\"position\""), "{cp}");
     // Its stdout is in the node's log with the channel.
@@ -522,7 +522,7 @@ async fn a_fenced_workers_commit_gets_409_and_writes_nothing() {
     w.watched("c-0", 30);
     let env = env_file(&w.path("c-0.env"));
     let (url, token) = (&env["CHANWATCH_AGENT_URL"], &env["CHANWATCH_AGENT_TOKEN"]);
-    let key = "chanwatch/checkpoint/c-0";
+    let key = "chanwatch/worker/checkpoint/c-0";
     let (code, body) = agent(url, token, "/commit", r#"{"position":"5","state":{"n":5}}"#);
     assert_eq!(code, 200, "{body}\n{}", node.output());
     assert!(w.etcd_get(key).expect("landed").contains("\"5\""));

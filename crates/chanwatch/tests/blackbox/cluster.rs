@@ -159,9 +159,15 @@ impl Cluster {
 
     /// Starts `chanwatch coord` with `extra` flags.
     pub fn coord(&mut self, extra: &[&str]) {
+        let direct = self.etcd.endpoint().to_owned();
+        self.coord_via(&direct, extra);
+    }
+
+    /// Starts `chanwatch coord` reaching etcd at `endpoint` (e.g. a proxy) with `extra` flags.
+    pub fn coord_via(&mut self, endpoint: &str, extra: &[&str]) {
         let mut args = vec![
             "coord".to_owned(),
-            format!("--endpoints={}", self.etcd.endpoint()),
+            format!("--endpoints={endpoint}"),
             format!("--admin={}", self.admin),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));

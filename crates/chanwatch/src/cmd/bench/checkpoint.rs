@@ -193,7 +193,7 @@ pub async fn run(args: &BenchCheckpointArgs) -> Result<()> {
         "commit_p99_ms_median": round3(med(|f| f.p99_ms)),
         "not_landed_median": med(|f| f.not_landed as f64),
         "max_txn_ops": max_ops,
-        "note": "txns_per_node_round = txns/s / (nodes x commit rate), target <= 2; the floor is what the store's max txn ops allow (2 guards per commit + the session guard); etcd txns include the coordinator's; the coordinator still watches {root}/checkpoint/",
+        "note": "txns_per_node_round = txns/s / (nodes x commit rate), target <= 2; the floor is what the store's max txn ops allow (2 guards per commit + the session guard); etcd txns include the coordinator's; the coordinator watches [{root}/, {root}/worker/): no checkpoints",
     });
     println!("{line}");
     eprintln!(

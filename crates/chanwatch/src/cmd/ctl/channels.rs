@@ -3,7 +3,7 @@
 //! `--state` filters.
 //!
 //! The checkpoints come from the same single range read as the assignments (`{root}/` holds
-//! `{root}/checkpoint/`): no read per channel, and assignment and checkpoint are of one
+//! `{root}/worker/checkpoint/`): no read per channel, and assignment and checkpoint are of one
 //! revision.
 //!
 //! Owns: joining assignments, vchannel infos and checkpoints into [`Line`]s, and their table.
