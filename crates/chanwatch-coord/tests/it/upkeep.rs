@@ -183,7 +183,7 @@ async fn quota_run(compact_interval: Duration, for_: Duration) -> Result<QuotaRu
     let mut i = 0u64;
     let mut next_status = started;
     while started.elapsed() < for_ {
-        let key = format!("{}checkpoint/churn{:02}", keys.all_prefix(), i % 50);
+        let key = format!("{}churn{:02}", keys.checkpoints_prefix(), i % 50);
         if store
             .txn(Txn::new().and_then([TxnOp::put(key, value.clone())]))
             .await
