@@ -116,6 +116,12 @@ impl Upkeep {
     /// Any store error of the read, the txn or the compaction (but `Compacted` and
     /// `FutureRevision`, which are [`Outcome::AlreadyDone`]); the next round tries again.
     pub(crate) async fn round(&mut self) -> Result<Outcome, StoreError> {
+        let (decision, read_at) = self.plan().await?;
+        self.carry_out(decision, read_at).await
+    }
+
+    /// Reads the compaction key and decides; also returns the revision it read at.
+    async fn plan(&self) -> Result<(Decision, Revision), StoreError> {
         let key = self.keys.compact();
         let read = self
             .store
@@ -131,15 +137,24 @@ impl Upkeep {
                 }),
             mod_revision: kv.mod_revision,
         });
-        let decision = decide(self.seen, record);
-        let Decision::Compact { to, expect_mod } = decision else {
-            self.seen = Some(read.revision);
-            let Decision::Skip(why) = decision else {
-                unreachable!()
-            };
-            debug!(why, "coord: no compaction this round");
-            return Ok(Outcome::Skipped(why));
+        Ok((decide(self.seen, record), read.revision))
+    }
+
+    /// Carries `decision` out (made from a read at `read_at`): the CAS, then the compaction.
+    async fn carry_out(
+        &mut self,
+        decision: Decision,
+        read_at: Revision,
+    ) -> Result<Outcome, StoreError> {
+        let (to, expect_mod) = match decision {
+            Decision::Skip(why) => {
+                self.seen = Some(read_at);
+                debug!(why, "coord: no compaction this round");
+                return Ok(Outcome::Skipped(why));
+            }
+            Decision::Compact { to, expect_mod } => (to, expect_mod),
         };
+        let key = self.keys.compact();
         let txn = Txn::new()
             .when([
                 Compare::mod_revision(key.clone(), expect_mod),
@@ -147,7 +162,7 @@ impl Upkeep {
             ])
             .and_then([TxnOp::put(key.clone(), to.to_string())]);
         let resp = self.store.txn(txn).await?;
-        self.seen = Some(resp.revision.max(read.revision));
+        self.seen = Some(resp.revision.max(read_at));
         if !resp.succeeded {
             debug!(
                 to,
@@ -294,6 +309,19 @@ mod tests {
         assert_eq!(metrics.compactions.get(), 1);
         let kv = store.get(&keys.compact()).await.unwrap().expect("the key");
         assert_eq!(kv.value, to.to_string().into_bytes());
+        put(&store, "chanwatch/x", "4").await;
+
+        // The key changes between the read and the CAS (another coordinator's round): the
+        // CAS is refused and nothing is compacted.
+        put(&store, "chanwatch/x", "3").await;
+        let (decision, read_at) = up.plan().await.expect("read");
+        assert!(matches!(decision, Decision::Compact { .. }), "{decision:?}");
+        put(&store, &keys.compact(), &read_at.to_string()).await;
+        assert!(matches!(
+            up.carry_out(decision, read_at).await,
+            Ok(Outcome::Refused)
+        ));
+        assert_eq!(metrics.compactions.get(), 1, "compacted without the CAS");
         put(&store, "chanwatch/x", "4").await;
 
         // Another coordinator wrote the key after what `up` saw: it skips this interval.
