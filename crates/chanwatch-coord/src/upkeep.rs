@@ -307,7 +307,7 @@ mod tests {
         assert_eq!(to, seen);
         assert!(compacted_below(&store, to).await);
         assert_eq!(metrics.compactions.get(), 1);
-        let kv = store.get(&keys.compact()).await.unwrap().expect("the key");
+        let kv = store.get(&keys.compact()).await.expect("get").expect("the key");
         assert_eq!(kv.value, to.to_string().into_bytes());
         put(&store, "chanwatch/x", "4").await;
 
@@ -340,7 +340,7 @@ mod tests {
         store
             .txn(Txn::new().and_then([TxnOp::delete(keys.leader())]))
             .await
-            .unwrap();
+            .expect("delete");
         put(&store, &keys.leader(), "someone else").await;
         put(&store, "chanwatch/x", "6").await;
         assert!(matches!(deposed.round().await, Ok(Outcome::Refused)));
