@@ -50,11 +50,11 @@ pub(crate) enum Decision {
     Skip(&'static str),
 }
 
-/// Decides a round: `seen` is the revision the leader saw one interval ago (`None` in the
-/// first round of a term), `record` the compaction key as read now.
+/// Decides a round: `seen` is the revision the leader saw one interval ago (at first, the
+/// create revision of its leader key), `record` the compaction key as read now.
 pub(crate) fn decide(seen: Option<Revision>, record: Option<Record>) -> Decision {
     let Some(to) = seen.filter(|r| *r > 0) else {
-        return Decision::Skip("first round of the term: no revision seen one interval ago");
+        return Decision::Skip("no revision seen one interval ago");
     };
     match record {
         Some(r) if r.mod_revision > to => {
@@ -94,7 +94,9 @@ pub(crate) struct Upkeep {
 }
 
 impl Upkeep {
-    /// Upkeep for the term whose leader key was created at `leader_rev`.
+    /// Upkeep for the term whose leader key was created at `leader_rev`: the revision the
+    /// leader saw when its term began, so its first round (one interval later) compacts to it
+    /// without a read at the start of the term.
     pub(crate) fn new(
         store: Arc<dyn MetaStore>,
         keys: Keys,
@@ -106,7 +108,7 @@ impl Upkeep {
             keys,
             leader_rev,
             metrics,
-            seen: None,
+            seen: Some(leader_rev),
         }
     }
 
@@ -206,7 +208,7 @@ impl Upkeep {
 pub(crate) fn spawn(mut upkeep: Upkeep, interval: Duration) -> AbortOnDropHandle<()> {
     AbortOnDropHandle::new(tokio::spawn(async move {
         let start = tokio::time::Instant::now();
-        let mut compact_at = (!interval.is_zero()).then_some(start);
+        let mut compact_at = (!interval.is_zero()).then(|| start + interval);
         let mut size_at = Some(start);
         loop {
             let next = match (compact_at, size_at) {
@@ -296,18 +298,24 @@ mod tests {
             leader_rev,
             metrics.clone(),
         );
-        assert!(matches!(up.round().await, Ok(Outcome::Skipped(_))));
+        put(&store, "chanwatch/x", "0").await;
+        // The first round (one interval into the term) compacts to where the term began.
+        assert!(matches!(up.round().await, Ok(Outcome::Compacted(r)) if r == leader_rev));
         let seen = store.range("none/").await.expect("range").revision;
         put(&store, "chanwatch/x", "1").await;
         put(&store, "chanwatch/x", "2").await;
-        // Compacts to what the first round saw, after writing it into the key.
+        // Then to what the previous round saw, after writing it into the key.
         let Ok(Outcome::Compacted(to)) = up.round().await else {
             panic!("no compaction")
         };
         assert_eq!(to, seen);
         assert!(compacted_below(&store, to).await);
-        assert_eq!(metrics.compactions.get(), 1);
-        let kv = store.get(&keys.compact()).await.expect("get").expect("the key");
+        assert_eq!(metrics.compactions.get(), 2);
+        let kv = store
+            .get(&keys.compact())
+            .await
+            .expect("get")
+            .expect("the key");
         assert_eq!(kv.value, to.to_string().into_bytes());
         put(&store, "chanwatch/x", "4").await;
 
@@ -321,7 +329,7 @@ mod tests {
             up.carry_out(decision, read_at).await,
             Ok(Outcome::Refused)
         ));
-        assert_eq!(metrics.compactions.get(), 1, "compacted without the CAS");
+        assert_eq!(metrics.compactions.get(), 2, "compacted without the CAS");
         put(&store, "chanwatch/x", "4").await;
 
         // Another coordinator wrote the key after what `up` saw: it skips this interval.
@@ -344,6 +352,6 @@ mod tests {
         put(&store, &keys.leader(), "someone else").await;
         put(&store, "chanwatch/x", "6").await;
         assert!(matches!(deposed.round().await, Ok(Outcome::Refused)));
-        assert_eq!(metrics.compactions.get(), 1, "compacted without the CAS");
+        assert_eq!(metrics.compactions.get(), 2, "compacted without the CAS");
     }
 }
