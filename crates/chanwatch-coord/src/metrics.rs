@@ -276,6 +276,11 @@ impl CoordMetrics {
         self.cluster.db_bytes.set(bytes);
     }
 
+    /// The last `chanwatch_etcd_db_bytes` read (0: unknown, or not leading).
+    pub fn db_bytes(&self) -> i64 {
+        self.cluster.db_bytes.get()
+    }
+
     /// Counts one reassignment.
     pub fn reassigned(&self, cause: &str) {
         self.reassignments.with_label_values(&[cause]).inc();
@@ -344,6 +349,32 @@ mod tests {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
         assert!(m.register(&r).is_err(), "registering twice must fail");
+    }
+
+    #[test]
+    fn the_db_size_is_exported_by_the_leader_once_known() {
+        let m = CoordMetrics::new();
+        let r = Registry::new();
+        m.register(&r).expect("registration");
+        let state = Planner::new(
+            chanwatch_core::Keys::default(),
+            chanwatch_core::planner::PlannerConfig::default(),
+        );
+        m.set_leader(true);
+        m.observe(&state, true);
+        assert!(
+            !render(&r).contains("chanwatch_etcd_db_bytes"),
+            "unknown size shown"
+        );
+        m.set_db_bytes(4096);
+        assert!(render(&r)
+            .lines()
+            .any(|l| l == "chanwatch_etcd_db_bytes 4096"));
+        m.set_leader(false);
+        assert!(
+            !render(&r).contains("chanwatch_etcd_db_bytes"),
+            "a standby shows it"
+        );
     }
 
     #[test]

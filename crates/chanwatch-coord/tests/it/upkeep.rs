@@ -109,6 +109,12 @@ pub async fn the_leader_compacts_every_interval_alone_and_nodes_keep_their_assig
     );
     let to = compact_record(&c).await?;
     ensure!(to > 0, "{} was not written", c.keys.compact());
+    // The leader reads etcd's db size (the embedded store has none).
+    let db_bytes = c1.metrics.db_bytes().max(c2.metrics.db_bytes());
+    match c.backend {
+        Backend::Embedded(_) => ensure!(db_bytes == 0, "db size {db_bytes} on the embedded store"),
+        Backend::Etcd(_) => ensure!(db_bytes > 0, "the leader did not read etcd's db size"),
+    }
     ensure!(
         compacted_below(c.store.as_ref(), to).await?,
         "history before {to} is still there"
