@@ -32,6 +32,9 @@ pub struct CoordinatorConfig {
     pub resync_interval: Duration,
     /// Period of the planner tick (timeouts).
     pub tick: Duration,
+    /// The leader compacts the store this often, to the revision it saw one interval earlier
+    /// (DESIGN.md §8); zero turns compaction off (then run etcd with auto-compaction).
+    pub compact_interval: Duration,
     /// Txns in flight at once when a plan has several.
     pub pipeline: usize,
     /// Identifies this process in the leader key and logs.
@@ -50,6 +53,7 @@ impl Default for CoordinatorConfig {
             session_ttl: Duration::from_secs(10),
             resync_interval: Duration::from_secs(300),
             tick: Duration::from_secs(1),
+            compact_interval: Duration::from_secs(600),
             pipeline: 8,
             id: format!("coord-{}", std::process::id()),
             admin_addr: String::new(),
@@ -198,6 +202,13 @@ impl CoordinatorBuilder {
     /// Period of the planner tick (timeouts).
     pub fn tick(mut self, tick: Duration) -> Self {
         self.config.tick = tick;
+        self
+    }
+
+    /// How often the leader compacts the store, to the revision it saw one interval earlier;
+    /// zero turns compaction off.
+    pub fn compact_interval(mut self, interval: Duration) -> Self {
+        self.config.compact_interval = interval;
         self
     }
 

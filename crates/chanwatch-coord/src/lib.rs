@@ -79,6 +79,7 @@ mod execute;
 mod handle;
 pub mod metrics;
 mod term;
+mod upkeep;
 mod watch_health;
 
 pub use coordinator::{Coordinator, CoordinatorBuilder, CoordinatorConfig};

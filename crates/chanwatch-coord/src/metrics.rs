@@ -37,12 +37,15 @@ struct ClusterGauges {
     unbalanced: IntGauge,
     moves_in_flight: IntGauge,
     corrupt: IntGauge,
+    /// The store's database size (etcd's `db_size`); not exported while 0 (unknown, or a
+    /// store without a database file).
+    db_bytes: IntGauge,
     /// Set by the first observation of a term, cleared when the term ends.
     shown: Arc<AtomicBool>,
 }
 
 impl ClusterGauges {
-    fn collectors(&self) -> [&dyn Collector; 6] {
+    fn collectors(&self) -> [&dyn Collector; 7] {
         [
             &self.channels,
             &self.nodes_alive,
@@ -50,6 +53,7 @@ impl ClusterGauges {
             &self.unbalanced,
             &self.moves_in_flight,
             &self.corrupt,
+            &self.db_bytes,
         ]
     }
 
@@ -63,6 +67,7 @@ impl ClusterGauges {
             &self.unbalanced,
             &self.moves_in_flight,
             &self.corrupt,
+            &self.db_bytes,
         ] {
             g.set(0);
         }
@@ -81,9 +86,11 @@ impl Collector for ClusterGauges {
         if !self.shown.load(Ordering::SeqCst) {
             return Vec::new();
         }
+        let unknown_size = self.db_bytes.get() == 0;
         self.collectors()
             .into_iter()
             .flat_map(|c| c.collect())
+            .filter(|f| !(unknown_size && f.name() == "chanwatch_etcd_db_bytes"))
             .collect()
     }
 }
@@ -109,6 +116,8 @@ pub struct CoordMetrics {
     pub leader: IntGauge,
     /// Nodes fenced by revoking their session lease (a release past the release timeout).
     pub fences: IntCounter,
+    /// Compactions of the store this process ran as leader (DESIGN §8).
+    pub compactions: IntCounter,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -149,6 +158,10 @@ impl CoordMetrics {
             corrupt: must(IntGauge::new(
                 "chanwatch_corrupt_values",
                 "Keys whose value does not decode (left alone).",
+            )),
+            db_bytes: must(IntGauge::new(
+                "chanwatch_etcd_db_bytes",
+                "Size of etcd's database file in bytes (what --quota-backend-bytes limits), read by the leader every 5 s.",
             )),
             shown: Arc::default(),
         };
@@ -199,6 +212,10 @@ impl CoordMetrics {
                 "chanwatch_nodes_fenced_total",
                 "Nodes whose session lease the leader revoked because they did not release a channel in time.",
             )),
+            compactions: must(IntCounter::new(
+                "chanwatch_compactions_total",
+                "Compactions of etcd run by this coordinator as leader (every --compact-interval).",
+            )),
         }
     }
 
@@ -217,6 +234,7 @@ impl CoordMetrics {
         registry.register(Box::new(self.txn_seconds.clone()))?;
         registry.register(Box::new(self.fences.clone()))?;
         registry.register(Box::new(self.leader.clone()))?;
+        registry.register(Box::new(self.compactions.clone()))?;
         Ok(())
     }
 
@@ -251,6 +269,16 @@ impl CoordMetrics {
         if !leads {
             self.cluster.clear();
         }
+    }
+
+    /// Sets `chanwatch_etcd_db_bytes` (exported only while leading, like the cluster gauges).
+    pub fn set_db_bytes(&self, bytes: i64) {
+        self.cluster.db_bytes.set(bytes);
+    }
+
+    /// The last `chanwatch_etcd_db_bytes` read (0: unknown, or not leading).
+    pub fn db_bytes(&self) -> i64 {
+        self.cluster.db_bytes.get()
     }
 
     /// Counts one reassignment.
@@ -321,6 +349,32 @@ mod tests {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
         assert!(m.register(&r).is_err(), "registering twice must fail");
+    }
+
+    #[test]
+    fn the_db_size_is_exported_by_the_leader_once_known() {
+        let m = CoordMetrics::new();
+        let r = Registry::new();
+        m.register(&r).expect("registration");
+        let state = Planner::new(
+            chanwatch_core::Keys::default(),
+            chanwatch_core::planner::PlannerConfig::default(),
+        );
+        m.set_leader(true);
+        m.observe(&state, true);
+        assert!(
+            !render(&r).contains("chanwatch_etcd_db_bytes"),
+            "unknown size shown"
+        );
+        m.set_db_bytes(4096);
+        assert!(render(&r)
+            .lines()
+            .any(|l| l == "chanwatch_etcd_db_bytes 4096"));
+        m.set_leader(false);
+        assert!(
+            !render(&r).contains("chanwatch_etcd_db_bytes"),
+            "a standby shows it"
+        );
     }
 
     #[test]

@@ -116,6 +116,16 @@ impl<'a> Term<'a> {
             lw.reached(),
             stall_limit(self.config.session_ttl),
         );
+        // Compaction and the db size gauge, on a task of their own that ends with the term.
+        let _upkeep = crate::upkeep::spawn(
+            crate::upkeep::Upkeep::new(
+                self.store.clone(),
+                keys.clone(),
+                self.leader_rev,
+                self.config.metrics.clone(),
+            ),
+            self.config.compact_interval,
+        );
         let mut tick = tokio::time::interval(self.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut resyncs = 0;

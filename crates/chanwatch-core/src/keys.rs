@@ -115,6 +115,13 @@ impl Keys {
         format!("{}/coord/leader", self.root)
     }
 
+    /// `{root}/coord/compact`: the revision the leader last compacted the store to
+    /// (decimal), written by compare-and-swap before it compacts, so that one coordinator
+    /// compacts per `--compact-interval` even across a failover (DESIGN.md §8).
+    pub fn compact(&self) -> String {
+        format!("{}/coord/compact", self.root)
+    }
+
     /// `{root}/coord/drain/`: one key per node being drained (DESIGN.md §2, v2): the drain
     /// must survive a coordinator failover and be visible to `ctl nodes`, so it lives in the
     /// store, written by the leader like every assignment.

@@ -34,8 +34,8 @@ use crate::error::{StoreError, StoreResult};
 use crate::etcd_error::{cancel_error, map_err};
 use crate::types::{
     Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
-    LeaseId, Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch,
-    WatchEvent,
+    LeaseId, Limits, OpResponse, RangeResponse, Revision, StoreStatus, Txn, TxnOp, TxnResponse,
+    WatchBatch, WatchEvent,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -627,6 +627,17 @@ impl MetaStore for EtcdStore {
                     other => Err(other),
                 }
             }
+        }
+    }
+
+    async fn status(&self) -> StoreResult<Option<StoreStatus>> {
+        match self.client.maintenance_client().status().await {
+            Ok(s) => Ok(Some(StoreStatus {
+                db_size: s.db_size(),
+                db_size_in_use: s.raft_used_db_size(),
+                revision: s.header().map_or(0, |h| h.revision()),
+            })),
+            Err(e) => Err(self.err(e, "").await),
         }
     }
 

@@ -19,7 +19,8 @@ use tokio::sync::Notify;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{
-    Alarm, KeyRange, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn, TxnResponse,
+    Alarm, KeyRange, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, StoreStatus, Txn,
+    TxnResponse,
 };
 use crate::{MetaStore, WatchStream};
 
@@ -307,6 +308,11 @@ impl<S: MetaStore> MetaStore for FaultyStore<S> {
         self.faults.gate().await?;
         self.faults.auth()?;
         self.inner.alarms().await
+    }
+    /// Not subject to faults: only a gauge reads it, and a simulation's seed must replay the
+    /// same whether or not the coordinator reads its store's size.
+    async fn status(&self) -> StoreResult<Option<StoreStatus>> {
+        self.inner.status().await
     }
     fn limits(&self) -> &Limits {
         self.inner.limits()

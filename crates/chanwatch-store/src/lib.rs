@@ -71,8 +71,8 @@ pub use lease::{fence_margin, keep_lease, Renewal, UnreachedRenewals};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
     Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
-    LeaseId, Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch,
-    WatchEvent,
+    LeaseId, Limits, OpResponse, RangeResponse, Revision, StoreStatus, Txn, TxnOp, TxnResponse,
+    WatchBatch, WatchEvent,
 };
 
 /// An ordered stream of watch batches. See the crate docs for the guarantees.
@@ -172,6 +172,16 @@ pub trait MetaStore: Send + Sync + 'static {
     /// `Unavailable` (retryable).
     async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
         Ok(Vec::new())
+    }
+
+    /// The store's database size and revision (etcd's maintenance `status`; needs no admin
+    /// role), for `chanwatch_etcd_db_bytes`. The default (a store with no database file, like
+    /// the embedded one) returns `None`.
+    ///
+    /// # Errors
+    /// `Unavailable` (retryable).
+    async fn status(&self) -> StoreResult<Option<StoreStatus>> {
+        Ok(None)
     }
 
     /// The request limits this store enforces.

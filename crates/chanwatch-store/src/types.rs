@@ -468,6 +468,19 @@ pub struct Lease {
     pub ttl: Duration,
 }
 
+/// The store's size and revision (etcd's maintenance `status` of the member answering).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreStatus {
+    /// Bytes of the backend database file: what etcd's `--quota-backend-bytes` limits.
+    /// Compaction frees space inside it; only a defragmentation shrinks the file.
+    pub db_size: i64,
+    /// Bytes of the database in use (`db_size` less what compaction freed; 0 when the member
+    /// does not say).
+    pub db_size_in_use: i64,
+    /// The store's revision when it answered.
+    pub revision: Revision,
+}
+
 /// An alarm the store has raised (etcd's `alarm list`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Alarm {

@@ -1,7 +1,7 @@
 //! The least-privilege etcd roles of the README ("etcd users and roles"), tested on an etcd
 //! with auth on: a coordinator, a node and `ctl` run as real processes, each as its own
 //! user with its own role, and do their work; the node's user cannot write the leader key or
-//! drain marks, and `ctl`'s user cannot write at all.
+//! drain marks, and `ctl`'s user cannot write at all; the coordinator compacts as its own user.
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -103,7 +103,11 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
         .and_then(|l| l.local_addr())
         .expect("free port")
         .port();
-    let mut coord_args = vec!["coord".to_owned(), format!("--admin=127.0.0.1:{port}")];
+    let mut coord_args = vec![
+        "coord".to_owned(),
+        format!("--admin=127.0.0.1:{port}"),
+        "--compact-interval=1s".to_owned(),
+    ];
     coord_args.extend(common(&fixture, "chanwatch-coord"));
     let mut coord = spawn(dir.path(), "coord", &coord_args);
     let mut node_args = vec!["node".to_owned()];
@@ -152,6 +156,30 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
     assert!(
         refused(&coord_user, &format!("{ROOT}/session/node/99")).await,
         "the coordinator's user can write sessions"
+    );
+    // The leader compacts etcd as its own user (etcd lets any authenticated user compact).
+    let compacted_to = async {
+        for _ in 0..100 {
+            if let Ok(Some(kv)) = coord_user.get(&format!("{ROOT}/coord/compact")).await {
+                return String::from_utf8_lossy(&kv.value).parse::<i64>().ok();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
+    }
+    .await
+    .unwrap_or_else(|| panic!("no compaction within 10 s:\n{}", coord.output()));
+    let mut from_before = coord_user
+        .watch(&format!("{ROOT}/"), compacted_to - 1)
+        .await
+        .expect("watch");
+    assert!(
+        matches!(
+            futures_util::StreamExt::next(&mut from_before).await,
+            Some(Err(StoreError::Compacted { .. }))
+        ),
+        "history before {compacted_to} was not compacted:\n{}",
+        coord.output()
     );
     assert!(coord.running(), "coordinator exited:\n{}", coord.output());
     assert!(node.running(), "node exited:\n{}", node.output());

@@ -11,6 +11,7 @@ mod leader;
 mod library;
 mod scenarios;
 mod scope;
+mod upkeep;
 
 /// One test per case on one backend; each calls `$module::$case(cluster)`.
 macro_rules! scenarios {
@@ -65,6 +66,14 @@ mod leader_key {
         leader,
         a_leader_whose_key_is_deleted_steps_down_at_once_and_one_leader_remains,
         a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election,
+    );
+}
+
+/// The leader's compaction (DESIGN §8), on both backends.
+mod compaction {
+    on_both_backends!(
+        upkeep,
+        the_leader_compacts_every_interval_alone_and_nodes_keep_their_assignments,
     );
 }
 
@@ -148,6 +157,15 @@ mod embedded_only {
 
 /// Real etcd, real time.
 mod etcd_only {
+    /// Issue 16's quota test, shortened to two runs of `CHANWATCH_UPKEEP_SECS` (default 60)
+    /// of churn each: run with `--ignored --nocapture` to see the numbers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "two minutes of churn on real etcd"]
+    async fn a_small_quota_without_auto_compaction_fills_only_without_compaction(
+    ) -> anyhow::Result<()> {
+        crate::upkeep::a_small_quota_without_auto_compaction_fills_only_without_compaction().await
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(
     ) -> anyhow::Result<()> {

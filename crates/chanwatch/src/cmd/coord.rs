@@ -38,6 +38,11 @@ pub struct Args {
     /// progress has not reached; a relist of 100,000 channels is tens of MB.
     #[arg(long, alias = "reconcile-interval", env = "CHANWATCH_RESYNC_INTERVAL", value_parser = humantime_secs, default_value = "5m")]
     pub resync_interval: Duration,
+    /// The leader compacts etcd this often, to the revision it saw one interval earlier (one
+    /// coordinator per interval, by a compare-and-swap on {root}/coord/compact). `0` turns it
+    /// off: then run etcd with --auto-compaction-mode/--auto-compaction-retention.
+    #[arg(long, env = "CHANWATCH_COMPACT_INTERVAL", value_parser = humantime_secs, default_value = "10m")]
+    pub compact_interval: Duration,
     /// Most operations in one etcd txn (etcd's --max-txn-ops).
     #[arg(long, env = "CHANWATCH_MAX_TXN_OPS", default_value_t = 128, value_parser = clap::value_parser!(u32).range(4..=10_000))]
     pub max_txn_ops: u32,
@@ -108,6 +113,7 @@ pub async fn run(args: Args) -> Result<()> {
         },
         session_ttl: args.session_ttl,
         resync_interval: args.resync_interval,
+        compact_interval: args.compact_interval,
         admin_addr: admin_addr.clone(),
         ..CoordinatorConfig::default()
     };
