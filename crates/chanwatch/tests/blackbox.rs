@@ -462,7 +462,9 @@ async fn a_leader_whose_watch_stalls_sees_the_acks_by_relisting_and_moves_nothin
     // would ask for releases now.
     tokio::time::sleep(Duration::from_secs(10)).await;
     proxy.release_watches();
-    let settled = c.wait_settled(10, Duration::from_secs(15), |_, _| true).await;
+    let settled = c
+        .wait_settled(10, Duration::from_secs(15), |_, _| true)
+        .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let changes = c.history.changes();
     let releases: Vec<String> = changes
@@ -485,7 +487,10 @@ async fn a_leader_whose_watch_stalls_sees_the_acks_by_relisting_and_moves_nothin
         "each channel assigned once: {}",
         few(&assigned)
     );
-    assert!(stalls.unwrap_or(0.0) >= 1.0, "the leader never noticed its stalled watch");
+    assert!(
+        stalls.unwrap_or(0.0) >= 1.0,
+        "the leader never noticed its stalled watch"
+    );
     assert!(exits.is_empty(), "processes exited: {exits:?}");
     keep(c);
 }
