@@ -10,7 +10,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, Transition};
+use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, PlannerBug, Transition};
 use chanwatch_core::{ChannelName, NodeId};
 use chanwatch_store::{Clock, EventKind, KeyRange, LeaseId, ListWatch, MetaStore, Renewal, Update};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -114,7 +114,11 @@ impl<'a> Term<'a> {
         let mut stall = StallCheck::new(
             self.renewals.clone(),
             lw.reached(),
-            stall_limit(self.config.session_ttl),
+            if self.config.planner.planted_bug == Some(PlannerBug::NoWatchStallCheck) {
+                Duration::from_secs(365 * 24 * 3600) // test switch: never
+            } else {
+                stall_limit(self.config.session_ttl)
+            },
         );
         // Compaction and the db size gauge, on a task of their own that ends with the term.
         let _upkeep = crate::upkeep::spawn(

@@ -40,6 +40,8 @@ pub(crate) struct StallCheck {
     renewals: Option<watch::Receiver<Renewal>>,
     reached: watch::Receiver<Revision>,
     unreached: UnreachedRenewals,
+    /// The last renewal noted.
+    noted: Option<Renewal>,
     limit: Duration,
 }
 
@@ -53,6 +55,7 @@ impl StallCheck {
             renewals,
             reached,
             unreached: UnreachedRenewals::default(),
+            noted: None,
             limit,
         }
     }
@@ -63,9 +66,13 @@ impl StallCheck {
     pub(crate) async fn stalled(&mut self) -> Renewal {
         loop {
             let reached = *self.reached.borrow_and_update();
+            // Compared with the last one noted, not by `has_changed`: `changed()` below marks
+            // a renewal seen before this loop gets to note it.
             if let Some(rx) = &mut self.renewals {
-                if rx.has_changed().unwrap_or(false) {
-                    self.unreached.renewed(*rx.borrow_and_update(), reached);
+                let r = *rx.borrow_and_update();
+                if self.noted != Some(r) {
+                    self.noted = Some(r);
+                    self.unreached.renewed(r, reached);
                 }
             }
             self.unreached.reached(reached);
@@ -148,12 +155,19 @@ mod tests {
             let quiet = tokio::time::timeout(S, check.stalled()).await;
             assert!(quiet.is_err(), "a live watch is not stalled");
         }
-        // Stalled: renewals go on, the watch stays at 14.
-        let sent = tokio::time::Instant::now();
-        renew.send_replace(Renewal { sent, revision: 20 });
+        // Stalled: a renewal comes while the check is already waiting; the watch stays at 14.
         let started = tokio::time::Instant::now();
+        let renewer = tokio::spawn(async move {
+            tokio::time::sleep(S).await;
+            renew.send_replace(Renewal {
+                sent: tokio::time::Instant::now(),
+                revision: 20,
+            });
+            renew
+        });
         let stalled = check.stalled().await;
         assert_eq!(stalled.revision, 20);
-        assert_eq!(tokio::time::Instant::now() - started, 3 * S);
+        assert_eq!(tokio::time::Instant::now() - started, 4 * S);
+        drop(renewer.await);
     }
 }

@@ -18,7 +18,8 @@
 //!
 //! - The leader's own watch stalls silently (a proxy holds its watch responses) past the watch
 //!   timeout: it notices from its keepalives' revisions, relists, sees the acks; no channel
-//!   is asked to release or assigned twice.
+//!   is asked to release or assigned twice (`CHANWATCH_BLACKBOX_PLANT=no-watch-stall-check`
+//!   must fail it).
 //!
 //! Planted bugs prove each can fail: `CHANWATCH_BLACKBOX_PLANT=force-without-fence` (or
 //! `balance-ignores-backoff`) starts the coordinator with the hidden `--plant` switch, e.g.
@@ -435,20 +436,20 @@ async fn a_channel_failing_on_one_node_settles_elsewhere_without_ping_pong_or_ch
 /// channel is assigned once (epoch 1), none is asked to release, and all run; the leader's
 /// `chanwatch_watch_stalls_total` says it noticed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_whose_watch_stalls_sees_the_acks_by_relisting_and_moves_nothing() {
+async fn a_leader_whose_watch_stalls_notices_relists_and_moves_nothing() {
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::new("chanwatch-blackbox-leader-stall-").await;
     let proxy = GrpcProxy::start(c.etcd.endpoint()).await.expect("proxy");
     let ttl = format!("--session-ttl={TTL}s");
-    c.coord_via(
-        &proxy.endpoint(),
-        &[
-            &ttl,
-            "--watch-timeout=6s",
-            "--resync-interval=300s",
-            "--balance-quiet=300s",
-        ],
-    );
+    let planted = plant();
+    let mut flags: Vec<&str> = vec![
+        &ttl,
+        "--watch-timeout=6s",
+        "--resync-interval=300s",
+        "--balance-quiet=300s",
+    ];
+    flags.extend(planted.iter().map(String::as_str));
+    c.coord_via(&proxy.endpoint(), &flags);
     let direct = c.etcd.endpoint().to_owned();
     c.node("a", &direct, &[&ttl]);
     c.node("b", &direct, &[&ttl]);
@@ -458,9 +459,9 @@ async fn a_leader_whose_watch_stalls_sees_the_acks_by_relisting_and_moves_nothin
     proxy.stall_watches();
     let names: Vec<String> = (0..10).map(|i| format!("ls-{i:02}")).collect();
     c.add_channels(&names).await;
-    // Past the watch timeout (6 s) with the watch held: a leader that cannot see the acks
-    // would ask for releases now.
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    // Past the watch timeout (6 s, plus the 6 s a term's first list stands timers still)
+    // with the watch held: a leader that cannot see the acks would ask for releases now.
+    tokio::time::sleep(Duration::from_secs(16)).await;
     proxy.release_watches();
     let settled = c
         .wait_settled(10, Duration::from_secs(15), |_, _| true)
@@ -473,7 +474,19 @@ async fn a_leader_whose_watch_stalls_sees_the_acks_by_relisting_and_moves_nothin
         .map(|ch| ch.channel.clone())
         .collect();
     let assigned = c.history.assignments();
-    let stalls = Cluster::metric(&c.metrics(&c.admin).await, "chanwatch_watch_stalls_total");
+    let coord_metrics = c.metrics(&c.admin).await;
+    let stalls = Cluster::metric(&coord_metrics, "chanwatch_watch_stalls_total");
+    if std::env::var_os("CHANWATCH_BLACKBOX_VERBOSE").is_some() {
+        let out = c.output("coord");
+        let tail: Vec<&str> = out.lines().rev().take(40).collect();
+        println!("coord output (newest first):\n{}", tail.join("\n"));
+        println!(
+            "relists {:?}, watch restarts {:?}, proxy watch calls {}",
+            Cluster::metric(&coord_metrics, "chanwatch_relists_total"),
+            Cluster::metric(&coord_metrics, "chanwatch_watch_restarts_total"),
+            proxy.watch_calls()
+        );
+    }
     let exits = c.exits();
     println!(
         "leader watch stall: {} assignments, {} release requests, stalls counted {stalls:?}",

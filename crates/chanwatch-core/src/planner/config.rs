@@ -41,6 +41,10 @@ pub enum PlannerBug {
     ForceWithoutFence,
     /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
     BalanceIgnoresBackoff,
+    /// The leader's runtime never checks its watch against its keepalives' revisions: a
+    /// silent stall goes unnoticed until the resync (read by the coordinator's term, not by
+    /// the planner).
+    NoWatchStallCheck,
 }
 
 impl Default for PlannerConfig {

@@ -74,6 +74,8 @@ pub enum PlantArg {
     ForceWithoutFence,
     /// Balance ignores failing-node back-offs, troubled nodes and cool-downs.
     BalanceIgnoresBackoff,
+    /// The leader does not check its watch against its keepalives' revisions.
+    NoWatchStallCheck,
 }
 
 impl PlantArg {
@@ -84,6 +86,7 @@ impl PlantArg {
             PlantArg::BalanceIgnoresBackoff => {
                 chanwatch_core::planner::PlannerBug::BalanceIgnoresBackoff
             }
+            PlantArg::NoWatchStallCheck => chanwatch_core::planner::PlannerBug::NoWatchStallCheck,
         }
     }
 }
@@ -184,6 +187,7 @@ mod tests {
         for (flag, bug) in [
             ("force-without-fence", PlannerBug::ForceWithoutFence),
             ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
+            ("no-watch-stall-check", PlannerBug::NoWatchStallCheck),
         ] {
             let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
             let Command::Coord(args) = cli.command else {
