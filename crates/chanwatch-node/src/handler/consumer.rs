@@ -286,9 +286,15 @@ async fn commit(ctx: &ChannelContext, at: Position, state: &StreamState) -> Comm
             tracing::debug!(channel = %ctx.info.channel, error = %e, "consumer: commit not landed; retrying later");
             Committed::Later
         }
-        // Someone else owns the channel now (or will): stop; the node sees the move itself.
+        // Someone else owns the channel now (or will): stop, and say so. A run that stops
+        // consuming must not look like one that runs: when the node has not seen a move (a
+        // fence it cannot explain, e.g. an earlier commit of this run that landed late after
+        // an etcd outage), the channel is reported broken and moves, resuming from its
+        // checkpoint; when it has, the report is ignored (the chaos run found a channel whose
+        // consumer had stopped while its node still ran it: the audit's "behind").
         Err(CommitError::Fenced(e)) => {
-            tracing::info!(channel = %ctx.info.channel, reason = %e, "consumer: fenced; stopping");
+            tracing::warn!(channel = %ctx.info.channel, reason = %e, "consumer: fenced; stopping");
+            ctx.fail(format!("the consumer's checkpoint commit was fenced: {e}"));
             Committed::Stop
         }
         // Cannot happen with this state's size; report the channel broken if it does.
