@@ -245,10 +245,20 @@ fn data_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
     }
 }
 
-fn free_port() -> std::io::Result<u16> {
-    // Bind port 0 and release it at once: a small race with other processes, acceptable for
-    // tests; a collision shows up as "not healthy" with etcd's log explaining it.
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// `N` distinct free ports (port 0 bound, then released: a small race with other processes,
+/// acceptable for tests; a collision shows up as "not healthy" with the server's log
+/// explaining it): all bound at once before any is released, so one process's
+/// ports never collide with each other (two `free_port` calls in a row can return the same
+/// port: CI saw nats-server fail with its client and monitor ports equal).
+fn free_ports<const N: usize>() -> std::io::Result<[u16; N]> {
+    let listeners = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut ports = [0u16; N];
+    for (p, l) in ports.iter_mut().zip(&listeners) {
+        *p = l.local_addr()?.port();
+    }
+    Ok(ports)
 }
 
 impl EtcdFixture {
@@ -267,8 +277,7 @@ impl EtcdFixture {
     pub async fn start_with(options: EtcdOptions) -> Result<Self, FixtureError> {
         let bin = etcd_binary()?;
         let data_dir = data_tempdir("chanwatch-etcd-")?;
-        let client_port = free_port()?;
-        let peer_port = free_port()?;
+        let [client_port, peer_port] = free_ports()?;
         let tls = if options.tls {
             Some(make_certs(data_dir.path())?)
         } else {
@@ -596,7 +605,8 @@ impl EtcdCluster {
         let dir = data_tempdir("chanwatch-etcd-cluster-")?;
         let mut ports = Vec::new();
         for _ in 0..n {
-            ports.push((free_port()?, free_port()?));
+            let [client, peer] = free_ports()?;
+            ports.push((client, peer));
         }
         let initial: Vec<String> = ports
             .iter()

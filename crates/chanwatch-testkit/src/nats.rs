@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::{data_tempdir, free_port, signal, FixtureError};
+use crate::{data_tempdir, free_ports, signal, FixtureError};
 
 /// Finds the nats-server binary.
 ///
@@ -64,8 +64,7 @@ impl NatsFixture {
     pub async fn start() -> Result<Self, FixtureError> {
         let bin = nats_binary()?;
         let dir = data_tempdir("chanwatch-nats-")?;
-        let port = free_port()?;
-        let monitor_port = free_port()?;
+        let [port, monitor_port] = free_ports()?;
         let command = vec![
             bin.display().to_string(),
             "-js".to_owned(),
