@@ -338,6 +338,10 @@ pub struct NodeSession {
     /// Relative capacity for weighted assignment; 0 means "default".
     #[serde(default)]
     pub capacity: u32,
+    /// The node's stable name (`node --name`, default the host name): what operators and
+    /// metrics know it by, unlike the ID, which changes with every session. Empty when unset.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
     /// Fields this build does not know, kept verbatim.
     #[serde(flatten)]
     pub extra: Map<String, Value>,

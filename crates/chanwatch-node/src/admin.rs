@@ -1,9 +1,12 @@
-//! The node's admin HTTP: `GET /healthz`, `GET /metrics` (Prometheus text) and `GET /status`
-//! (JSON: id, sessions, fences, paused, paused_reason, pauses) — what `ctl` and monitoring read.
+//! The node's admin HTTP: `GET /healthz` (the process answers), `GET /readyz` (200 once
+//! registered and not paused, else 503 with the reason), `GET /metrics` (Prometheus text) and
+//! `GET /status` (JSON: id, name, sessions, fences, paused, paused_reason, pauses) — what `ctl`
+//! and monitoring read.
 //!
 //! Owns: the routes and the status JSON's shape. Must not: change the node (read-only), or
 //! bind sockets (the caller serves the router where it wants).
 
+use axum::http::StatusCode;
 use axum::routing::get;
 use serde_json::json;
 use tokio::sync::watch;
@@ -15,6 +18,7 @@ use crate::config::NodeStatus;
 pub fn status_json(s: &NodeStatus) -> serde_json::Value {
     json!({
         "id": s.id.map(|i| i.0),
+        "name": s.name,
         "sessions": s.sessions,
         "fences": s.fences,
         "paused": s.paused.is_some(),
@@ -38,6 +42,21 @@ pub fn render(registry: &prometheus::Registry) -> String {
 pub fn router(status: watch::Receiver<NodeStatus>, registry: prometheus::Registry) -> axum::Router {
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", {
+            let status = status.clone();
+            get(move || {
+                let not_ready = status.borrow().not_ready();
+                async move {
+                    match not_ready {
+                        None => (StatusCode::OK, "ready\n".to_owned()),
+                        Some(why) => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("not ready: {why}\n"),
+                        ),
+                    }
+                }
+            })
+        })
         .route(
             "/metrics",
             get(move || {
@@ -66,11 +85,50 @@ mod tests {
             fences: 0,
             paused: Some("no keepalive succeeded for 3s".into()),
             pauses: 2,
+            name: "db-7".into(),
         };
         let v = status_json(&s);
         assert_eq!(v["id"], json!(4));
         assert_eq!(v["paused"], json!(true));
         assert_eq!(v["paused_reason"], json!("no keepalive succeeded for 3s"));
         assert_eq!(v["pauses"], json!(2));
+        assert_eq!(v["name"], json!("db-7"));
+    }
+
+    async fn get_readyz(status: &NodeStatus) -> (StatusCode, String) {
+        use tower::ServiceExt;
+        let (_tx, rx) = watch::channel(status.clone());
+        let resp = router(rx, prometheus::Registry::new())
+            .oneshot(
+                axum::http::Request::get("/readyz")
+                    .body(axum::body::Body::empty())
+                    .expect("request"),
+            )
+            .await
+            .expect("answers");
+        let code = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 4096)
+            .await
+            .expect("body");
+        (code, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn readyz_is_ok_only_when_registered_and_not_paused() {
+        let (code, body) = get_readyz(&NodeStatus::default()).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("not registered"), "{body}");
+        let registered = NodeStatus {
+            id: Some(chanwatch_core::NodeId(3)),
+            ..NodeStatus::default()
+        };
+        assert_eq!(get_readyz(&registered).await.0, StatusCode::OK);
+        let paused = NodeStatus {
+            paused: Some("no keepalive succeeded for 3s".into()),
+            ..registered
+        };
+        let (code, body) = get_readyz(&paused).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("paused: no keepalive"), "{body}");
     }
 }

@@ -23,6 +23,8 @@ pub struct NodeConfig {
     pub progress_interval: Duration,
     /// Written into the session for operators.
     pub admin_addr: String,
+    /// The node's stable name, written into the session (`node --name`; empty: none).
+    pub name: String,
     /// Relative capacity written into the session.
     pub capacity: u32,
     /// Where the node's metrics go (shared by the nodes of one process).
@@ -58,6 +60,7 @@ impl Default for NodeConfig {
             fence_margin: None,
             progress_interval: Duration::from_secs(5),
             admin_addr: String::new(),
+            name: String::new(),
             capacity: 0,
             metrics: Arc::new(crate::metrics::NodeMetrics::new()),
             planted_bug: None,
@@ -100,4 +103,19 @@ pub struct NodeStatus {
     pub paused: Option<String>,
     /// Times the node paused its channels.
     pub pauses: u64,
+    /// The node's name (`node --name`; empty: none).
+    pub name: String,
+}
+
+impl NodeStatus {
+    /// Why the node is not ready to run channels (not registered, or paused), or `None`
+    /// when it is: what `GET /readyz` answers.
+    #[must_use]
+    pub fn not_ready(&self) -> Option<String> {
+        match (&self.id, &self.paused) {
+            (None, _) => Some("not registered: no session in the store yet".into()),
+            (Some(_), Some(why)) => Some(format!("paused: {why}")),
+            (Some(_), None) => None,
+        }
+    }
 }

@@ -109,6 +109,13 @@ impl NodeBuilder {
         self
     }
 
+    /// The node's stable name, written into the session (`ctl nodes`) and carried by its log
+    /// lines as the span field `name` (default: none).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.config.name = name.into();
+        self
+    }
+
     /// Relative capacity written into the session (0: default).
     pub fn capacity(mut self, capacity: u32) -> Self {
         self.config.capacity = capacity;
@@ -159,18 +166,30 @@ impl NodeBuilder {
         let handler = self
             .handler
             .unwrap_or_else(|| Arc::new(SimulatedLoad::default()));
-        let (status_tx, status) = watch::channel(NodeStatus::default());
+        let (status_tx, status) = watch::channel(NodeStatus {
+            name: self.config.name.clone(),
+            ..NodeStatus::default()
+        });
         let (stop, stopped) = oneshot::channel::<()>();
         let metrics = self.config.metrics.clone();
-        let task = tokio::spawn(crate::run(
-            self.store,
-            handler,
-            self.config,
-            self.clock,
-            status_tx,
-            async {
-                let _ = stopped.await;
-            },
+        // Every log line of the node (its runners' included) carries its name.
+        let span = if self.config.name.is_empty() {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!("node", name = %self.config.name)
+        };
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            crate::run(
+                self.store,
+                handler,
+                self.config,
+                self.clock,
+                status_tx,
+                async {
+                    let _ = stopped.await;
+                },
+            ),
+            span,
         ));
         Ok(NodeHandle {
             status,

@@ -80,6 +80,7 @@ pub(crate) async fn register(
         version: env!("CARGO_PKG_VERSION").to_owned(),
         started_at_ms: clock.unix_ms(),
         capacity: config.capacity,
+        name: config.name.clone(),
         extra: Default::default(),
     };
     let key = config.keys.session(id);

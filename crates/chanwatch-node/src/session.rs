@@ -435,14 +435,14 @@ impl Session {
         self.metrics.running.inc();
         let guard = RunningGuard(self.metrics.clone());
         let (pause, paused) = watch::channel(self.pause.borrow().clone());
-        let task = tokio::spawn(run_channel(
+        let task = tokio::spawn(tracing::Instrument::in_current_span(run_channel(
             guard,
             self.handler.clone(),
             ctx,
             cancel.clone(),
             paused,
             generation,
-        ));
+        )));
         self.runners.insert(
             info.channel,
             Runner {

@@ -840,6 +840,7 @@ mod tests {
                 version: String::new(),
                 started_at_ms: 0,
                 capacity: 0,
+                name: String::new(),
                 extra: Default::default(),
             };
             write(

@@ -44,6 +44,7 @@ async fn seeded() -> EtcdFixture {
         version: "test".into(),
         started_at_ms: now - 60_000,
         capacity: 0,
+        name: String::new(),
         extra: Default::default(),
     };
     let name = |n: &str| ChannelName::new(n).expect("name");

@@ -171,6 +171,8 @@ async fn nodes_on_etcd_consume_exactly_once_through_a_killed_node_and_audit_read
             name,
             &[
                 "node".into(),
+                // Port 0: several nodes share this machine (the default is 9871).
+                "--admin=127.0.0.1:0".into(),
                 endpoint.clone(),
                 "--session-ttl=2s".into(),
                 "--handler=stream".into(),

@@ -119,6 +119,8 @@ impl World {
     fn node(&self, name: &str, exec: &str, extra: &[&str]) -> Proc {
         let mut args = vec![
             "node".to_owned(),
+            // Port 0: several nodes share this machine (the default is 9871).
+            "--admin=127.0.0.1:0".to_owned(),
             self.endpoint(),
             "--session-ttl=2s".into(),
             format!("--exec={exec}"),
@@ -275,6 +277,8 @@ async fn a_worker_runs_per_channel_with_its_assignment_in_its_environment_and_st
         "node",
         &[
             "node".into(),
+            // Port 0: several nodes share this machine (the default is 9871).
+            "--admin=127.0.0.1:0".into(),
             w.endpoint(),
             "--session-ttl=2s".into(),
             format!("--exec={}", dumping_worker(w.dir.path())),
@@ -718,6 +722,8 @@ done # {0}"#,
         "node-a",
         &[
             "node".into(),
+            // Port 0: several nodes share this machine (the default is 9871).
+            "--admin=127.0.0.1:0".into(),
             format!("--endpoints={}", proxy.addr),
             "--session-ttl=2s".into(),
             format!("--exec={worker}"),

@@ -276,6 +276,8 @@ async fn run(s: Scenario) -> (String, Vec<String>) {
     for (i, log) in logs.iter().enumerate() {
         let args = [
             "node".into(),
+            // Port 0: several nodes share this machine (the default is 9871).
+            "--admin=127.0.0.1:0".into(),
             ttl.clone(),
             format!("--handler-log={}", log.display()),
         ];

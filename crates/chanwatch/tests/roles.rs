@@ -110,7 +110,7 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
     ];
     coord_args.extend(common(&fixture, "chanwatch-coord"));
     let mut coord = spawn(dir.path(), "coord", &coord_args);
-    let mut node_args = vec!["node".to_owned()];
+    let mut node_args = vec!["node".to_owned(), "--admin=127.0.0.1:0".to_owned()];
     node_args.extend(common(&fixture, "chanwatch-node"));
     let mut node = spawn(dir.path(), "node", &node_args);
 

@@ -35,6 +35,8 @@ async fn a_coordinator_and_a_node_started_while_etcd_is_down_wait_for_it() {
         "node",
         &[
             "node".to_owned(),
+            // Port 0: several nodes share this machine (the default is 9871).
+            "--admin=127.0.0.1:0".to_owned(),
             endpoint.clone(),
             "--connect-timeout=1s".to_owned(),
         ],

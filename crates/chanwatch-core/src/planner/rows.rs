@@ -47,6 +47,9 @@ pub struct NodeRow {
     /// Whether it is being drained.
     #[serde(default)]
     pub draining: bool,
+    /// Its name (`node --name`; empty for a node that gave none).
+    #[serde(default)]
+    pub name: String,
 }
 
 impl Planner {
@@ -86,6 +89,7 @@ impl Planner {
                 channels: counts.get(id).copied().unwrap_or(0),
                 started_at_ms: s.started_at_ms,
                 draining: self.draining.contains(id),
+                name: s.name.clone(),
             })
             .collect()
     }

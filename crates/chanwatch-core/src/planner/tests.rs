@@ -19,6 +19,7 @@ fn session(id: u64) -> NodeSession {
         version: "t".into(),
         started_at_ms: 0,
         capacity: 0,
+        name: String::new(),
         extra: Default::default(),
     }
 }
@@ -101,6 +102,7 @@ fn balance_converges_and_stops_moving() {
             version: String::new(),
             started_at_ms: 0,
             capacity: 0,
+            name: String::new(),
             extra: Default::default(),
         };
         s.apply_put(&keys.session(NodeId(id)), &sess.encode(), rev);
@@ -124,6 +126,7 @@ fn balance_converges_and_stops_moving() {
         version: String::new(),
         started_at_ms: 0,
         capacity: 0,
+        name: String::new(),
         extra: Default::default(),
     };
     s.apply_put(&keys.session(NodeId(3)), &sess.encode(), rev);

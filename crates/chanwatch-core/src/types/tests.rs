@@ -162,7 +162,7 @@ proptest! {
     ) {
         let node = NodeSession {
             id: NodeId(id), admin_addr: addr.clone(), version: "0.1.0".into(),
-            started_at_ms: started, capacity, extra: extra.clone(),
+            started_at_ms: started, capacity, name: format!("host-{id}"), extra: extra.clone(),
         };
         prop_assert_eq!(NodeSession::decode(&node.encode()).expect("node"), node);
         let coord = CoordSession {

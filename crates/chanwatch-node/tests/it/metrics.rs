@@ -167,3 +167,60 @@ fn promtool_check(text: &str) -> Result<()> {
     ensure!(out.status.success(), "promtool check metrics: {said}");
     Ok(())
 }
+
+/// `GET path` over a plain socket: the status code and the body.
+async fn get_path(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let (head, body) = out.split_once("\r\n\r\n").context("an HTTP answer")?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("a status code")?;
+    Ok((code, body.to_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_node_shows_its_name_in_its_session_the_coordinators_rows_and_status_and_is_ready_once_registered(
+) -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let coordinator = Coordinator::builder(store.clone()).spawn()?;
+    let node = Node::builder(store.clone())
+        .name("db-7")
+        .session_ttl(Duration::from_secs(2))
+        .spawn()?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let router = chanwatch_node::admin::router(node.watch_status(), node.registry().clone());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let mut status = node.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.id.is_some())).await??;
+    let id = node.status().id.context("registered")?;
+    let session = store
+        .get(&Keys::default().session(id))
+        .await?
+        .context("the session")?;
+    let session = chanwatch_core::NodeSession::decode(&session.value)?;
+    ensure!(session.name == "db-7", "{session:?}");
+    let started = Instant::now();
+    loop {
+        let rows = coordinator.nodes().await.unwrap_or_default();
+        if rows.iter().any(|r| r.id == id.0 && r.name == "db-7") {
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "the coordinator's rows lack the name: {rows:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (code, body) = get_path(addr, "/status").await?;
+    ensure!(code == 200 && body.contains("\"name\":\"db-7\""), "{body}");
+    let (code, body) = get_path(addr, "/readyz").await?;
+    ensure!(code == 200, "{code} {body}");
+    Ok(())
+}

@@ -316,16 +316,19 @@ fn age(ms: u64) -> String {
 }
 
 fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -> String {
-    let mut header = vec!["ID", "ADMIN", "CHANNELS", "AGE", "STATUS", "DRAINING"];
+    let mut header = vec![
+        "ID", "NAME", "ADMIN", "CHANNELS", "AGE", "STATUS", "DRAINING",
+    ];
     if wide {
         header.push("WHY");
     }
-    let mut t = Columns::new(&header, &[0, 2, 3]);
+    let mut t = Columns::new(&header, &[0, 3, 4]);
     let now = now_ms();
     for r in rows {
         let l = live.get(&r.id);
         let mut cells = vec![
             r.id.to_string(),
+            r.name.clone(),
             r.admin_addr.clone(),
             r.channels.to_string(),
             age(now.saturating_sub(r.started_at_ms)),

@@ -17,15 +17,24 @@ use tracing::info;
 use super::lifecycle::{bind_admin, shared_shutdown, wait_true};
 use crate::flags::{humantime_secs, EtcdArgs, HandlerArgs, RootArg, TestLoadArgs};
 
+/// The node admin API's default address (the coordinator's is 9870).
+pub const DEFAULT_NODE_ADMIN: &str = "127.0.0.1:9871";
+
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     #[command(flatten)]
     pub etcd: EtcdArgs,
     #[command(flatten)]
     pub root: RootArg,
-    /// Node admin HTTP address (/healthz); port 0 picks a free port.
-    #[arg(long, env = "CHANWATCH_NODE_ADMIN", default_value = "127.0.0.1:0")]
+    /// Node admin HTTP address (/healthz, /readyz, /metrics, /status): a fixed port so that
+    /// Prometheus can scrape it; port 0 picks a free port (several nodes on one host).
+    #[arg(long, env = "CHANWATCH_NODE_ADMIN", default_value = DEFAULT_NODE_ADMIN)]
     pub admin: String,
+    /// The node's stable name (default: the host name): shown by `ctl nodes` and the status
+    /// page, carried by its log lines and, as the label `node`, by every metric it exports.
+    /// Give each node on one host its own (e.g. the pod name of a StatefulSet).
+    #[arg(long, env = "CHANWATCH_NODE_NAME")]
+    pub name: Option<String>,
     /// Session lease TTL (minimum 2s): the node's channels move this long after it dies.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
     pub session_ttl: Duration,
@@ -67,7 +76,16 @@ pub async fn run(args: Args) -> Result<()> {
     let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let stop = shared_shutdown();
-    info!(admin = %admin_addr, store = %store.describe(), "node starting");
+    let name = match &args.name {
+        Some(n) => n.trim().to_owned(),
+        None => host_name(),
+    };
+    anyhow::ensure!(
+        !name.is_empty(),
+        "--name is empty; give the node a name (default: the host name)"
+    );
+    info!(admin = %admin_addr, %name, store = %store.describe(), "node starting");
+    let registry = labelled_registry(&name)?;
     let handler = handler(&args).await?;
     let planted_bug = args.plant.map(|p| match p {
         PlantArg::NoWatchProgress => chanwatch_node::PlantedBug::NoWatchProgress,
@@ -79,9 +97,11 @@ pub async fn run(args: Args) -> Result<()> {
             session_ttl: args.session_ttl,
             progress_interval: args.progress_interval,
             admin_addr,
+            name,
             planted_bug,
             ..chanwatch_node::NodeConfig::default()
         })
+        .registry(registry)
         .spawn()?;
     let router = chanwatch_node::admin::router(node.watch_status(), node.registry().clone());
     let server = tokio::spawn(chanwatch_coord::api::serve(
@@ -102,6 +122,30 @@ pub async fn run(args: Args) -> Result<()> {
     }
     server.await??;
     Ok(())
+}
+
+/// A registry whose every metric carries the constant label `node="NAME"`, so that the
+/// scrapes of many nodes can be told apart and summed.
+///
+/// # Errors
+/// A name Prometheus refuses as a label value (none is: any UTF-8 will do).
+pub fn labelled_registry(name: &str) -> Result<prometheus::Registry> {
+    Ok(prometheus::Registry::new_custom(
+        None,
+        Some(std::collections::HashMap::from([(
+            "node".to_owned(),
+            name.to_owned(),
+        )])),
+    )?)
+}
+
+/// The host name (Linux: `/proc/sys/kernel/hostname`, else `$HOSTNAME`), or `""`.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default()
 }
 
 /// The node's handler from its flags: an `--exec` worker per channel, the stream consumer, or
@@ -133,6 +177,43 @@ async fn handler(args: &Args) -> Result<Arc<dyn chanwatch_node::ChannelHandler>>
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_node_name_defaults_to_the_host_name_and_the_admin_port_is_fixed() {
+        let cli = Cli::try_parse_from(["chanwatch", "node"]).expect("parses");
+        let Command::Node(args) = cli.command else {
+            panic!("not the node command");
+        };
+        assert_eq!(args.admin, "127.0.0.1:9871");
+        assert_eq!(args.name, None, "resolved to the host name at start");
+        assert!(!host_name().is_empty(), "this host has a name");
+        let cli = Cli::try_parse_from(["chanwatch", "node", "--name", "db-3"]).expect("parses");
+        let Command::Node(args) = cli.command else {
+            panic!("not the node command");
+        };
+        assert_eq!(args.name.as_deref(), Some("db-3"));
+    }
+
+    #[test]
+    fn every_node_metric_carries_the_node_label() {
+        let registry = labelled_registry("db-3").expect("registry");
+        chanwatch_node::NodeMetrics::new()
+            .register(&registry)
+            .expect("registers");
+        let families = registry.gather();
+        assert!(families.len() > 10, "{}", families.len());
+        for f in &families {
+            for m in f.get_metric() {
+                assert!(
+                    m.get_label()
+                        .iter()
+                        .any(|l| l.get_name() == "node" && l.get_value() == "db-3"),
+                    "{} has no node label",
+                    f.get_name()
+                );
+            }
+        }
+    }
+
     use clap::{CommandFactory, Parser};
 
     use super::*;

@@ -538,6 +538,7 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
                 started_at_ms: 1,
                 capacity: 0,
+                name: String::new(),
                 extra: Default::default(),
             };
             state.apply_put(&keys.session(NodeId(id)), &session.encode(), rev);
