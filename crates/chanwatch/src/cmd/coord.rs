@@ -123,6 +123,7 @@ pub async fn run(args: Args) -> Result<()> {
     info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");
     let stop = shared_shutdown();
     let registry = prometheus::Registry::new();
+    super::lifecycle::register_process_metrics(&registry)?;
     let handle = Coordinator::builder(store.clone())
         .config(config)
         .registry(registry.clone())

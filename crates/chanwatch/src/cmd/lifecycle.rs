@@ -1,5 +1,6 @@
 //! What the long-running subcommands (`coord`, `node`, `standalone`) share while they run:
-//! the shutdown signal (Ctrl-C or SIGTERM) and the admin listener.
+//! the shutdown signal (Ctrl-C or SIGTERM), the admin listener, and the metrics every process
+//! exports whatever its part (`chanwatch_build_info`, `process_*`).
 //!
 //! Owns: process lifetime plumbing. Must not: hold flags (those are in `crate::flags`) or
 //! anything one subcommand alone needs.
@@ -53,4 +54,65 @@ pub async fn bind_admin(addr: &str) -> Result<(tokio::net::TcpListener, String)>
 /// Completes once `rx` holds `true` (or its sender is gone).
 pub async fn wait_true(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
+}
+
+/// Registers what every process exports whatever its part: `chanwatch_build_info{version,
+/// git_sha}` (always 1; `git_sha` only when built with `CHANWATCH_GIT_SHA` set, as the
+/// Dockerfile does) and, on Linux, the process metrics (`process_cpu_seconds_total`,
+/// `process_resident_memory_bytes`, `process_open_fds`, `process_start_time_seconds`, …).
+///
+/// # Errors
+/// A metric of the same name already in `registry`.
+pub fn register_process_metrics(registry: &prometheus::Registry) -> Result<()> {
+    let mut opts = prometheus::Opts::new(
+        "chanwatch_build_info",
+        "Always 1; the labels say which build of chanwatch this process runs.",
+    )
+    .const_label("version", env!("CARGO_PKG_VERSION"));
+    if let Some(sha) = option_env!("CHANWATCH_GIT_SHA").filter(|s| !s.is_empty()) {
+        opts = opts.const_label("git_sha", sha);
+    }
+    let build = prometheus::IntGauge::with_opts(opts)?;
+    build.set(1);
+    registry.register(Box::new(build))?;
+    #[cfg(target_os = "linux")]
+    registry.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_process_exports_its_build_and_process_metrics() {
+        let registry = prometheus::Registry::new();
+        register_process_metrics(&registry).expect("registers");
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .expect("encodes");
+        let build = format!(
+            "chanwatch_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(
+            text.lines().any(|l| l.starts_with("chanwatch_build_info{")
+                && l.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION")))
+                && l.ends_with(" 1")),
+            "no {build} in\n{text}"
+        );
+        for name in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_start_time_seconds",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(name)),
+                "no {name} in\n{text}"
+            );
+        }
+    }
 }

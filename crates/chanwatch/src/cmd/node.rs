@@ -86,6 +86,7 @@ pub async fn run(args: Args) -> Result<()> {
     );
     info!(admin = %admin_addr, %name, store = %store.describe(), "node starting");
     let registry = labelled_registry(&name)?;
+    super::lifecycle::register_process_metrics(&registry)?;
     let handler = handler(&args).await?;
     let planted_bug = args.plant.map(|p| match p {
         PlantArg::NoWatchProgress => chanwatch_node::PlantedBug::NoWatchProgress,
