@@ -1,0 +1,354 @@
+//! What a platform team deploys, checked against the real thing: the Prometheus alert rules
+//! (`promtool check rules`, and each alert's unit test with `promtool test rules`), the
+//! Grafana dashboard and the rules querying only metrics a real coordinator and node export,
+//! the systemd units (`systemd-analyze verify`), every YAML manifest under `deploy/`, and
+//! `tools/protoc` finding protoc where it is.
+//!
+//! promtool comes with Debian's `prometheus` package, systemd-analyze with `systemd`; a
+//! missing tool fails its test with how to install it.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chanwatch_testkit::EtcdFixture;
+
+mod procs;
+use procs::{bin, spawn};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs `tool ARGS`, failing with how to install it when it is missing.
+fn run_tool(tool: &str, package: &str, args: &[&str], dir: &Path) -> (bool, String) {
+    let out = Command::new(tool)
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {tool} ({e}); install it: apt-get install -y {package}")
+        });
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn yaml(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).expect("readable");
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|doc| {
+            <serde_json::Value as serde::Deserialize>::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{} is not valid YAML: {e}", path.display()))
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// The alert rules: name → PromQL.
+fn alert_rules() -> Vec<(String, String)> {
+    let doc = yaml(&repo().join("docs/ops/alerts.yml")).remove(0);
+    let mut out = Vec::new();
+    for group in doc["groups"].as_array().expect("groups") {
+        for rule in group["rules"].as_array().expect("rules") {
+            out.push((
+                rule["alert"].as_str().expect("an alert").to_owned(),
+                rule["expr"].as_str().expect("an expr").to_owned(),
+            ));
+        }
+    }
+    out
+}
+
+/// The PromQL of every dashboard panel.
+fn dashboard_queries() -> Vec<String> {
+    let text =
+        std::fs::read_to_string(repo().join("docs/ops/grafana-dashboard.json")).expect("readable");
+    let doc: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut out = Vec::new();
+    for panel in doc["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            out.push(target["expr"].as_str().expect("an expr").to_owned());
+        }
+    }
+    out
+}
+
+/// Metric names in PromQL: identifiers of ours (`chanwatch_*`) or the process collector's.
+fn metric_names(promql: &str) -> BTreeSet<String> {
+    promql
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| t.starts_with("chanwatch_") || t.starts_with("process_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Sample names in a Prometheus text exposition.
+fn exported(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap_or("").to_owned())
+        .collect()
+}
+
+#[test]
+fn the_alert_rules_pass_promtool_and_every_alert_has_a_unit_test() {
+    let dir = repo().join("docs/ops");
+    let (ok, out) = run_tool(
+        "promtool",
+        "prometheus",
+        &["check", "rules", "alerts.yml"],
+        &dir,
+    );
+    assert!(ok, "promtool check rules:\n{out}");
+    let (ok, out) = run_tool(
+        "promtool",
+        "prometheus",
+        &["test", "rules", "alerts_test.yml"],
+        &dir,
+    );
+    assert!(ok, "promtool test rules:\n{out}");
+    let tests = std::fs::read_to_string(dir.join("alerts_test.yml")).expect("tests");
+    let rules = alert_rules();
+    assert!(rules.len() >= 8, "{rules:?}");
+    for (alert, _) in rules {
+        // A test that expects the alert to fire: its name followed by a non-empty exp_alerts.
+        let fires = tests
+            .split(&format!("alertname: {alert}\n"))
+            .skip(1)
+            .any(|after| {
+                after
+                    .lines()
+                    .next()
+                    .is_some_and(|l| l.trim() == "exp_alerts:")
+            });
+        assert!(fires, "no unit test in alerts_test.yml fires {alert}");
+    }
+}
+
+/// GET `url`: the status code and the body.
+async fn get(client: &reqwest::Client, url: &str) -> Option<(u16, String)> {
+    let resp = client.get(url).send().await.ok()?;
+    let code = resp.status().as_u16();
+    Some((code, resp.text().await.ok()?))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_and_the_alert_rules_query_only_metrics_a_real_coordinator_and_node_export() {
+    let fixture = EtcdFixture::start().await.expect("etcd");
+    let endpoint = format!("--endpoints={}", fixture.endpoint());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let coord_addr = format!("127.0.0.1:{}", free_port());
+    let node_addr = format!("127.0.0.1:{}", free_port());
+    let mut coord = spawn(
+        dir.path(),
+        "coord",
+        &[
+            "coord".into(),
+            endpoint.clone(),
+            format!("--admin={coord_addr}"),
+        ],
+    );
+    let mut node = spawn(
+        dir.path(),
+        "node",
+        &[
+            "node".into(),
+            endpoint.clone(),
+            format!("--admin={node_addr}"),
+            "--name=ops-node".into(),
+            "--session-ttl=2s".into(),
+        ],
+    );
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("client");
+    let mut wanted = BTreeSet::new();
+    for q in dashboard_queries() {
+        wanted.extend(metric_names(&q));
+    }
+    for (_, q) in alert_rules() {
+        wanted.extend(metric_names(&q));
+    }
+    assert!(wanted.len() > 15, "{wanted:?}");
+    // A channel, so that the by-state, by-cause and by-result series exist; the db size is
+    // read every 5 s.
+    let start = Instant::now();
+    let (coord_text, node_text) = loop {
+        let _ = Command::new(bin())
+            .args(["ctl", &endpoint, "add-channel", "c1"])
+            .stdin(Stdio::null())
+            .output();
+        let c = get(&client, &format!("http://{coord_addr}/metrics")).await;
+        let n = get(&client, &format!("http://{node_addr}/metrics")).await;
+        if let (Some((200, c)), Some((200, n))) = (c, n) {
+            let mut have = exported(&c);
+            have.extend(exported(&n));
+            if wanted.is_subset(&have) {
+                break (c, n);
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(40),
+                "queried but never exported: {:?}\ncoord:\n{}\nnode:\n{}",
+                wanted.difference(&have).collect::<Vec<_>>(),
+                coord.output(),
+                node.output()
+            );
+        } else {
+            assert!(
+                start.elapsed() < Duration::from_secs(40),
+                "no /metrics:\ncoord:\n{}\nnode:\n{}",
+                coord.output(),
+                node.output()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    // Both say which build they are; every node series names its node.
+    for text in [&coord_text, &node_text] {
+        assert!(
+            text.lines().any(|l| l.starts_with("chanwatch_build_info{")),
+            "{text}"
+        );
+    }
+    for line in node_text.lines().filter(|l| !l.starts_with('#')) {
+        assert!(line.contains("node=\"ops-node\""), "no node label: {line}");
+    }
+    assert!(coord_text.lines().any(|l| l == "chanwatch_leader 1"));
+    assert!(coord.running() && node.running());
+    let (code, body) = get(&client, &format!("http://{node_addr}/readyz"))
+        .await
+        .expect("readyz answers");
+    assert_eq!(code, 200, "{body}");
+    // The name reaches the coordinator's API.
+    let (_, nodes) = get(&client, &format!("http://{coord_addr}/api/v1/nodes"))
+        .await
+        .expect("nodes");
+    assert!(nodes.contains("\"name\":\"ops-node\""), "{nodes}");
+}
+
+#[test]
+fn the_systemd_units_pass_systemd_analyze_verify() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let units = repo().join("deploy/systemd");
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&units).expect("deploy/systemd") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "service") {
+            // The unit names the installed binary; point it at the one under test.
+            let text = std::fs::read_to_string(&path)
+                .expect("unit")
+                .replace("/usr/local/bin/chanwatch", &bin().display().to_string());
+            let name = path.file_name().expect("name").to_owned();
+            std::fs::write(dir.path().join(&name), text).expect("copy");
+            names.push(name.to_string_lossy().into_owned());
+        }
+    }
+    names.sort();
+    assert_eq!(names, ["chanwatch-coord.service", "chanwatch-node.service"]);
+    let mut args = vec!["verify", "--man=no"];
+    let paths: Vec<String> = names.iter().map(|n| format!("./{n}")).collect();
+    args.extend(paths.iter().map(String::as_str));
+    let (ok, out) = run_tool("systemd-analyze", "systemd", &args, dir.path());
+    assert!(
+        ok && out.trim().is_empty(),
+        "systemd-analyze verify:\n{out}"
+    );
+}
+
+#[test]
+fn every_deploy_manifest_parses_and_the_kubernetes_objects_are_the_ones_documented() {
+    let mut docs = Vec::new();
+    let mut files = 0;
+    let mut stack = vec![repo().join("deploy")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("readable") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                files += 1;
+                let in_k8s = path.components().any(|c| c.as_os_str() == "kubernetes");
+                for doc in yaml(&path) {
+                    if in_k8s {
+                        docs.push(doc);
+                    }
+                }
+            }
+        }
+    }
+    assert!(files >= 7, "{files} YAML files");
+    let kind =
+        |k: &str| -> Vec<&serde_json::Value> { docs.iter().filter(|d| d["kind"] == k).collect() };
+    let deploy = kind("Deployment");
+    assert_eq!(deploy.len(), 1);
+    assert_eq!(deploy[0]["spec"]["replicas"], 2);
+    assert_eq!(kind("PodDisruptionBudget").len(), 1);
+    let sts = kind("StatefulSet");
+    assert_eq!(sts.len(), 1);
+    let env = &sts[0]["spec"]["template"]["spec"]["containers"][0]["env"];
+    assert!(
+        env.as_array()
+            .expect("env")
+            .iter()
+            .any(|e| e["name"] == "CHANWATCH_NODE_NAME"
+                && e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"),
+        "the node's name is not its pod's: {env}"
+    );
+    assert!(kind("Service").len() >= 2);
+    assert_eq!(kind("ConfigMap").len(), 1);
+    for d in &docs {
+        assert!(
+            d["apiVersion"].is_string() && d["metadata"]["name"].is_string(),
+            "{d}"
+        );
+    }
+}
+
+#[test]
+fn tools_protoc_finds_protoc_on_path_and_in_protoc_not_only_in_usr_bin() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = dir.path().join("protoc");
+    std::fs::write(&fake, "#!/bin/sh\necho fake-protoc \"$@\"\n").expect("write");
+    let mut perm = std::fs::metadata(&fake).expect("meta").permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&fake, perm).expect("chmod");
+    let script = repo().join("tools/protoc");
+    let path = format!(
+        "{}:{}",
+        dir.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |envs: &[(&str, &str)]| {
+        let out = Command::new(&script)
+            .arg("--version")
+            .env_remove("PROTOC")
+            .envs(envs.iter().copied())
+            .output()
+            .expect("runs");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(run(&[("PATH", &path)]), "fake-protoc --version\n");
+    let fake = fake.display().to_string();
+    assert_eq!(run(&[("PROTOC", &fake)]), "fake-protoc --version\n");
+    // PROTOC naming the script itself (as .cargo/config.toml does) is skipped, not looped on.
+    let own = script.display().to_string();
+    assert_eq!(
+        run(&[("PROTOC", &own), ("PATH", &path)]),
+        "fake-protoc --version\n"
+    );
+}
