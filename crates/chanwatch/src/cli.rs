@@ -72,12 +72,16 @@ pub enum Command {
     Sim(cmd::sim::Args),
 }
 
-/// Sets up `tracing` with `RUST_LOG` (default `default_level`) in the chosen format.
+/// Sets up `tracing` with `RUST_LOG` (default `default_level`) in the chosen format. Colours
+/// only when stderr is a terminal and `NO_COLOR` is unset: a log file, the journal or a pipe
+/// gets plain text.
 pub fn init_logging(global: &Global, default_level: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .with_writer(std::io::stderr);
     match global.log_format {
         LogFormat::Text => builder.init(),

@@ -135,6 +135,22 @@ pub fn humantime_secs(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{s:?} is not a duration ({e}); use e.g. 10s, 500ms, 2m"))
 }
 
+/// The shortest session TTL a coordinator or node accepts: below it a lease can expire between
+/// two keepalives of a loaded process (the node's library refuses it too).
+pub const MIN_SESSION_TTL: Duration = Duration::from_secs(2);
+
+/// Parses a `--session-ttl`: a duration of at least [`MIN_SESSION_TTL`], the same rule for
+/// `coord`, `node` and `standalone`.
+pub fn session_ttl(s: &str) -> Result<Duration, String> {
+    let ttl = humantime_secs(s)?;
+    if ttl < MIN_SESSION_TTL {
+        return Err(format!(
+            "{s:?} is below the minimum session TTL of 2s (a lease that short can expire between two keepalives); use 2s or more"
+        ));
+    }
+    Ok(ttl)
+}
+
 /// The root prefix of every key.
 #[derive(Debug, Clone, Args)]
 pub struct RootArg {
@@ -415,5 +431,19 @@ mod tests {
         assert!(humantime_secs("ten").is_err());
         assert!(humantime_secs("5 parsecs").is_err());
         assert!(humantime_secs("").is_err());
+    }
+
+    #[test]
+    fn coord_node_and_standalone_refuse_the_same_short_session_ttl() {
+        use crate::cli::Cli;
+        use clap::Parser;
+        for sub in ["coord", "node", "standalone"] {
+            let err = Cli::try_parse_from(["chanwatch", sub, "--session-ttl", "1s"])
+                .expect_err("1s is too short")
+                .to_string();
+            assert!(err.contains("minimum session TTL of 2s"), "{sub}: {err}");
+            Cli::try_parse_from(["chanwatch", sub, "--session-ttl", "2s"])
+                .unwrap_or_else(|e| panic!("{sub}: 2s is enough: {e}"));
+        }
     }
 }

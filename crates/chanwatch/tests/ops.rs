@@ -229,6 +229,14 @@ async fn the_dashboard_and_the_alert_rules_query_only_metrics_a_real_coordinator
     }
     assert!(coord_text.lines().any(|l| l == "chanwatch_leader 1"));
     assert!(coord.running() && node.running());
+    // Logs to a file carry no colour codes.
+    for (name, out) in [("coord", coord.output()), ("node", node.output())] {
+        assert!(out.contains("INFO"), "{name}:\n{out}");
+        assert!(
+            !out.contains('\x1b'),
+            "{name} logs ANSI codes to a file:\n{out}"
+        );
+    }
     let (code, body) = get(&client, &format!("http://{node_addr}/readyz"))
         .await
         .expect("readyz answers");

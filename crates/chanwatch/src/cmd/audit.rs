@@ -32,13 +32,13 @@ pub struct Args {
     pub root: RootArg,
     /// Read the checkpoints from a `standalone`'s admin API (e.g. http://127.0.0.1:9870)
     /// instead of etcd.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_AUDIT_ADMIN")]
     pub admin: Option<String>,
     /// The file `produce --out` wrote.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_AUDIT_PRODUCED")]
     pub produced: PathBuf,
     /// How long to wait for every channel's committed position to reach what was produced.
-    #[arg(long, value_parser = humantime_secs, default_value = "60s")]
+    #[arg(long, env = "CHANWATCH_AUDIT_WAIT", value_parser = humantime_secs, default_value = "60s")]
     pub wait: Duration,
 }
 

@@ -71,22 +71,27 @@ pub enum What {
 #[derive(Debug, ClapArgs)]
 pub struct BenchIdleArgs {
     /// Which backend to measure (etcd's counters only with `etcd`).
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Channel counts, one cluster each (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "2000,20000")]
+    #[arg(
+        long,
+        env = "CHANWATCH_BENCH_CHANNELS",
+        value_delimiter = ',',
+        default_value = "2000,20000"
+    )]
     pub channels: Vec<usize>,
     /// Nodes.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 20)]
     pub nodes: usize,
     /// The idle window measured.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "120s")]
+    #[arg(long, env = "CHANWATCH_BENCH_DURATION", value_parser = humantime::parse_duration, default_value = "120s")]
     pub duration: std::time::Duration,
     /// Wait after every channel is Watched, before the window.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_BENCH_SETTLE", value_parser = humantime::parse_duration, default_value = "10s")]
     pub settle: std::time::Duration,
     /// The coordinator's --resync-interval (the old behaviour: 10s).
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    #[arg(long, env = "CHANWATCH_BENCH_RESYNC_INTERVAL", value_parser = humantime::parse_duration, default_value = "5m")]
     pub resync_interval: std::time::Duration,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -96,27 +101,27 @@ pub struct BenchIdleArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchCheckpointArgs {
     /// Which backend to measure.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Channels, spread evenly over the nodes.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 10_000)]
     pub channels: usize,
     /// Nodes (in-process tasks; on etcd each with a connection of its own).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 10)]
     pub nodes: usize,
     /// How often each channel commits.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
+    #[arg(long, env = "CHANWATCH_BENCH_COMMIT_EVERY", value_parser = humantime::parse_duration, default_value = "100ms")]
     pub commit_every: std::time::Duration,
     /// How long each run measures (after every channel is Watched and committing).
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_BENCH_DURATION", value_parser = humantime::parse_duration, default_value = "10s")]
     pub duration: std::time::Duration,
     /// Every channel commits at the same instants (rounds of --commit-every), the group
     /// commit's best case; by default each channel's timer is offset by its name, spread
     /// over the period.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_ALIGNED")]
     pub aligned: bool,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -127,27 +132,27 @@ pub struct BenchCheckpointArgs {
 pub struct BenchConsumeArgs {
     /// The log: `file:DIR` (a fresh sub-dir per run, removed after) or `nats://HOST:PORT` (a
     /// fresh stream per run, deleted after). Default: a file log under the temp dir.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_LOG")]
     pub log: Option<String>,
     /// Messages pre-filled per run, spread evenly over the channels (the default is
     /// 25,600 per channel: the ~0.1 s from the assignment to the run's start stays small
     /// beside the reading).
-    #[arg(long, default_value_t = 409_600)]
+    #[arg(long, env = "CHANWATCH_BENCH_MESSAGES", default_value_t = 409_600)]
     pub messages: usize,
     /// Channels.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 16)]
     pub channels: usize,
     /// Payload bytes per message (at least 8: the sequence number).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "CHANWATCH_BENCH_PAYLOAD", default_value_t = 64)]
     pub payload: usize,
     /// The consumer's --commit-every (messages; the node's default is 100): how much the
     /// commits, awaited between reads, cost the handler. Keep messages per channel a
     /// multiple of it and of 256 (the read batch), or the last commit waits out the 1 s
     /// commit interval and the figure measures that wait.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "CHANWATCH_BENCH_COMMIT_EVERY", default_value_t = 100)]
     pub commit_every: u64,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
 }
 
@@ -155,29 +160,29 @@ pub struct BenchConsumeArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchDataFailoverArgs {
     /// Which metadata store.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// The log: `file:DIR` or `nats://HOST:PORT` (fresh sub-dir or stream per run). Default:
     /// a file log under the temp dir.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_LOG")]
     pub log: Option<String>,
     /// Nodes before the kill; one is killed.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 2)]
     pub nodes: usize,
     /// Channels, spread evenly over the nodes (the killed node holds channels / nodes).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 2000)]
     pub channels: usize,
     /// Messages per second the producer appends, over all channels.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, env = "CHANWATCH_BENCH_RATE", default_value_t = 2000)]
     pub rate: u64,
     /// How long messages flow before the kill.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    #[arg(long, env = "CHANWATCH_BENCH_WARMUP", value_parser = humantime::parse_duration, default_value = "5s")]
     pub warmup: std::time::Duration,
     /// The consumer's --commit-interval (it also commits every 100 messages).
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
+    #[arg(long, env = "CHANWATCH_BENCH_COMMIT_INTERVAL", value_parser = humantime::parse_duration, default_value = "1s")]
     pub commit_interval: std::time::Duration,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -187,13 +192,13 @@ pub struct BenchDataFailoverArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchExecArgs {
     /// Channels (one trivial child each) for the start and memory figures.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 1000)]
     pub channels: usize,
     /// Channels committing at once for the commits/s figures (a Python child each).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "CHANWATCH_BENCH_COMMIT_CHANNELS", default_value_t = 16)]
     pub commit_channels: usize,
     /// How long each committer commits.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
     pub seconds: u64,
 }
 
@@ -201,13 +206,13 @@ pub struct BenchExecArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchPlannerArgs {
     /// Channels in the view.
-    #[arg(long, default_value_t = 100_000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 100_000)]
     pub channels: usize,
     /// Live nodes in the view.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 1000)]
     pub nodes: usize,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
 }
 
@@ -215,16 +220,16 @@ pub struct BenchPlannerArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchAssignArgs {
     /// Which backend to measure.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Channels to register.
-    #[arg(long, default_value_t = 100_000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 100_000)]
     pub channels: usize,
     /// Nodes (in-process tasks).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 1000)]
     pub nodes: usize,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -234,22 +239,26 @@ pub struct BenchAssignArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchBalanceArgs {
     /// Which backend to measure.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Nodes before the join.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 100)]
     pub nodes: usize,
     /// Channels, spread evenly over the first nodes.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 10_000)]
     pub channels: usize,
     /// Nodes that join.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "CHANWATCH_BENCH_JOIN", default_value_t = 10)]
     pub join: usize,
     /// Most moves in flight (the coordinator's --max-concurrent-moves).
-    #[arg(long, default_value_t = 16)]
+    #[arg(
+        long,
+        env = "CHANWATCH_BENCH_MAX_CONCURRENT_MOVES",
+        default_value_t = 16
+    )]
     pub max_concurrent_moves: usize,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -259,16 +268,16 @@ pub struct BenchBalanceArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchAckArgs {
     /// Which backend to measure.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Nodes.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 10)]
     pub nodes: usize,
     /// Assignments committed at once.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 1000)]
     pub channels: usize,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -278,19 +287,24 @@ pub struct BenchAckArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchFailoverArgs {
     /// Which backend to measure.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Nodes before the kill.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 100)]
     pub nodes: usize,
     /// Channels, spread evenly over the nodes.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 10_000)]
     pub channels: usize,
     /// Nodes killed at once; a comma-separated list runs each case.
-    #[arg(long, value_delimiter = ',', default_value = "1,10")]
+    #[arg(
+        long,
+        env = "CHANWATCH_BENCH_KILL",
+        value_delimiter = ',',
+        default_value = "1,10"
+    )]
     pub kill: Vec<usize>,
     /// Repetitions; the median is reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -307,19 +321,19 @@ pub enum StoreKind {
 #[derive(Debug, ClapArgs)]
 pub struct BenchStoreArgs {
     /// Which backend to measure.
-    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
     pub store: StoreKind,
     /// Single-key CAS txns per run [default: 200000 embedded, 2000 etcd].
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_TXNS")]
     pub txns: Option<usize>,
     /// Concurrent tasks for the concurrent CAS figure.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "CHANWATCH_BENCH_CONCURRENCY", default_value_t = 64)]
     pub concurrency: usize,
     /// Operations per batched txn.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "CHANWATCH_BENCH_BATCH_OPS", default_value_t = 128)]
     pub batch_ops: usize,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,

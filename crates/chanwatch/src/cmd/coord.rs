@@ -28,7 +28,7 @@ pub struct Args {
     #[command(flatten)]
     pub access: AdminAccess,
     /// Leader lease TTL: a standby takes over within about this long after the leader dies.
-    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = crate::flags::session_ttl, default_value = "10s")]
     pub session_ttl: Duration,
     /// A ToWatch assignment with no progress for this long is reassigned.
     #[arg(long, env = "CHANWATCH_WATCH_TIMEOUT", value_parser = humantime_secs, default_value = "30s")]

@@ -49,11 +49,11 @@ pub enum Command {
     /// know). `-o wide` adds the vchannel info and the checkpoint's position, epoch and age.
     Channels {
         /// Only the channels of this node (an ID, or `remaining`).
-        #[arg(long)]
+        #[arg(long, env = "CHANWATCH_CTL_NODE")]
         node: Option<String>,
         /// Only the channels in this state (ToWatch, Watched, WatchFailed, ToRelease,
         /// Released; any case).
-        #[arg(long)]
+        #[arg(long, env = "CHANWATCH_CTL_STATE")]
         state: Option<String>,
     },
     /// List live nodes, their channel counts and status (running, PAUSED, ? when the node
@@ -65,7 +65,7 @@ pub enum Command {
         name: String,
         /// What a node needs to restore it, as JSON (at most 64 KiB), e.g.
         /// '{"collection_id":7,"seek_position":"..."}'.
-        #[arg(long)]
+        #[arg(long, env = "CHANWATCH_CTL_VCHANNEL")]
         vchannel: Option<String>,
     },
     /// Remove a channel; its node stops it at once.
@@ -78,7 +78,7 @@ pub enum Command {
         /// Channel name.
         name: String,
         /// Target node ID.
-        #[arg(long)]
+        #[arg(long, env = "CHANWATCH_CTL_TO")]
         to: u64,
     },
     /// Move every channel off a node and stop assigning to it.
@@ -89,7 +89,7 @@ pub enum Command {
     /// Even out channels over nodes (max - min <= 1).
     Balance {
         /// Print the plan (channel, from, to) without moving anything.
-        #[arg(long)]
+        #[arg(long, env = "CHANWATCH_CTL_DRY_RUN")]
         dry_run: bool,
     },
 }

@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_NODE_NAME")]
     pub name: Option<String>,
     /// Session lease TTL (minimum 2s): the node's channels move this long after it dies.
-    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = crate::flags::session_ttl, default_value = "10s")]
     pub session_ttl: Duration,
     /// How long the built-in simulated load of a channel takes.
     #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]

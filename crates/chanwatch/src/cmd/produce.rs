@@ -26,28 +26,29 @@ pub struct Args {
     /// Channels to produce to (repeat, or comma-separate).
     #[arg(
         long = "channel",
+        env = "CHANWATCH_PRODUCE_CHANNEL",
         value_delimiter = ',',
         required_unless_present = "all"
     )]
     pub channels: Vec<String>,
     /// Produce to every channel registered in etcd (`--endpoints`, `--root`).
-    #[arg(long, conflicts_with = "channels")]
+    #[arg(long, env = "CHANWATCH_PRODUCE_ALL", conflicts_with = "channels")]
     pub all: bool,
     #[command(flatten)]
     pub etcd: EtcdArgs,
     #[command(flatten)]
     pub root: RootArg,
     /// Messages per second, over all channels together.
-    #[arg(long, default_value_t = 1000.0)]
+    #[arg(long, env = "CHANWATCH_PRODUCE_RATE", default_value_t = 1000.0)]
     pub rate: f64,
     /// How long to produce.
-    #[arg(long, value_parser = humantime_secs, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_PRODUCE_DURATION", value_parser = humantime_secs, default_value = "10s")]
     pub duration: Duration,
     /// Bytes of each payload after the sequence number (random).
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, env = "CHANWATCH_PRODUCE_PAYLOAD_BYTES", default_value_t = 24)]
     pub payload_bytes: usize,
     /// Where to write what was produced (JSON, read by `audit --produced`).
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_PRODUCE_OUT")]
     pub out: PathBuf,
 }
 

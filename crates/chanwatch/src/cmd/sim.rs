@@ -20,30 +20,30 @@ use clap::Args as ClapArgs;
 #[derive(Debug, Clone, ClapArgs)]
 pub struct Args {
     /// How many seeds to run (seeds START, START+1, ...).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "CHANWATCH_SIM_SEEDS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     pub seeds: u64,
     /// First seed.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "CHANWATCH_SIM_START", default_value_t = 0)]
     pub start: u64,
     /// Run just this seed (replay a failure); with --trace, print its whole trace.
-    #[arg(long, conflicts_with_all = ["seeds", "start"])]
+    #[arg(long, env = "CHANWATCH_SIM_SEED", conflicts_with_all = ["seeds", "start"])]
     pub seed: Option<u64>,
     /// Print every line of the trace as it happens (with --seed).
-    #[arg(long, requires = "seed")]
+    #[arg(long, env = "CHANWATCH_SIM_TRACE", requires = "seed")]
     pub trace: bool,
     /// Fault steps per seed before the faults stop and the cluster must settle.
-    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, env = "CHANWATCH_SIM_STEPS", default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub steps: u32,
     /// Seeds run at once (default: one per core).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+    #[arg(long, env = "CHANWATCH_SIM_JOBS", value_parser = clap::value_parser!(u64).range(1..=256))]
     pub jobs: Option<u64>,
     /// Also print the summary as one JSON line on stdout.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_SIM_JSON")]
     pub json: bool,
     /// Run the data plane too: every node consumes every channel from an in-memory log fed
     /// at a steady rate until the faults stop; the checker also proves checkpoints fenced,
     /// positions monotonic and every committed state exactly-once.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_SIM_DATA_PLANE")]
     pub data_plane: bool,
     /// Switch a safety mechanism off in every node, to see the checker catch it.
     #[arg(long, value_enum, hide = true)]

@@ -32,7 +32,7 @@ pub struct Args {
     #[command(flatten)]
     pub access: AdminAccess,
     /// Session lease TTL of the in-process nodes and coordinator.
-    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = humantime_secs, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = crate::flags::session_ttl, default_value = "10s")]
     pub session_ttl: Duration,
     /// How long each simulated channel load takes.
     #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]

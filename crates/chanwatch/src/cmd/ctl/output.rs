@@ -33,13 +33,14 @@ pub struct OutputArgs {
     #[arg(
         short = 'o',
         long = "output",
+        env = "CHANWATCH_CTL_OUTPUT",
         value_enum,
         default_value_t,
         global = true
     )]
     output: Format,
     /// Same as `-o json` (kept for scripts written before `-o`).
-    #[arg(long, hide = true, global = true)]
+    #[arg(long, env = "CHANWATCH_CTL_JSON", hide = true, global = true)]
     json: bool,
 }
 
