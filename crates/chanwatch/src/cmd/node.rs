@@ -207,9 +207,9 @@ mod tests {
                 assert!(
                     m.get_label()
                         .iter()
-                        .any(|l| l.get_name() == "node" && l.get_value() == "db-3"),
+                        .any(|l| l.name() == "node" && l.value() == "db-3"),
                     "{} has no node label",
-                    f.get_name()
+                    f.name()
                 );
             }
         }
