@@ -229,6 +229,12 @@ async fn the_dashboard_and_the_alert_rules_query_only_metrics_a_real_coordinator
     }
     assert!(coord_text.lines().any(|l| l == "chanwatch_leader 1"));
     assert!(coord.running() && node.running());
+    // The node's log lines carry its name (a span field).
+    assert!(
+        node.output().contains("node{name=ops-node}"),
+        "{}",
+        node.output()
+    );
     // Logs to a file carry no colour codes.
     for (name, out) in [("coord", coord.output()), ("node", node.output())] {
         assert!(out.contains("INFO"), "{name}:\n{out}");
