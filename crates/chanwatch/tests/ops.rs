@@ -366,3 +366,29 @@ fn tools_protoc_finds_protoc_on_path_and_in_protoc_not_only_in_usr_bin() {
         "fake-protoc --version\n"
     );
 }
+
+/// Not built here (no container daemon on the test machine): its shape only.
+#[test]
+fn the_dockerfile_is_multi_stage_on_debian_and_runs_unprivileged() {
+    let text = std::fs::read_to_string(repo().join("deploy/Dockerfile")).expect("Dockerfile");
+    let froms: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
+    assert_eq!(froms.len(), 2, "{froms:?}");
+    assert!(
+        froms.iter().all(|f| f.contains("bookworm")),
+        "Debian stages: {froms:?}"
+    );
+    for want in [
+        "cargo build --release --locked -p chanwatch",
+        "COPY --from=build",
+        "USER 10001",
+        "ENTRYPOINT [\"/usr/bin/tini\", \"--\", \"/usr/local/bin/chanwatch\"]",
+        "CHANWATCH_GIT_SHA",
+    ] {
+        assert!(text.contains(want), "the Dockerfile lacks {want}");
+    }
+    let ignore = std::fs::read_to_string(repo().join(".dockerignore")).expect(".dockerignore");
+    assert!(
+        ignore.lines().any(|l| l == "target/"),
+        "the build context must leave target/ out"
+    );
+}
