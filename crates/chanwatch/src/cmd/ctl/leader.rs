@@ -293,11 +293,19 @@ impl Leader {
         body: Option<&B>,
         deadline: Instant,
     ) -> Result<T, Failed> {
-        let mut req = self.request(method.clone(), path, Some(deadline)).await?;
+        // A read may be tried again: one try gets at most a third of `--timeout` (at least
+        // 2 s), so a frozen leader leaves time to reach the next one. A write's outcome is
+        // unknown after a timeout; it gets all the time left.
+        let read = method == Method::GET;
+        let until = if read {
+            deadline.min(Instant::now() + (self.timeout / 3).max(Duration::from_secs(2)))
+        } else {
+            deadline
+        };
+        let mut req = self.request(method.clone(), path, Some(until)).await?;
         if let Some(b) = body {
             req = req.json(b);
         }
-        let read = method == Method::GET;
         let resp = match req.send().await {
             Ok(r) => r,
             // Nothing reached a server: safe to try again, a write too.
