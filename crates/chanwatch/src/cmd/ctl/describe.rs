@@ -10,7 +10,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Result};
 use chanwatch_core::planner::{ChannelRow, NodeRow};
-use chanwatch_core::{ChannelName, ChannelOwner, Keys, NodeId};
+use chanwatch_core::{ChannelName, ChannelOwner, ChannelState, Keys, NodeId, VChannelInfo};
 use chanwatch_store::MetaStore;
 use clap::{Args as ClapArgs, CommandFactory, Subcommand};
 
@@ -278,6 +278,13 @@ pub fn history_note(h: &HistoryInfo) -> String {
 pub fn event_line(e: &Event) -> String {
     let dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
     let what = match (&e.channel, e.node) {
+        // A release names no target (the move's second half does): say what it is.
+        (Some(c), _) if e.state == Some(ChannelState::ToRelease) => format!(
+            "{:<9} {c}: releasing on {} (ToRelease, epoch {})",
+            e.cause,
+            dash(&e.from),
+            e.epoch.unwrap_or(0)
+        ),
         (Some(c), _) => format!(
             "{:<9} {c}: {} -> {} ({}, epoch {})",
             e.cause,
@@ -321,16 +328,12 @@ pub fn describe_channel(d: &ChannelDetail, now: u64) -> String {
             field(&mut out, "Progress", format!("{p}%"));
         }
     }
-    let v = serde_json::to_string(&d.vchannel).unwrap_or_default();
-    field(
-        &mut out,
-        "VChannel",
-        if v == "{}" || v.is_empty() {
-            "-".into()
-        } else {
-            v
-        },
-    );
+    let v = if d.vchannel == VChannelInfo::default() {
+        "-".to_owned()
+    } else {
+        serde_json::to_string(&d.vchannel).unwrap_or_default()
+    };
+    field(&mut out, "VChannel", v);
     match &d.checkpoint {
         Some(cp) => field(
             &mut out,
@@ -435,6 +438,14 @@ mod tests {
         assert_eq!(
             event_line(&e),
             "2023-11-14T22:13:20.123Z  #7     manual    orders-2: 1 -> 3 (ToWatch, epoch 4)\n"
+        );
+        let r = event(
+            r#"{"seq":6,"time_ms":1700000000123,"leader":"c1","kind":"transition",
+                "cause":"drain","channel":"orders-2","from":"1","to":"1","state":"ToRelease","epoch":3}"#,
+        );
+        assert_eq!(
+            event_line(&r),
+            "2023-11-14T22:13:20.123Z  #6     drain     orders-2: releasing on 1 (ToRelease, epoch 3)\n"
         );
         let n = event(
             r#"{"seq":8,"time_ms":1700000000123,"leader":"c1","kind":"node","cause":"left",
