@@ -368,8 +368,23 @@ async fn ctl_waits_through_a_leader_failover_and_a_frozen_leader_then_succeeds()
         started.elapsed()
     );
     drop(first);
-    // Killed: the new leader dies too; with none left ctl gives up after --timeout, saying why.
+    // Killed: its key stays until its lease runs out, its port refuses; ctl waits for the next.
+    let (third, _) = w.coord("coord-3");
+    tokio::time::sleep(Duration::from_secs(1)).await;
     drop(second);
+    let out = w.ctl_raw(&["describe", "channel", "orders-0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{stderr}\nthird coord: {}",
+        third.output()
+    );
+    assert!(
+        stderr.contains("waiting up to 10 s (--timeout) for a leader"),
+        "{stderr}"
+    );
+    // With no coordinator left ctl gives up after --timeout, saying why.
+    drop(third);
     let started = Instant::now();
     let out = w.ctl_raw(&["--timeout=3s", "balance", "--dry-run"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
