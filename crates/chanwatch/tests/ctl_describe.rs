@@ -593,3 +593,57 @@ fn completion_scripts_are_printed_for_bash_zsh_and_fish_without_etcd() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_follow_reconnects_to_the_new_leader_after_a_failover() {
+    let _one = SERIAL.lock().await;
+    let w = World::new().await;
+    let (first, _admin, _nodes, ids) = w.cluster(2).await;
+    let (_second, _) = w.coord("coord-2");
+    let follow = Proc::start(
+        w.dir.path(),
+        "follow",
+        &[
+            "ctl".to_owned(),
+            format!("--endpoints={}", w.etcd.endpoint()),
+            "--timeout=20s".to_owned(),
+            "events".to_owned(),
+            "--follow".to_owned(),
+        ],
+    );
+    let histories = |out: &str| out.matches("# history since this leader").count();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while histories(&follow.output()) < 1 {
+        assert!(Instant::now() < deadline, "no history: {}", follow.output());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(first); // killed: the standby takes over after the lease runs out
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while histories(&follow.output()) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "events --follow never reached the new leader: {}",
+            follow.output()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // And it prints what the new leader does.
+    let on = w.channels()[0].1.expect("assigned");
+    let other = ids.iter().copied().find(|&i| i != on).expect("two nodes");
+    w.ctl(&["move", &w.channels()[0].0, "--to", &other.to_string()])
+        .expect("move");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = follow.output();
+        let after = &out[out.rfind("# history since").unwrap_or(0)..];
+        if after.contains("manual ") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no move after the failover: {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
