@@ -325,6 +325,13 @@ impl<'a> Term<'a> {
                 for id in vanished {
                     self.session_gone(id, "a full list");
                 }
+                for id in listed
+                    .iter()
+                    .filter(|id| !self.state.nodes().contains_key(id))
+                {
+                    self.events
+                        .node(*id, "joined", Some("seen by a full list".into()));
+                }
                 self.state.reset(
                     kvs.iter()
                         .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),

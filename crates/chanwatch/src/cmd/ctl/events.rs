@@ -70,13 +70,18 @@ pub async fn follow(leader: &Leader, since: u64, format: Format) -> Result<()> {
         let mut resp = leader
             .patiently(|_| async {
                 let req = leader.request(Method::GET, &path, None).await?;
-                match req.send().await {
-                    Ok(r) if r.status().is_success() => Ok(r),
-                    Ok(r) => Err(Failed::Retry(format!(
+                // A frozen leader takes the connection and never answers.
+                match tokio::time::timeout(SILENCE, req.send()).await {
+                    Ok(Ok(r)) if r.status().is_success() => Ok(r),
+                    Ok(Ok(r)) => Err(Failed::Retry(format!(
                         "the coordinator answered {}",
                         r.status()
                     ))),
-                    Err(e) => Err(Failed::Retry(format!("the admin API does not answer: {e}"))),
+                    Ok(Err(e)) => Err(Failed::Retry(format!("the admin API does not answer: {e}"))),
+                    Err(_) => Err(Failed::Retry(format!(
+                        "the leader did not answer within {} s",
+                        SILENCE.as_secs()
+                    ))),
                 }
             })
             .await?;
