@@ -90,6 +90,19 @@ async fn the_event_feed_and_one_object_reads_show_a_move_a_drain_and_an_undrain(
         "replayed history: {seen}"
     );
 
+    // The move's second half (onto the other node) lands after the release is acked.
+    cluster
+        .wait_until(
+            Duration::from_secs(20),
+            "orders-0 Watched on the other node",
+            |v| {
+                v.channels
+                    .iter()
+                    .any(|c| c.node == Some(other.0) && c.state == ChannelState::Watched)
+            },
+        )
+        .await?;
+
     // The list as JSON, from a sequence number.
     let (code, list) = get(&client, &format!("{base}/api/v1/events?follow=0")).await?;
     ensure!(code == 200, "{code} {list}");
