@@ -367,11 +367,13 @@ async fn ctl_waits_through_a_leader_failover_and_a_frozen_leader_then_succeeds()
         "{:?}",
         started.elapsed()
     );
+    eprintln!("ctl waited {:?} through a frozen leader", started.elapsed());
     drop(first);
     // Killed: its key stays until its lease runs out, its port refuses; ctl waits for the next.
     let (third, _) = w.coord("coord-3");
     tokio::time::sleep(Duration::from_secs(1)).await;
     drop(second);
+    let started = Instant::now();
     let out = w.ctl_raw(&["describe", "channel", "orders-0"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -379,6 +381,7 @@ async fn ctl_waits_through_a_leader_failover_and_a_frozen_leader_then_succeeds()
         "{stderr}\nthird coord: {}",
         third.output()
     );
+    eprintln!("ctl waited {:?} through a killed leader", started.elapsed());
     assert!(
         stderr.contains("waiting up to 10 s (--timeout) for a leader"),
         "{stderr}"
