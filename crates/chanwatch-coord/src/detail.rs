@@ -2,8 +2,10 @@
 //! checkpoint and recent history) and a node (its session, channels, drain mark and recent
 //! history), read from the leader's view and its event history; and undrain.
 //!
-//! Owns: [`ChannelDetail`], [`NodeDetail`] and the handle's requests that build them.
-//! Must not: write — undrain is planned here but run by the term like every other write.
+//! Owns: [`ChannelDetail`], [`NodeDetail`], the handle's requests that build them, and the
+//! term's side of undrain (its txn, run like every other write through the term's `run_one`,
+//! guarded by the leader key). Must not: write anything else, or decide anything (which
+//! node to fill is balance's).
 
 use chanwatch_core::planner::{ChannelRow, Planner};
 use chanwatch_core::{ChannelName, NodeId, NodeSession, VChannelInfo};
@@ -13,6 +15,7 @@ use tokio::sync::oneshot;
 use crate::checkpoints::CheckpointRow;
 use crate::events::{Event, HistoryInfo};
 use crate::handle::{ApiError, CoordHandle, Request};
+use crate::term::Term;
 
 /// A read of the leader's view, run by the term between two plans (or refused with the
 /// reason on a standby).
@@ -160,5 +163,39 @@ impl CoordHandle {
     pub async fn undrain(&self, node: NodeId) -> Result<bool, ApiError> {
         self.ask_with(|reply| Request::Undrain { node, reply })
             .await
+    }
+}
+
+impl Term<'_> {
+    /// Serves [`Request::Undrain`]: deletes the node's drain mark in a txn guarded by the
+    /// leader key (nothing when it has none), then plans at once so balance may fill it.
+    /// `Err` only when leadership was lost.
+    pub(crate) async fn undrain(
+        &mut self,
+        node: NodeId,
+        reply: oneshot::Sender<Result<bool, ApiError>>,
+    ) -> Result<(), String> {
+        if !self.state.draining().contains(&node) {
+            drop(reply.send(Ok(false)));
+            return Ok(());
+        }
+        let planned = Ok(chanwatch_core::planner::PlannedTxn {
+            guards: Vec::new(),
+            ops: vec![chanwatch_core::planner::Op::Undrain { node }],
+            transitions: Vec::new(),
+        });
+        let (tx, rx) = oneshot::channel();
+        self.run_one(planned, tx).await?;
+        let result = match rx.await {
+            Ok(Ok(_)) => {
+                tracing::info!(node = %node, "coord: node undrained; it takes channels again");
+                Ok(true)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ApiError::Store("undrain request dropped".into())),
+        };
+        drop(reply.send(result));
+        self.replan = true;
+        Ok(())
     }
 }

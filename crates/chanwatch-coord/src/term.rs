@@ -508,34 +508,12 @@ impl<'a> Term<'a> {
                 self.replan |= !dry_run;
             }
             Request::View(read) => (read.0)(Ok(&self.state)),
-            Request::Undrain { node, reply } => {
-                if !self.state.draining().contains(&node) {
-                    drop(reply.send(Ok(false)));
-                    return Ok(());
-                }
-                let planned = Ok(PlannedTxn {
-                    guards: Vec::new(),
-                    ops: vec![chanwatch_core::planner::Op::Undrain { node }],
-                    transitions: Vec::new(),
-                });
-                let (tx, rx) = oneshot::channel();
-                self.run_one(planned, tx).await?;
-                let result = match rx.await {
-                    Ok(Ok(_)) => {
-                        info!(node = %node, "coord: node undrained; it takes channels again");
-                        Ok(true)
-                    }
-                    Ok(Err(e)) => Err(e),
-                    Err(_) => Err(ApiError::Store("undrain request dropped".into())),
-                };
-                drop(reply.send(result));
-                self.replan = true;
-            }
+            Request::Undrain { node, reply } => self.undrain(node, reply).await?,
         }
         Ok(())
     }
 
-    async fn run_one(
+    pub(crate) async fn run_one(
         &mut self,
         planned: Result<PlannedTxn, AdminError>,
         reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,
