@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 use crate::handle::{ApiError, CoordHandle};
 
+mod events;
 mod guard;
 
 /// Largest request body: a channel name plus a 64 KiB vchannel, with room for JSON escaping.
@@ -145,12 +146,15 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .route("/api/v1/channels", get(list_channels).post(add_channel))
         .route(
             "/api/v1/channels/{name}",
-            axum::routing::delete(remove_channel),
+            get(events::channel).delete(remove_channel),
         )
         .route("/api/v1/channels/{name}/move", post(move_channel))
         .route("/api/v1/nodes", get(list_nodes))
         .route("/api/v1/nodes/{id}/drain", post(drain))
         .route("/api/v1/balance", post(balance))
+        .route("/api/v1/nodes/{id}", get(events::node))
+        .route("/api/v1/nodes/{id}/undrain", post(events::undrain))
+        .route("/api/v1/events", get(events::events))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();

@@ -130,6 +130,7 @@ impl Coordinator {
             stop,
             ended,
             outcome: _,
+            events,
         } = ends;
         let result = crate::election::run(
             store,
@@ -137,6 +138,7 @@ impl Coordinator {
             clock,
             requests,
             status,
+            events,
             stop.cancelled_owned(),
         )
         .await;

@@ -107,6 +107,7 @@ pub(crate) async fn run(
     clock: Clock,
     mut requests: mpsc::Receiver<Request>,
     status: watch::Sender<CoordStatus>,
+    events: Arc<crate::events::EventLog>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), CoordError> {
     tokio::pin!(shutdown);
@@ -200,6 +201,9 @@ pub(crate) async fn run(
                 let mut term =
                     Term::new(store.clone(), &config, clock, leader_rev, lease.id, &status);
                 term.renewals = Some(renewals.clone());
+                // A new leader starts a new history (`ctl describe` says since when).
+                events.begin(&config.id);
+                term.events = events.clone();
                 let end = term.lead(&mut requests, &lost, &mut shutdown).await;
                 drop(term);
                 // Step down before anything else: a deposed leader must not look like one.

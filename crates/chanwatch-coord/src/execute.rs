@@ -286,8 +286,22 @@ impl Term<'_> {
         });
     }
 
-    /// One log line and one counter per channel transition.
+    /// One log line, one counter and one event per channel transition; an event per drain
+    /// or fence mark written or deleted.
     pub(crate) fn log_transitions(&self, t: &PlannedTxn) {
+        self.events.transitions(&t.transitions);
+        for op in &t.ops {
+            match op {
+                Op::Drain { node } => self.events.node(*node, "drained", None),
+                Op::Undrain { node } => self.events.node(*node, "undrained", None),
+                Op::Fence { node } => self.events.node(
+                    *node,
+                    "fenced",
+                    Some("did not release a channel within the release timeout".into()),
+                ),
+                _ => {}
+            }
+        }
         for tr in &t.transitions {
             // Releases are the first half of a move; count the move once, when it lands.
             if tr.state != Some(chanwatch_core::ChannelState::ToRelease) {

@@ -95,6 +95,15 @@ pub(crate) enum Request {
         /// Where the answer goes.
         reply: oneshot::Sender<Result<Vec<PlannedMove>, ApiError>>,
     },
+    /// Read the leader's view (`detail.rs`: one channel, one node).
+    View(crate::detail::ViewFn),
+    /// Take a node's drain mark away.
+    Undrain {
+        /// The node.
+        node: NodeId,
+        /// Where the answer goes: whether it was draining.
+        reply: oneshot::Sender<Result<bool, ApiError>>,
+    },
 }
 
 /// Talks to a running coordinator: its status, the admin requests (what the HTTP API
@@ -123,6 +132,8 @@ struct Shared {
     /// What [`CoordHandle::checkpoints`] reads through: the coordinator's store, key layout
     /// and clock.
     reads: Reads,
+    /// The leader's event history (`events.rs`).
+    events: Arc<crate::events::EventLog>,
 }
 
 /// The store, keys and clock a handle reads checkpoints with.
@@ -156,6 +167,8 @@ pub(crate) struct HandleEnds {
     /// Dropped when the coordinator has ended (after `outcome` is set).
     pub(crate) ended: watch::Sender<()>,
     pub(crate) outcome: Arc<Mutex<Option<CoordError>>>,
+    /// The event history the term records into.
+    pub(crate) events: Arc<crate::events::EventLog>,
 }
 
 impl CoordHandle {
@@ -170,6 +183,7 @@ impl CoordHandle {
         let (ended_tx, ended) = watch::channel(());
         let stop = CancellationToken::new();
         let outcome = Arc::new(Mutex::new(None));
+        let events = Arc::new(crate::events::EventLog::new(reads.clock));
         let handle = CoordHandle {
             tx,
             status,
@@ -180,6 +194,7 @@ impl CoordHandle {
                 metrics,
                 registry,
                 reads,
+                events: events.clone(),
             }),
         };
         let ends = HandleEnds {
@@ -188,8 +203,27 @@ impl CoordHandle {
             stop,
             ended: ended_tx,
             outcome,
+            events,
         };
         (handle, ends)
+    }
+
+    /// The leader's event history (empty on a standby until it leads).
+    pub fn events(&self) -> &Arc<crate::events::EventLog> {
+        &self.shared.events
+    }
+
+    /// What reads go through: store, keys, clock.
+    pub(crate) fn reads(&self) -> &Reads {
+        &self.shared.reads
+    }
+
+    /// Sends `req` and waits for its answer on `rx` (for requests defined elsewhere).
+    pub(crate) async fn ask_with<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Request,
+    ) -> Result<T, ApiError> {
+        self.ask(make).await
     }
 
     /// The latest status.
@@ -352,5 +386,7 @@ pub(crate) fn refuse(req: Request, err: ApiError) {
         }
         Request::Drain { reply, .. } => drop(reply.send(Err(err))),
         Request::Balance { reply, .. } => drop(reply.send(Err(err))),
+        Request::View(f) => (f.0)(Err(err)),
+        Request::Undrain { reply, .. } => drop(reply.send(Err(err))),
     }
 }

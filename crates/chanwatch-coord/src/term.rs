@@ -60,6 +60,8 @@ pub(crate) struct Term<'a> {
     /// The leader lease's renewals (set by the election): their revisions tell a quiet
     /// watch from a stalled one.
     pub(crate) renewals: Option<watch::Receiver<Renewal>>,
+    /// Where committed transitions and node events are recorded (`events.rs`).
+    pub(crate) events: Arc<crate::events::EventLog>,
 }
 
 impl<'a> Term<'a> {
@@ -87,6 +89,7 @@ impl<'a> Term<'a> {
                 Duration::from_millis(config.planner.watch_timeout_ms),
             ),
             renewals: None,
+            events: Arc::new(crate::events::EventLog::new(clock)),
         }
     }
 
@@ -322,6 +325,13 @@ impl<'a> Term<'a> {
                 for id in vanished {
                     self.session_gone(id, "a full list");
                 }
+                for id in listed
+                    .iter()
+                    .filter(|id| !self.state.nodes().contains_key(id))
+                {
+                    self.events
+                        .node(*id, "joined", Some("seen by a full list".into()));
+                }
                 self.state.reset(
                     kvs.iter()
                         .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
@@ -346,6 +356,7 @@ impl<'a> Term<'a> {
                     }
                     match ev.kind {
                         EventKind::Put => {
+                            self.note_join(&ev.kv.key);
                             if let Some(why) =
                                 self.state
                                     .apply_put(&ev.kv.key, &ev.kv.value, ev.kv.mod_revision)
@@ -407,9 +418,27 @@ impl<'a> Term<'a> {
             .map(|e| e.info.channel.clone())
             .collect();
         info!(node = %id, channels = held.len(), seen_by = how, "coord: node session gone; its channels fail over");
+        self.events.node(
+            id,
+            "left",
+            Some(format!(
+                "session gone (seen by {how}); {} channel(s) fail over",
+                held.len()
+            )),
+        );
         // Bounded: a storm of dead nodes must not grow this without limit.
         if !held.is_empty() && self.failovers.len() < 1024 {
             self.failovers.push((self.clock.now(), id, held));
+        }
+    }
+
+    /// Records a node event when `key` is the session of a node the view does not know yet.
+    /// Call before the view applies the put.
+    fn note_join(&self, key: &str) {
+        if let Ok(id) = self.config.keys.parse_session(key) {
+            if !self.state.nodes().contains_key(&id) {
+                self.events.node(id, "joined", None);
+            }
         }
     }
 
@@ -478,11 +507,13 @@ impl<'a> Term<'a> {
                 drop(reply.send(Ok(plan)));
                 self.replan |= !dry_run;
             }
+            Request::View(read) => (read.0)(Ok(&self.state)),
+            Request::Undrain { node, reply } => self.undrain(node, reply).await?,
         }
         Ok(())
     }
 
-    async fn run_one(
+    pub(crate) async fn run_one(
         &mut self,
         planned: Result<PlannedTxn, AdminError>,
         reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,

@@ -7,6 +7,7 @@
 mod api;
 mod browser;
 mod cluster;
+mod events;
 mod leader;
 mod library;
 mod scenarios;

@@ -1,5 +1,7 @@
 //! `chanwatch ctl`: reads state straight from etcd and sends changes to the leader's admin
-//! API (its address is in `{root}/coord/leader`).
+//! API (its address is in `{root}/coord/leader`); with `--admin URL` (a `standalone`, which
+//! has no etcd) it reads through that API too. One object at a time (`get`, `describe`),
+//! the event feed (`events`), `undrain` and `completion` are in `describe` and `events`.
 //!
 //! Owns: its flags (`Args`, `Command`), checking input before any network call, and
 //! presentation (`-o table|wide|json|yaml`, in `output`; the channel lines with their
@@ -17,10 +19,12 @@ use chanwatch_store::KeyValue;
 use clap::{Args as ClapArgs, Subcommand};
 
 use crate::flags::{EtcdArgs, RootArg};
-use leader::{BalancePlan, Leader};
+use leader::BalancePlan;
 use output::{emit, machine, Columns, Format, OutputArgs};
 
 mod channels;
+mod describe;
+mod events;
 mod leader;
 mod live;
 mod output;
@@ -37,6 +41,8 @@ pub struct Args {
     pub admin_token: Option<String>,
     #[command(flatten)]
     pub output: OutputArgs,
+    #[command(flatten)]
+    pub reach: describe::ReachArgs,
     #[command(subcommand)]
     pub what: Command,
 }
@@ -92,6 +98,32 @@ pub enum Command {
         #[arg(long, env = "CHANWATCH_CTL_DRY_RUN")]
         dry_run: bool,
     },
+    /// One object as a row (`-o json|yaml` for every field).
+    #[command(subcommand)]
+    Get(describe::GetWhat),
+    /// One object in detail: a channel's assignment, vchannel, checkpoint and last
+    /// transitions; a node's session, channels, drain mark and last events.
+    #[command(subcommand)]
+    Describe(describe::DescribeWhat),
+    /// The leader's events: transitions (with cause) and node events, oldest first.
+    Events {
+        /// Keep printing events as they come (and across a leader change), until Ctrl-C.
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Only events from this sequence number on.
+        #[arg(long, default_value_t = 0)]
+        since: u64,
+    },
+    /// Let a drained node take channels again (balance may then fill it).
+    Undrain {
+        /// Node ID.
+        node: u64,
+    },
+    /// Print a shell completion script: `source <(chanwatch ctl completion bash)`.
+    Completion {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// A `ctl` command with its input validated and parsed, before any network call.
@@ -118,6 +150,8 @@ enum Checked {
     Balance {
         dry_run: bool,
     },
+    /// `get`, `describe`, `events`, `undrain` (in `describe`).
+    More(describe::Ask),
 }
 
 impl Checked {
@@ -145,6 +179,7 @@ impl Checked {
             },
             Command::Drain { node } => Checked::Drain { node: NodeId(node) },
             Command::Balance { dry_run } => Checked::Balance { dry_run },
+            other => Checked::More(describe::Ask::new(other)?),
         })
     }
 }
@@ -174,18 +209,22 @@ fn parse_state(raw: &str) -> Result<ChannelState> {
 /// Bad input (before any network call), etcd unreachable, no leader, or the leader's refusal.
 pub async fn run(args: Args) -> Result<()> {
     let keys = args.root.keys()?;
+    if let Command::Completion { shell } = args.what {
+        return describe::completion(shell);
+    }
     // Validate input before touching the network.
     let what = Checked::new(args.what)?;
-    let store = args.etcd.connect_under(&keys).await?;
-    let leader = Leader {
-        store: store.clone(),
-        keys: keys.clone(),
-        token: args.admin_token,
-    };
     let format = args.output.format();
+    let (leader, store) = describe::reach(&args.reach, &args.etcd, &keys, args.admin_token).await?;
     let text = match what {
+        Checked::More(ask) => describe::run(ask, &leader, store.as_deref(), format).await?,
+        // `--admin`: no etcd; reads go through the admin API.
+        Checked::Channels { filter } if store.is_none() => {
+            describe::remote_channels(&leader, &filter, format).await?
+        }
+        Checked::Nodes if store.is_none() => describe::remote_nodes(&leader, format).await?,
         Checked::Channels { filter } => {
-            let (state, kvs) = snapshot(&*store, &keys).await?;
+            let (state, kvs) = snapshot(store.as_deref(), &keys).await?;
             let live = live::ask(&state.node_rows()).await;
             let now = now_ms();
             let lines = channels::lines(&keys, &kvs, state.channel_rows(), &live, &filter, now);
@@ -199,7 +238,7 @@ pub async fn run(args: Args) -> Result<()> {
             }
         }
         Checked::Nodes => {
-            let (state, _) = snapshot(&*store, &keys).await?;
+            let (state, _) = snapshot(store.as_deref(), &keys).await?;
             let rows = state.node_rows();
             let live = live::ask(&rows).await;
             match machine(format, &live::nodes_json(&rows, &live))? {
@@ -234,9 +273,10 @@ pub async fn run(args: Args) -> Result<()> {
 /// Everything under `{root}/` in one range read (checkpoints included), and the planner's
 /// view of it.
 async fn snapshot(
-    store: &dyn chanwatch_store::MetaStore,
+    store: Option<&dyn chanwatch_store::MetaStore>,
     keys: &Keys,
 ) -> Result<(Planner, Vec<KeyValue>)> {
+    let store = store.ok_or_else(|| anyhow!("this needs etcd; drop --admin"))?;
     let list = store.range(&keys.all_prefix()).await?;
     let mut state = Planner::new(keys.clone(), PlannerConfig::default());
     state.reset(

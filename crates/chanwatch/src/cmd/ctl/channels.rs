@@ -29,7 +29,7 @@ pub struct Filter {
 }
 
 /// A channel's checkpoint as `ctl` shows it (its state is left out: it is the handler's).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct CheckpointLine {
     /// Opaque stream position.
     pub position: String,

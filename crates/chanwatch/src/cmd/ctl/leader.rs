@@ -2,14 +2,17 @@
 //! validated values (`ChannelName`, `VChannelInfo`, `NodeId`), answers are read once into the
 //! core types the API serializes (`Transition`, `PlannedMove`).
 //!
-//! Owns: finding the leader (`{root}/coord/leader`), the HTTP calls and their headers, and
-//! turning a refusal into one line. Must not: print (that is `ctl`'s presentation) or write
-//! to etcd.
+//! Owns: finding the leader (`{root}/coord/leader`, or the `--admin` URL), the HTTP calls and
+//! their headers, waiting (up to `--timeout`) while no leader answers — one line on stderr
+//! says so — and turning a refusal into one line. Must not: print anything else (that is
+//! `ctl`'s presentation) or write to etcd.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use tokio::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
 use chanwatch_core::planner::{PlannedMove, Transition};
 use chanwatch_core::{ChannelName, CoordSession, Keys, NodeId, VChannelInfo};
 use chanwatch_store::MetaStore;
@@ -17,15 +20,46 @@ use reqwest::Method;
 use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::{Deserialize, Serialize};
 
-/// How long one call may take.
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+pub use chanwatch_coord::detail::{ChannelDetail, NodeDetail};
+pub use chanwatch_coord::events::{Event, HistoryInfo};
 
-/// The leader's admin API, found through the store.
+/// Pause between two tries while no leader answers.
+const RETRY_EVERY: Duration = Duration::from_millis(200);
+
+/// Where the admin API is.
+pub enum Source {
+    /// The leader's address, read from its key in the store.
+    Etcd(Arc<dyn MetaStore>),
+    /// This base URL (`--admin`; e.g. a `standalone`, which has no etcd).
+    Admin(String),
+}
+
+/// The leader's admin API, found through the store or given.
 pub struct Leader {
-    pub store: Arc<dyn MetaStore>,
+    pub source: Source,
     pub keys: Keys,
     /// Bearer token, when the API requires one.
     pub token: Option<String>,
+    /// How long to wait for a leader to answer (`--timeout`), one call included.
+    pub timeout: Duration,
+}
+
+/// One try's failure: worth another try (no leader now), or final.
+pub enum Failed {
+    /// No leader now: try again.
+    Retry(String),
+    /// Refused or broken: do not try again.
+    Final(anyhow::Error),
+}
+
+/// `--admin`'s value as a base URL: `http://` added when no scheme is given, no trailing `/`.
+pub fn admin_url(raw: &str) -> String {
+    let raw = raw.trim().trim_end_matches('/');
+    if raw.contains("://") {
+        raw.to_owned()
+    } else {
+        format!("http://{raw}")
+    }
 }
 
 /// The answer to `POST /api/v1/balance`.
@@ -35,6 +69,25 @@ pub struct BalancePlan {
     pub dry_run: bool,
     /// The moves, planned or started.
     pub moves: Vec<PlannedMove>,
+}
+
+/// The answer to `GET /api/v1/events?follow=0`.
+#[derive(Debug, Deserialize)]
+pub struct EventList {
+    /// Whose history it is.
+    pub history: HistoryInfo,
+    /// Its events, oldest first.
+    pub events: Vec<Event>,
+}
+
+/// A channel row with its checkpoint, as `GET /api/v1/channels?checkpoints=1` answers.
+#[derive(Debug, Deserialize)]
+pub struct RemoteChannel {
+    /// The assignment.
+    #[serde(flatten)]
+    pub row: chanwatch_core::planner::ChannelRow,
+    /// Its checkpoint, if any.
+    pub checkpoint: Option<super::channels::CheckpointLine>,
 }
 
 #[derive(Serialize)]
@@ -86,30 +139,141 @@ impl Leader {
         Ok(())
     }
 
+    /// One channel: assignment, vchannel, checkpoint, history.
+    pub async fn channel_detail(&self, name: &ChannelName) -> Result<ChannelDetail> {
+        let path = format!("/api/v1/channels/{name}");
+        self.call(Method::GET, &path, None::<&()>).await
+    }
+
+    /// One node: session, drain mark, channels, history.
+    pub async fn node_detail(&self, node: NodeId) -> Result<NodeDetail> {
+        let path = format!("/api/v1/nodes/{node}");
+        self.call(Method::GET, &path, None::<&()>).await
+    }
+
+    /// Takes a node's drain mark away; whether it was draining.
+    pub async fn undrain(&self, node: NodeId) -> Result<bool> {
+        #[derive(Deserialize)]
+        struct Undrained {
+            was_draining: bool,
+        }
+        let path = format!("/api/v1/nodes/{node}/undrain");
+        let u: Undrained = self.call(Method::POST, &path, None::<&()>).await?;
+        Ok(u.was_draining)
+    }
+
+    /// The leader's event history from `since`.
+    pub async fn events(&self, since: u64) -> Result<EventList> {
+        let path = format!("/api/v1/events?follow=0&since={since}");
+        self.call(Method::GET, &path, None::<&()>).await
+    }
+
+    /// Every channel with its checkpoint, from the admin API (`--admin`: no etcd to read).
+    pub async fn channel_rows(&self) -> Result<Vec<RemoteChannel>> {
+        self.call(Method::GET, "/api/v1/channels?checkpoints=1", None::<&()>)
+            .await
+    }
+
+    /// Every live node, from the admin API.
+    pub async fn node_rows(&self) -> Result<Vec<chanwatch_core::planner::NodeRow>> {
+        self.call(Method::GET, "/api/v1/nodes", None::<&()>).await
+    }
+
     /// Plans (`dry_run`) or starts the balance moves.
     pub async fn balance(&self, dry_run: bool) -> Result<BalancePlan> {
         let path = format!("/api/v1/balance?dry_run={dry_run}");
         self.call(Method::POST, &path, None::<&()>).await
     }
 
-    /// Sends a request to the leader's admin API and reads its answer as `T`.
-    async fn call<T: DeserializeOwned, B: Serialize>(
+    /// The admin API's base URL now (`http://host:port`).
+    ///
+    /// # Errors
+    /// No leader key (retry), the store does not answer (retry), or a key that does not
+    /// decode.
+    async fn base(&self) -> Result<String, Failed> {
+        let store = match &self.source {
+            Source::Admin(url) => return Ok(url.clone()),
+            Source::Etcd(store) => store,
+        };
+        let keys = &self.keys;
+        let leader = store
+            .get(&keys.leader())
+            .await
+            .map_err(|e| Failed::Retry(format!("etcd: {e}")))?
+            .ok_or_else(|| {
+                Failed::Retry(format!(
+                    "no coordinator is leader ({} is absent; is `chanwatch coord` running?)",
+                    keys.leader()
+                ))
+            })?;
+        let session = CoordSession::decode(&leader.value)
+            .map_err(|e| Failed::Final(anyhow!("{} does not decode: {e}", keys.leader())))?;
+        Ok(format!("http://{}", session.admin_addr))
+    }
+
+    /// Runs `attempt` until it succeeds, fails for good, or `--timeout` has passed; the
+    /// first time it must wait, one line on stderr says so.
+    pub async fn patiently<T, F, Fut>(&self, mut attempt: F) -> Result<T>
+    where
+        F: FnMut(Instant) -> Fut,
+        Fut: std::future::Future<Output = Result<T, Failed>>,
+    {
+        let deadline = Instant::now() + self.timeout;
+        let mut said = false;
+        loop {
+            match attempt(deadline).await {
+                Ok(v) => return Ok(v),
+                Err(Failed::Final(e)) => return Err(e),
+                Err(Failed::Retry(why)) => {
+                    if Instant::now() + RETRY_EVERY >= deadline {
+                        bail!(
+                            "no leader answered within {} s (--timeout): {why}",
+                            self.timeout.as_secs_f64()
+                        );
+                    }
+                    if !said {
+                        eprintln!(
+                            "waiting up to {} s (--timeout) for a leader: {why}",
+                            self.timeout.as_secs_f64()
+                        );
+                        said = true;
+                    }
+                    tokio::time::sleep(RETRY_EVERY).await;
+                }
+            }
+        }
+    }
+
+    /// Sends a request to the leader's admin API and reads its answer as `T`, waiting for a
+    /// leader up to `--timeout`.
+    pub async fn call<T: DeserializeOwned, B: Serialize>(
         &self,
         method: Method,
         path: &str,
         body: Option<&B>,
     ) -> Result<T> {
-        let keys = &self.keys;
-        let leader = self.store.get(&keys.leader()).await?.ok_or_else(|| {
-            anyhow!(
-                "no coordinator is leader ({} is absent); start `chanwatch coord`",
-                keys.leader()
-            )
-        })?;
-        let session = CoordSession::decode(&leader.value)
-            .map_err(|e| anyhow!("{} does not decode: {e}", keys.leader()))?;
-        let url = format!("http://{}{}", session.admin_addr, path);
-        let client = reqwest::Client::builder().timeout(CALL_TIMEOUT).build()?;
+        self.patiently(|deadline| self.try_call(method.clone(), path, body, deadline))
+            .await
+    }
+
+    /// The request as the leader now found gets it, `--timeout`'s remainder as its timeout.
+    pub async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        deadline: Option<Instant>,
+    ) -> Result<reqwest::RequestBuilder, Failed> {
+        let url = format!("{}{path}", self.base().await?);
+        let mut client = reqwest::Client::builder().connect_timeout(Duration::from_secs(2));
+        if let Some(d) = deadline {
+            client = client.timeout(
+                d.saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(100)),
+            );
+        }
+        let client = client
+            .build()
+            .map_err(|e| Failed::Final(anyhow!("no HTTP client: {e}")))?;
         let mut req = client.request(method.clone(), &url);
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
@@ -119,28 +283,79 @@ impl Leader {
         if method != Method::GET {
             req = req.header(reqwest::header::CONTENT_TYPE, "application/json");
         }
+        Ok(req)
+    }
+
+    async fn try_call<T: DeserializeOwned, B: Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        deadline: Instant,
+    ) -> Result<T, Failed> {
+        // A read may be tried again: one try gets at most a third of `--timeout` (at least
+        // 2 s), so a frozen leader leaves time to reach the next one. A write's outcome is
+        // unknown after a timeout; it gets all the time left.
+        let read = method == Method::GET;
+        let until = if read {
+            deadline.min(Instant::now() + (self.timeout / 3).max(Duration::from_secs(2)))
+        } else {
+            deadline
+        };
+        let mut req = self.request(method.clone(), path, Some(until)).await?;
         if let Some(b) = body {
             req = req.json(b);
         }
-        let resp = req
-            .send()
-            .await
-            .with_context(|| format!("leader's admin API unreachable at {url}"))?;
+        let resp = match req.send().await {
+            Ok(r) => r,
+            // Nothing reached a server: safe to try again, a write too.
+            Err(e) if e.is_connect() => {
+                return Err(Failed::Retry(format!("the admin API does not answer: {e}")))
+            }
+            Err(e) if read => return Err(Failed::Retry(format!("no answer: {e}"))),
+            Err(e) if e.is_timeout() => {
+                return Err(Failed::Final(anyhow!(
+                    "the leader did not answer {method} {path} within {} s (--timeout); \
+                     whether it made the change is unknown: look with `ctl get` / `ctl describe`",
+                    self.timeout.as_secs_f64()
+                )))
+            }
+            Err(e) => {
+                return Err(Failed::Final(
+                    anyhow!(e).context(format!("the leader's admin API failed {method} {path}")),
+                ))
+            }
+        };
         let status = resp.status();
-        let bytes = resp
-            .bytes()
-            .await
-            .with_context(|| format!("reading the leader's answer from {url}"))?;
+        let bytes = match resp.bytes().await {
+            Ok(b) => b,
+            Err(e) if read => return Err(Failed::Retry(format!("reading the answer: {e}"))),
+            Err(e) => {
+                return Err(Failed::Final(anyhow!(e).context(format!(
+                    "reading the leader's answer to {method} {path}"
+                ))))
+            }
+        };
+        if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            // Not the leader (any more), still recovering, or the store failed the change.
+            let msg = serde_json::from_slice::<Refusal>(&bytes)
+                .map_or_else(|_| "no error message".to_owned(), |r| r.error);
+            return Err(Failed::Retry(format!(
+                "the coordinator answered 503: {msg}"
+            )));
+        }
         if !status.is_success() {
             let msg = serde_json::from_slice::<Refusal>(&bytes)
                 .map_or_else(|_| "no error message".to_owned(), |r| r.error);
-            bail!("the coordinator refused ({status}): {msg}");
+            return Err(Failed::Final(anyhow!(
+                "the coordinator refused ({status}): {msg}"
+            )));
         }
-        serde_json::from_slice(&bytes).with_context(|| {
-            format!(
+        serde_json::from_slice(&bytes).map_err(|e| {
+            Failed::Final(anyhow!(e).context(format!(
                 "the leader's answer to {method} {path} is not what this ctl understands; \
                  run ctl and the coordinators from the same release"
-            )
+            )))
         })
     }
 }
@@ -174,9 +389,10 @@ mod tests {
         let mut ready = handle.watch_status();
         tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
         let leader = Leader {
-            store,
+            source: Source::Etcd(store),
             keys: Keys::default(),
             token: None,
+            timeout: Duration::from_secs(10),
         };
         Ok((leader, handle))
     }
@@ -223,7 +439,10 @@ mod tests {
             "{t:?}"
         );
         let keys = &leader.keys;
-        let list = leader.store.range(&keys.all_prefix()).await?;
+        let Source::Etcd(store) = &leader.source else {
+            unreachable!("built on the store above")
+        };
+        let list = store.range(&keys.all_prefix()).await?;
         let stored = list
             .kvs
             .iter()
