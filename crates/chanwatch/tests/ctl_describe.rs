@@ -472,6 +472,7 @@ async fn seeded() -> EtcdFixture {
     let t = 1_700_000_000_000;
     let session = NodeSession {
         id: NodeId(1),
+        name: "n1".into(),
         admin_addr: String::new(),
         version: "test".into(),
         started_at_ms: t,

@@ -108,10 +108,10 @@ pub enum Command {
     /// The leader's events: transitions (with cause) and node events, oldest first.
     Events {
         /// Keep printing events as they come (and across a leader change), until Ctrl-C.
-        #[arg(long, short = 'f')]
+        #[arg(long, short = 'f', env = "CHANWATCH_CTL_FOLLOW")]
         follow: bool,
         /// Only events from this sequence number on.
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, env = "CHANWATCH_CTL_SINCE")]
         since: u64,
     },
     /// Let a drained node take channels again (balance may then fill it).
