@@ -235,8 +235,9 @@ impl Session {
             }
             tokio::select! {
                 biased;
-                Ok(()) = stop.changed() => {
-                    let asked = *stop.borrow_and_update();
+                r = stop.changed() => {
+                    // Nobody left to ask (the owner dropped its handle): stop, as before.
+                    let asked = if r.is_err() { Stop::Now } else { *stop.borrow_and_update() };
                     if asked == Stop::Now {
                         let left = self.machine.channels().len();
                         if departure.is_some() {

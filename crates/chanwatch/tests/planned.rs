@@ -97,7 +97,12 @@ async fn sigterm_moves_a_nodes_channels_off_while_it_runs_and_a_second_one_stops
     let sent = Instant::now();
     proc_of(&mut c, "a").signal("TERM");
     let (code, took) = exit_of(&mut c, "a", sent, Duration::from_secs(10)).await;
-    assert_eq!(code, 0, "node a's exit code; its output:\n{}", c.output("a"));
+    assert_eq!(
+        code,
+        0,
+        "node a's exit code; its output:\n{}",
+        c.output("a")
+    );
     assert!(
         took < Duration::from_secs(10),
         "node a took {took:?}, as long as its lease"
@@ -116,7 +121,11 @@ async fn sigterm_moves_a_nodes_channels_off_while_it_runs_and_a_second_one_stops
         if *node == a {
             assert_eq!(epoch2, epoch + 1, "{ch} moved off a: one epoch more");
         } else {
-            assert_eq!((node2, epoch2), (*node, *epoch), "{ch} was not on a: untouched");
+            assert_eq!(
+                (node2, epoch2),
+                (*node, *epoch),
+                "{ch} was not on a: untouched"
+            );
         }
     }
     let created: Vec<(String, u64)> = c
@@ -130,9 +139,17 @@ async fn sigterm_moves_a_nodes_channels_off_while_it_runs_and_a_second_one_stops
         let n = created.iter().filter(|(c2, _)| c2 == *ch).count();
         assert_eq!(n, 1, "{ch} assigned {n} times after SIGTERM: {created:?}");
     }
-    assert_eq!(created.len(), on_a.len(), "only a's channels moved: {created:?}");
+    assert_eq!(
+        created.len(),
+        on_a.len(),
+        "only a's channels moved: {created:?}"
+    );
     assert!(c.overlaps().is_empty(), "overlaps: {:?}", c.overlaps());
-    assert_eq!(reassignments(&c, "failover").await, 0.0, "a failover happened");
+    assert_eq!(
+        reassignments(&c, "failover").await,
+        0.0,
+        "a failover happened"
+    );
     assert!(reassignments(&c, "drain").await >= on_a.len() as f64);
 
     // No leader: a leaving node keeps running its channels; a second SIGTERM stops it at once.
@@ -148,7 +165,12 @@ async fn sigterm_moves_a_nodes_channels_off_while_it_runs_and_a_second_one_stops
     let again = Instant::now();
     proc_of(&mut c, "b").signal("TERM");
     let (code, took) = exit_of(&mut c, "b", sent, Duration::from_secs(10)).await;
-    assert_eq!(code, 0, "node b's exit code; its output:\n{}", c.output("b"));
+    assert_eq!(
+        code,
+        0,
+        "node b's exit code; its output:\n{}",
+        c.output("b")
+    );
     assert!(
         again.elapsed() < Duration::from_secs(3),
         "node b took {took:?} after the second SIGTERM"
@@ -157,7 +179,12 @@ async fn sigterm_moves_a_nodes_channels_off_while_it_runs_and_a_second_one_stops
     let sent = Instant::now();
     proc_of(&mut c, "c").signal("TERM");
     let (code, took) = exit_of(&mut c, "c", sent, Duration::from_secs(8)).await;
-    assert_eq!(code, 0, "node c's exit code; its output:\n{}", c.output("c"));
+    assert_eq!(
+        code,
+        0,
+        "node c's exit code; its output:\n{}",
+        c.output("c")
+    );
     assert!(
         took >= Duration::from_millis(2_900),
         "node c left after {took:?}, before its --shutdown-timeout of 3 s with nobody draining it"
@@ -180,7 +207,10 @@ async fn a_cold_start_with_expected_nodes_places_every_parked_channel_once_and_e
     c.add_channels(&names).await;
     let rows = c.channels().expect("ctl channels");
     assert_eq!(rows.len(), 500);
-    assert!(rows.iter().all(|r| r.node.is_none()), "parked before any node");
+    assert!(
+        rows.iter().all(|r| r.node.is_none()),
+        "parked before any node"
+    );
     let started = Instant::now();
     for i in 0..5 {
         c.node(&format!("n{i}"), &endpoint, &[TTL]);

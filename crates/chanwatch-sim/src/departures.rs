@@ -1,0 +1,119 @@
+//! The planned-restart invariants (DESIGN §5 "Planned restart", issue 16), checked on every
+//! revision: while a node leaves (SIGTERM: its session says `leaving`) and nothing else
+//! happens, each channel it held moves at most once, and none fails over — its session ends
+//! only after the coordinator moved every channel off. No overlap is the checker's general
+//! rule and covers departures too.
+//!
+//! Owns: the departures under way, each with the channels the node held when it began and
+//! how often each has been assigned since. A departure disturbed by any other fault or admin
+//! request (a crash, a partition, a drain) is followed but not judged: those may move a
+//! channel again or fail it over by design.
+//! Must not: inject anything or read the store; the world tells it what began and what
+//! disturbed, the checker feeds it revisions.
+
+use std::collections::BTreeMap;
+
+use chanwatch_core::{ChannelName, ChannelOwner, Keys, NodeId};
+use chanwatch_store::{EventKind, KeyValue, WatchEvent};
+
+/// One node leaving.
+#[derive(Debug)]
+struct Departure {
+    /// Channels it held when it began → assignments of each elsewhere since.
+    held: BTreeMap<ChannelName, u32>,
+    /// Another fault or request happened meanwhile: not judged.
+    disturbed: bool,
+}
+
+/// The departures under way. See the module docs.
+#[derive(Debug, Default)]
+pub struct Departures {
+    active: BTreeMap<NodeId, Departure>,
+    /// Departures that ended undisturbed (each judged).
+    pub judged: u64,
+}
+
+impl Departures {
+    /// Node `node` begins leaving; `kv` is the store as of now.
+    pub fn begin(&mut self, keys: &Keys, kv: &BTreeMap<String, KeyValue>, node: NodeId) {
+        let prefix = keys.owner_prefix(ChannelOwner::Node(node));
+        let held = kv
+            .range(prefix.clone()..)
+            .take_while(|(k, _)| k.starts_with(&prefix))
+            .filter_map(|(k, _)| keys.parse_channel(k).ok().map(|ck| (ck.channel, 0)))
+            .collect();
+        self.active.insert(
+            node,
+            Departure {
+                held,
+                disturbed: false,
+            },
+        );
+    }
+
+    /// Something else happened: no departure under way now is judged.
+    pub fn disturb(&mut self) {
+        for d in self.active.values_mut() {
+            d.disturbed = true;
+        }
+    }
+
+    /// Follows one revision; `kv` is the store after it. Returns what it breaks.
+    pub fn observe(
+        &mut self,
+        keys: &Keys,
+        kv: &BTreeMap<String, KeyValue>,
+        events: &[WatchEvent],
+    ) -> Vec<String> {
+        if self.active.is_empty() {
+            return Vec::new();
+        }
+        let mut found = Vec::new();
+        for e in events {
+            if e.kind == EventKind::Put && e.kv.version == 1 {
+                let Ok(ck) = keys.parse_channel(&e.kv.key) else {
+                    continue;
+                };
+                for (node, d) in &mut self.active {
+                    if ck.owner == ChannelOwner::Node(*node) {
+                        continue;
+                    }
+                    if let Some(n) = d.held.get_mut(&ck.channel) {
+                        *n += 1;
+                        if *n > 1 && !d.disturbed {
+                            found.push(format!(
+                                "planned restart: {} moved {n} times while node {node} left",
+                                ck.channel
+                            ));
+                        }
+                    }
+                }
+            }
+            if e.kind == EventKind::Delete {
+                let Ok(node) = keys.parse_session(&e.kv.key) else {
+                    continue;
+                };
+                let Some(d) = self.active.remove(&node) else {
+                    continue;
+                };
+                if d.disturbed {
+                    continue;
+                }
+                self.judged += 1;
+                let prefix = keys.owner_prefix(ChannelOwner::Node(node));
+                let left: Vec<&String> = kv
+                    .range(prefix.clone()..)
+                    .take_while(|(k, _)| k.starts_with(&prefix))
+                    .map(|(k, _)| k)
+                    .collect();
+                if !left.is_empty() {
+                    found.push(format!(
+                        "planned restart: node {node}'s session ended with {} channels still under it (they fail over): {left:?}",
+                        left.len()
+                    ));
+                }
+            }
+        }
+        found
+    }
+}
