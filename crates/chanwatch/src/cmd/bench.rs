@@ -319,6 +319,10 @@ pub struct BenchRollingRestartArgs {
     /// The coordinator's --balance-quiet.
     #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "2s")]
     pub balance_quiet: std::time::Duration,
+    /// Start each replacement before the SIGTERM (and wait until it registered), as a
+    /// rolling update with surge does: the drain then fills the new node.
+    #[arg(long)]
+    pub surge: bool,
     /// Repetitions; medians are reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,

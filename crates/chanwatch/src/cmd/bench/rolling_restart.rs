@@ -103,8 +103,16 @@ pub async fn run(args: &BenchRollingRestartArgs) -> Result<()> {
     let store = args.etcd.connect().await?;
     let endpoints = args.etcd.endpoints.join(",");
     eprintln!(
-        "rolling restart: {} nodes, {} channels, --shutdown-timeout {:?}, {} runs",
-        args.nodes, args.channels, args.shutdown_timeout, args.runs
+        "rolling restart: {} nodes, {} channels, --shutdown-timeout {:?}, {}, {} runs",
+        args.nodes,
+        args.channels,
+        args.shutdown_timeout,
+        if args.surge {
+            "replacement first (--surge)"
+        } else {
+            "replacement after the exit"
+        },
+        args.runs
     );
     let mut results = Vec::new();
     for run in 0..args.runs {
@@ -122,7 +130,7 @@ pub async fn run(args: &BenchRollingRestartArgs) -> Result<()> {
             "{}",
             json!({
                 "bench": "rolling_restart", "run": run, "nodes": args.nodes, "channels": args.channels,
-                "shutdown_timeout_s": args.shutdown_timeout.as_secs_f64(),
+                "shutdown_timeout_s": args.shutdown_timeout.as_secs_f64(), "surge": args.surge,
                 "moves": r.moved, "gap_p50_ms": pct(&gaps, 50.0), "gap_p99_ms": pct(&gaps, 99.0),
                 "gap_max_ms": pct(&gaps, 100.0), "max_moves_per_channel_per_restart": r.max_moves_per_restart,
                 "exit_median_s": median(r.exits_s.clone()), "failovers": r.failovers,
@@ -243,6 +251,11 @@ async fn one_run(
     let mut spreads = Vec::new();
     for i in 0..args.nodes {
         let from_ms = unix_ms();
+        if args.surge {
+            // The replacement first: once the leader places on it, the drain fills it.
+            nodes.push(start_node(args.nodes + i)?);
+            wait_live(store, keys, args.nodes + 1).await?;
+        }
         let mut old = nodes.remove(0);
         let pid = old.0.id();
         let sent = Instant::now();
@@ -262,7 +275,9 @@ async fn one_run(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         exits_s.push(sent.elapsed().as_secs_f64());
-        nodes.push(start_node(args.nodes + i)?);
+        if !args.surge {
+            nodes.push(start_node(args.nodes + i)?);
+        }
         spreads.push(settle(store, keys, args.channels, args.nodes, quiet).await?);
         windows.push((from_ms, unix_ms()));
     }
@@ -318,6 +333,16 @@ async fn one_run(
         total_s,
         spread: spreads.last().copied().unwrap_or(0),
     })
+}
+
+/// Waits until `n` node sessions exist.
+async fn wait_live(store: &dyn chanwatch_store::MetaStore, keys: &Keys, n: usize) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while store.range(&keys.sessions_prefix()).await?.kvs.len() < n {
+        ensure!(Instant::now() < deadline, "{n} nodes never registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 /// Waits until `nodes` nodes are live, every channel is `Watched` under one of them, and no
