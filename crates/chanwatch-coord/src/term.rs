@@ -274,7 +274,7 @@ impl<'a> Term<'a> {
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
                 if let Some(w) = self.state.startup_wait(self.clock.unix_ms()) {
-                    if last_gate_log.is_none_or(|t| self.clock.now() >= t + Duration::from_secs(1))
+                    if !last_gate_log.is_some_and(|t| self.clock.now() < t + Duration::from_secs(1))
                     {
                         last_gate_log = Some(self.clock.now());
                         info!(

@@ -81,6 +81,9 @@ fn parse(line: &str) -> Option<(String, u64, String, u64, u64)> {
     Some((what, node, channel, epoch, ms))
 }
 
+/// One run's sorted gaps (ms) and the rest of what it measured.
+type Measured = (Vec<f64>, RunResult);
+
 /// What one run measured.
 struct RunResult {
     gaps_ms: Vec<f64>,
@@ -139,7 +142,7 @@ pub async fn run(args: &BenchRollingRestartArgs) -> Result<()> {
         );
         results.push((gaps, r));
     }
-    let med = |f: &dyn Fn(&(Vec<f64>, RunResult)) -> f64| median(results.iter().map(f).collect());
+    let med = |f: &dyn Fn(&Measured) -> f64| median(results.iter().map(f).collect());
     eprintln!(
         "median of {} runs: not running p50 {:.0} ms p99 {:.0} ms max {:.0} ms; moves {:.0}; max moves of a channel per restart {:.0}; failovers {:.0}; node exit {:.2} s; total {:.1} s",
         results.len(),
@@ -317,9 +320,10 @@ async fn one_run(
     // Leave nothing behind in etcd.
     let _ = store
         .txn(
-            chanwatch_store::Txn::new().and_then([chanwatch_store::TxnOp::delete_prefix(
-                &format!("{}/", keys.root()),
-            )]),
+            chanwatch_store::Txn::new().and_then([chanwatch_store::TxnOp::delete_prefix(format!(
+                "{}/",
+                keys.root()
+            ))]),
         )
         .await;
     Ok(RunResult {
