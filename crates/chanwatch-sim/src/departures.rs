@@ -117,3 +117,99 @@ impl Departures {
         found
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(key: String, version: i64) -> KeyValue {
+        KeyValue {
+            key,
+            value: Vec::new(),
+            create_revision: 1,
+            mod_revision: 1,
+            version,
+            lease: None,
+        }
+    }
+
+    fn put(key: String) -> WatchEvent {
+        WatchEvent {
+            kind: EventKind::Put,
+            kv: kv(key, 1),
+            prev_kv: None,
+        }
+    }
+
+    fn delete(key: String) -> WatchEvent {
+        WatchEvent {
+            kind: EventKind::Delete,
+            kv: kv(key, 0),
+            prev_kv: None,
+        }
+    }
+
+    fn ch(s: &str) -> ChannelName {
+        ChannelName::new(s).expect("valid")
+    }
+
+    /// The store with `a` and `b` under node 1.
+    fn store(keys: &Keys) -> BTreeMap<String, KeyValue> {
+        let node = ChannelOwner::Node(NodeId(1));
+        [keys.channel(node, &ch("a")), keys.channel(node, &ch("b"))]
+            .into_iter()
+            .map(|k| (k.clone(), kv(k, 1)))
+            .collect()
+    }
+
+    #[test]
+    fn a_clean_departure_passes_and_a_second_move_or_a_failover_is_caught() {
+        let keys = Keys::default();
+        let (one, two, three) = (
+            ChannelOwner::Node(NodeId(1)),
+            ChannelOwner::Node(NodeId(2)),
+            ChannelOwner::Node(NodeId(3)),
+        );
+        // Clean: each channel assigned elsewhere once, then the session ends with none left.
+        let mut d = Departures::default();
+        let kv0 = store(&keys);
+        d.begin(&keys, &kv0, NodeId(1));
+        let moved = [
+            put(keys.channel(two, &ch("a"))),
+            put(keys.channel(two, &ch("b"))),
+        ];
+        assert!(d.observe(&keys, &kv0, &moved).is_empty());
+        let empty = BTreeMap::new();
+        assert!(d
+            .observe(&keys, &empty, &[delete(keys.session(NodeId(1)))])
+            .is_empty());
+        assert_eq!(d.judged, 1);
+
+        // A channel moved twice while its node left.
+        let mut d = Departures::default();
+        d.begin(&keys, &kv0, NodeId(1));
+        assert!(d.observe(&keys, &kv0, &moved[..1]).is_empty());
+        let again = d.observe(&keys, &kv0, &[put(keys.channel(three, &ch("a")))]);
+        assert_eq!(again.len(), 1, "{again:?}");
+
+        // The session ends with a channel still under it: a failover.
+        let mut d = Departures::default();
+        d.begin(&keys, &kv0, NodeId(1));
+        let left: BTreeMap<String, KeyValue> = kv0
+            .iter()
+            .filter(|(k, _)| **k == keys.channel(one, &ch("b")))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let found = d.observe(&keys, &left, &[delete(keys.session(NodeId(1)))]);
+        assert_eq!(found.len(), 1, "{found:?}");
+
+        // Disturbed by another fault: followed, not judged.
+        let mut d = Departures::default();
+        d.begin(&keys, &kv0, NodeId(1));
+        d.disturb();
+        assert!(d
+            .observe(&keys, &left, &[delete(keys.session(NodeId(1)))])
+            .is_empty());
+        assert_eq!(d.judged, 0);
+    }
+}
