@@ -42,7 +42,7 @@
 //! ## Modules
 //!
 //! `embed` (builder and handle), `runtime` (sessions one after another), `register`,
-//! `session` (the event loop), `runner` (one task per channel), `acks` (group commit),
+//! `session` (the event loop), `leave` (a planned restart's `leaving` session write), `runner` (one task per channel), `acks` (group commit),
 //! `watchdog` (when to pause; the lease keeper is `chanwatch_store::keep_lease`), `handler` (the trait and built-in handlers),
 //! `admin` (HTTP), `agent` (the local API of `--exec` workers), `metrics`, `config`. The `testing` feature adds `RecordingHandler`, a
 //! fixture for tests.
