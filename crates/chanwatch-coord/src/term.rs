@@ -154,6 +154,8 @@ impl<'a> Term<'a> {
         // registration; spacing plans by twice their own cost keeps planning to at most a
         // third of the time, so nodes and acks are not starved on a big cluster.
         let mut plan_gap = PLAN_EVERY;
+        // When the cold-start gate's wait was last logged (`None`: not waiting).
+        let mut last_gate_log: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 biased;
@@ -274,6 +276,26 @@ impl<'a> Term<'a> {
                     self.timers_stand_still(refused);
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
+                if let Some(w) = self.state.startup_wait(self.clock.unix_ms()) {
+                    if !last_gate_log.is_some_and(|t| self.clock.now() < t + Duration::from_secs(1))
+                    {
+                        last_gate_log = Some(self.clock.now());
+                        info!(
+                            live = w.live,
+                            expected = w.expected,
+                            left_s = w.left_ms.div_ceil(1000),
+                            "coord: cold start: waiting for {} of {} expected nodes, {}s left",
+                            w.expected.saturating_sub(w.live),
+                            w.expected,
+                            w.left_ms.div_ceil(1000)
+                        );
+                    }
+                } else if last_gate_log.take().is_some() {
+                    info!(
+                        nodes = self.state.nodes().len(),
+                        "coord: cold start: placing channels"
+                    );
+                }
                 plan_gap =
                     PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
                 match self.execute(txns).await {

@@ -13,6 +13,8 @@
 
 use std::collections::BTreeMap;
 
+pub mod leave;
+
 use crate::error::{DecodeError, KeyError};
 use crate::keys::{ChannelKey, Keys};
 use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, Progress};

@@ -322,6 +322,9 @@ impl ChannelInfo {
     }
 }
 
+/// The session field a leaving node sets ([`NodeSession::leaving`]).
+const LEAVING: &str = "leaving";
+
 /// The value of `{root}/session/node/{id}`, attached to the node's lease.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeSession {
@@ -358,6 +361,22 @@ impl NodeSession {
     /// [`DecodeError::Json`] when the bytes are not a node session.
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
         decode(bytes, "node session")
+    }
+
+    /// Whether the node announced it is leaving (a planned restart, DESIGN §5): the
+    /// coordinator drains it and assigns nothing new to it. Kept as `"leaving": true` among
+    /// the session's fields ([`NodeSession::extra`]), absent while the node is not leaving.
+    pub fn leaving(&self) -> bool {
+        self.extra.get(LEAVING).and_then(Value::as_bool) == Some(true)
+    }
+
+    /// Marks the session as leaving (or not).
+    pub fn set_leaving(&mut self, leaving: bool) {
+        if leaving {
+            self.extra.insert(LEAVING.to_owned(), Value::Bool(true));
+        } else {
+            self.extra.remove(LEAVING);
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! A node's settings, its status as others see it, and the errors that end it.
 //!
-//! Owns: [`NodeConfig`] (with the fence margin's default), [`NodeStatus`], [`NodeError`] and
+//! Owns: [`NodeConfig`] (with the fence margin's default), [`Stop`], [`NodeStatus`], [`NodeError`] and
 //! the test-only [`PlantedBug`]. Must not: hold behaviour — the runtime reads these.
 
 use std::sync::Arc;
@@ -27,6 +27,10 @@ pub struct NodeConfig {
     pub name: String,
     /// Relative capacity written into the session.
     pub capacity: u32,
+    /// How long a node asked to leave ([`Stop::Leave`], SIGTERM) waits for the coordinator
+    /// to move its channels off before it stops them and revokes its lease anyway; zero
+    /// stops and revokes at once (the behaviour before planned restarts).
+    pub shutdown_timeout: Duration,
     /// Where the node's metrics go (shared by the nodes of one process).
     pub metrics: Arc<crate::metrics::NodeMetrics>,
     /// Test-only: a safety mechanism switched off, so the simulation can prove that its
@@ -62,6 +66,7 @@ impl Default for NodeConfig {
             admin_addr: String::new(),
             name: String::new(),
             capacity: 0,
+            shutdown_timeout: Duration::from_secs(60),
             metrics: Arc::new(crate::metrics::NodeMetrics::new()),
             planted_bug: None,
         }
@@ -73,6 +78,20 @@ impl NodeConfig {
         self.fence_margin
             .unwrap_or_else(|| chanwatch_store::fence_margin(self.session_ttl))
     }
+}
+
+/// What a running node is asked to do ([`crate::run_until`]): the levels only rise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum Stop {
+    /// Keep running.
+    #[default]
+    Run,
+    /// A planned restart: announce `leaving` in the session, keep running while the
+    /// coordinator moves every channel off (break-before-make), exit when none is left or
+    /// after [`NodeConfig::shutdown_timeout`] (then as [`Stop::Now`]).
+    Leave,
+    /// Stop every channel and revoke the lease at once (their channels fail over).
+    Now,
 }
 
 /// Why a node stopped for good.

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use chanwatch_core::Keys;
 use chanwatch_store::{Clock, MetaStore};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
-use crate::config::{NodeConfig, NodeError, NodeStatus};
+use crate::config::{NodeConfig, NodeError, NodeStatus, Stop};
 use crate::handler::{ChannelHandler, SimulatedLoad};
 use crate::metrics::NodeMetrics;
 
@@ -31,7 +31,7 @@ use crate::metrics::NodeMetrics;
 ///     .spawn()?;
 /// // ... a coordinator on the same store assigns channels to it ...
 /// println!("node status: {:?}", node.status());
-/// node.stop().await?; // stops every channel and revokes the session
+/// node.leave().await?; // a planned restart: the coordinator moves its channels off first
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -170,7 +170,7 @@ impl NodeBuilder {
             name: self.config.name.clone(),
             ..NodeStatus::default()
         });
-        let (stop, stopped) = oneshot::channel::<()>();
+        let (stop, stopped) = watch::channel(Stop::Run);
         let metrics = self.config.metrics.clone();
         // Every log line of the node (its runners' included) carries its name.
         let span = if self.config.name.is_empty() {
@@ -179,21 +179,19 @@ impl NodeBuilder {
             tracing::info_span!("node", name = %self.config.name)
         };
         let task = tokio::spawn(tracing::Instrument::instrument(
-            crate::run(
+            crate::run_until(
                 self.store,
                 handler,
                 self.config,
                 self.clock,
                 status_tx,
-                async {
-                    let _ = stopped.await;
-                },
+                stopped,
             ),
             span,
         ));
         Ok(NodeHandle {
             status,
-            stop: Some(stop),
+            stop: Some(NodeStopper(Arc::new(stop))),
             task: Some(task),
             registry,
             metrics,
@@ -206,7 +204,7 @@ impl NodeBuilder {
 #[derive(Debug)]
 pub struct NodeHandle {
     status: watch::Receiver<NodeStatus>,
-    stop: Option<oneshot::Sender<()>>,
+    stop: Option<NodeStopper>,
     task: Option<tokio::task::JoinHandle<Result<(), NodeError>>>,
     registry: prometheus::Registry,
     metrics: Arc<NodeMetrics>,
@@ -238,8 +236,9 @@ impl NodeHandle {
     }
 
     /// Waits until the node ends by itself — which it does only for a configuration error at
-    /// start-up (credentials or a role etcd refuses); afterwards [`stop`](Self::stop) returns
-    /// at once.
+    /// start-up (credentials or a role etcd refuses), or once it has left after
+    /// [`request_leave`](Self::request_leave); afterwards [`stop`](Self::stop) returns at
+    /// once.
     ///
     /// # Errors
     /// That error ([`NodeError`]).
@@ -256,14 +255,53 @@ impl NodeHandle {
         }
     }
 
+    /// Leaves gracefully, for a planned restart, and waits until the node has ended: the
+    /// session says `leaving`, the coordinator moves every channel off break-before-make
+    /// while this node still runs it, and the node ends once none is left — or after
+    /// [`NodeConfig::shutdown_timeout`], stopping what is left and revoking the session
+    /// (those channels fail over). To be able to cut it short, call
+    /// [`request_leave`](Self::request_leave), then [`wait`](Self::wait), and
+    /// [`request_stop`](Self::request_stop) for the "second SIGTERM".
+    ///
+    /// # Errors
+    /// The error that ended the node early, if one did ([`NodeError`]).
+    pub async fn leave(mut self) -> Result<(), NodeError> {
+        self.request_leave();
+        self.join().await
+    }
+
+    /// Asks the node to leave gracefully (see [`leave`](Self::leave)) without waiting.
+    pub fn request_leave(&self) {
+        if let Some(stop) = &self.stop {
+            stop.leave();
+        }
+    }
+
+    /// Something to ask the node to leave or stop from elsewhere (a signal handler) while
+    /// this handle waits in [`wait`](Self::wait).
+    #[must_use]
+    pub fn stopper(&self) -> Option<NodeStopper> {
+        self.stop.clone()
+    }
+
+    /// Asks the node to stop at once (see [`stop`](Self::stop)) without waiting; during a
+    /// [`request_leave`](Self::request_leave) this is the "second SIGTERM".
+    pub fn request_stop(&self) {
+        if let Some(stop) = &self.stop {
+            stop.stop();
+        }
+    }
+
     /// Stops every channel, revokes the session (so its channels move at once) and waits.
     ///
     /// # Errors
     /// The error that ended the node early, if one did ([`NodeError`]).
     pub async fn stop(mut self) -> Result<(), NodeError> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
+        self.request_stop();
+        self.join().await
+    }
+
+    async fn join(&mut self) -> Result<(), NodeError> {
         match self.task.take() {
             Some(task) => task
                 .await
@@ -277,7 +315,32 @@ impl Drop for NodeHandle {
     fn drop(&mut self) {
         // The task finishes stopping by itself; it needs the runtime to keep running.
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            stop.stop();
         }
     }
+}
+
+/// Asks a running node to leave or stop ([`NodeHandle::stopper`]); clones share the node.
+#[derive(Debug, Clone)]
+pub struct NodeStopper(Arc<watch::Sender<Stop>>);
+
+impl NodeStopper {
+    /// As [`NodeHandle::request_leave`]: a planned restart.
+    pub fn leave(&self) {
+        self.0.send_if_modified(|s| raise(s, Stop::Leave));
+    }
+
+    /// As [`NodeHandle::request_stop`]: stop at once.
+    pub fn stop(&self) {
+        self.0.send_if_modified(|s| raise(s, Stop::Now));
+    }
+}
+
+/// Raises the stop level to `to` (levels only rise); whether it changed.
+fn raise(level: &mut Stop, to: Stop) -> bool {
+    let changed = *level < to;
+    if changed {
+        *level = to;
+    }
+    changed
 }

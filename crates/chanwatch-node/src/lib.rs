@@ -42,7 +42,7 @@
 //! ## Modules
 //!
 //! `embed` (builder and handle), `runtime` (sessions one after another), `register`,
-//! `session` (the event loop), `runner` (one task per channel), `acks` (group commit),
+//! `session` (the event loop), `leave` (a planned restart's `leaving` session write), `runner` (one task per channel), `acks` (group commit),
 //! `watchdog` (when to pause; the lease keeper is `chanwatch_store::keep_lease`), `handler` (the trait and built-in handlers),
 //! `admin` (HTTP), `agent` (the local API of `--exec` workers), `metrics`, `config`. The `testing` feature adds `RecordingHandler`, a
 //! fixture for tests.
@@ -58,6 +58,7 @@ pub mod checkpoint;
 mod config;
 mod embed;
 pub mod handler;
+mod leave;
 pub mod metrics;
 mod register;
 mod runner;
@@ -66,8 +67,8 @@ mod session;
 mod watchdog;
 
 pub use checkpoint::CommitError;
-pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug};
-pub use embed::{Node, NodeBuilder, NodeHandle};
+pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug, Stop};
+pub use embed::{Node, NodeBuilder, NodeHandle, NodeStopper};
 pub use handler::{
     AuditLog, ChannelContext, ChannelHandler, ExecHandler, ExecOptions, NamePatterns, SimulatedLoad,
 };
@@ -75,4 +76,4 @@ pub use handler::{
 #[cfg(any(test, feature = "testing"))]
 pub use handler::{Behaviour, Interval, RecordingHandler};
 pub use metrics::NodeMetrics;
-pub use runtime::run;
+pub use runtime::{run, run_until};

@@ -13,19 +13,17 @@ use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
-use crate::config::{NodeConfig, NodeError, NodeStatus};
+use crate::config::{NodeConfig, NodeError, NodeStatus, Stop};
 use crate::handler::ChannelHandler;
 use crate::register::{register, register_backoff};
 use crate::session::{Session, SessionEnd};
 
 /// Runs a node until `shutdown` completes: register, serve, fence and re-register as needed.
-/// On shutdown it stops every channel and revokes its lease, so its channels move at once.
+/// On shutdown it stops every channel and revokes its lease, so its channels move at once
+/// ([`Stop::Now`]; [`run_until`] can also leave gracefully, [`Stop::Leave`]).
 ///
 /// # Errors
-/// [`NodeError`] for a bad configuration only: a TTL below the minimum, or credentials or a
-/// role etcd refuses before the first session. Every other store error (an outage, NOSPACE,
-/// an expired auth token, a garbled ID counter) is logged once and retried with jittered
-/// back-off, so a node started during a NOSPACE alarm registers once it is disarmed.
+/// As [`run_until`].
 pub async fn run(
     store: Arc<dyn MetaStore>,
     handler: Arc<dyn ChannelHandler>,
@@ -34,7 +32,44 @@ pub async fn run(
     status: watch::Sender<NodeStatus>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
+    let (tx, rx) = watch::channel(Stop::Run);
+    let signal = async move {
+        shutdown.await;
+        let _ = tx.send(Stop::Now);
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        r = run_until(store, handler, config, clock, status, rx) => r,
+        () = signal => unreachable!("pending never completes"),
+    }
+}
+
+/// Runs a node until `stop` asks it to end: register, serve, fence and re-register as needed.
+/// [`Stop::Leave`] (SIGTERM) drains the node through the coordinator while it still runs its
+/// channels and ends once none is left, or after [`NodeConfig::shutdown_timeout`];
+/// [`Stop::Now`] (a second signal) stops every channel and revokes the lease at once.
+///
+/// # Errors
+/// [`NodeError`] for a bad configuration only: a TTL below the minimum, or credentials or a
+/// role etcd refuses before the first session. Every other store error (an outage, NOSPACE,
+/// an expired auth token, a garbled ID counter) is logged once and retried with jittered
+/// back-off, so a node started during a NOSPACE alarm registers once it is disarmed.
+pub async fn run_until(
+    store: Arc<dyn MetaStore>,
+    handler: Arc<dyn ChannelHandler>,
+    config: NodeConfig,
+    clock: Clock,
+    status: watch::Sender<NodeStatus>,
+    mut stop: watch::Receiver<Stop>,
+) -> Result<(), NodeError> {
     check(&config)?;
+    // Not registered: nothing to drain, whichever stop is asked for.
+    let shutdown = {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s != Stop::Run).await;
+        }
+    };
     tokio::pin!(shutdown);
     // Alarms (NOSPACE above all) for `chanwatch_etcd_alarm` and one log line each way.
     let _alarms = {
@@ -94,7 +129,7 @@ pub async fn run(
         });
         info!(node = %session.id, lease = session.lease, ttl = ?config.session_ttl, "node: session registered");
         let end = Session::new(store.clone(), handler.clone(), &config, clock, session)
-            .serve(&mut shutdown, &status)
+            .serve(&mut stop, &status)
             .await;
         status.send_modify(|s| {
             s.id = None;

@@ -5,13 +5,14 @@
 //! (see `acks.rs`), the keepalive task and the watchdog. Every task it starts is aborted when
 //! it ends, so a dropped session (a killed node) leaves nothing running.
 //!
-//! Must not: write any key but its own channels' acks (and revoke its lease on shutdown).
+//! Must not: write any key but its own channels' acks (and, on shutdown, its own session's
+//! `leaving` through `leave.rs`, and the revoke of its lease).
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use chanwatch_core::node::leave::{Departure, DepartureStep};
 use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
 use chanwatch_core::{ChannelInfo, ChannelName, Keys};
 use chanwatch_store::{keep_lease, Clock, Compare, EventKind, ListWatch, MetaStore, Update};
@@ -22,7 +23,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::acks::{AckOutcome, What};
 use crate::checkpoint::{CommitRequest, CommitShared, Committer};
-use crate::config::{NodeConfig, NodeStatus, PlantedBug};
+use crate::config::{NodeConfig, NodeStatus, PlantedBug, Stop};
 use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
 use crate::register::Registered;
 use crate::runner::{run_channel, Runner, RunningGuard};
@@ -40,6 +41,8 @@ pub(crate) struct Session {
     pub(crate) ttl: Duration,
     pub(crate) margin: Duration,
     pub(crate) progress_interval: Duration,
+    /// How long a leaving node waits for the coordinator to move its channels off.
+    pub(crate) shutdown_timeout: Duration,
     pub(crate) clock: Clock,
     pub(crate) reg: Registered,
     pub(crate) machine: NodeMachine,
@@ -107,6 +110,7 @@ impl Session {
             ttl: config.session_ttl,
             margin: config.margin(),
             progress_interval: config.progress_interval,
+            shutdown_timeout: config.shutdown_timeout,
             clock,
             reg,
             machine: NodeMachine::new(),
@@ -134,9 +138,14 @@ impl Session {
 
     pub(crate) async fn serve(
         mut self,
-        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        stop: &mut watch::Receiver<Stop>,
         status: &watch::Sender<NodeStatus>,
     ) -> SessionEnd {
+        // A planned restart in progress (`Stop::Leave`), and its announce writes' outcomes.
+        let mut departure: Option<Departure> = None;
+        let (announced_tx, mut announced_rx) = mpsc::unbounded_channel::<bool>();
+        let mut last_left = usize::MAX;
+        let mut last_left_log = self.clock.now();
         let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
         let (last_ok_tx, last_ok) = watch::channel(Renewal {
             sent: self.reg.granted_at,
@@ -191,15 +200,66 @@ impl Session {
         let mut restarts_seen = 0;
         metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            if let Some(d) = departure.as_mut() {
+                let held = self.machine.channels().len();
+                match d.step(self.clock.unix_ms(), held) {
+                    DepartureStep::Announce => {
+                        let (store, keys, reg, tx) = (
+                            self.store.clone(),
+                            self.keys.clone(),
+                            self.reg,
+                            announced_tx.clone(),
+                        );
+                        tokio::spawn(async move {
+                            let _ = tx.send(crate::leave::announce_leaving(store, keys, reg).await);
+                        });
+                    }
+                    DepartureStep::Wait { left } => {
+                        if left != last_left
+                            && self.clock.now() >= last_left_log + Duration::from_secs(1)
+                        {
+                            info!(node = %self.reg.id, left, of = d.initial, "node: leaving: channels still here");
+                            last_left = left;
+                            last_left_log = self.clock.now();
+                        }
+                    }
+                    DepartureStep::Done { after_ms } => {
+                        info!(node = %self.reg.id, channels = d.initial, seconds = after_ms as f64 / 1000.0, "node: left: every channel moved off; revoking the lease");
+                        return self.stop_and_revoke().await;
+                    }
+                    DepartureStep::TimedOut { left } => {
+                        warn!(node = %self.reg.id, left, of = d.initial, timeout = ?self.shutdown_timeout, "node: shutdown timeout: stopping the channels still here and revoking the lease (they fail over)");
+                        return self.stop_and_revoke().await;
+                    }
+                }
+            }
             tokio::select! {
                 biased;
-                () = shutdown.as_mut() => {
-                    info!(node = %self.reg.id, "node: shutting down; stopping channels and revoking the lease");
-                    self.stop_all().await;
-                    if let Err(e) = self.store.revoke(self.reg.lease).await {
-                        warn!(error = %e, "node: lease revoke failed; it will expire by itself");
+                r = stop.changed() => {
+                    // Nobody left to ask (the owner dropped its handle): stop, as before.
+                    let asked = if r.is_err() { Stop::Now } else { *stop.borrow_and_update() };
+                    if asked == Stop::Now {
+                        let left = self.machine.channels().len();
+                        if departure.is_some() {
+                            info!(node = %self.reg.id, channels = left, "node: asked again to stop: stopping channels and revoking the lease at once");
+                        } else {
+                            info!(node = %self.reg.id, channels = left, "node: shutting down; stopping channels and revoking the lease");
+                        }
+                        return self.stop_and_revoke().await;
                     }
-                    return SessionEnd::Shutdown;
+                    if asked == Stop::Leave && departure.is_none() {
+                        let held = self.machine.channels().len();
+                        info!(node = %self.reg.id, channels = held, timeout = ?self.shutdown_timeout, "node: leaving: asking the coordinator to move our channels off while they run (a second SIGTERM stops at once)");
+                        departure = Some(Departure::begin(self.clock.unix_ms(), millis(self.shutdown_timeout), held));
+                    }
+                }
+                Some(landed) = announced_rx.recv() => {
+                    if let Some(d) = departure.as_mut() {
+                        d.announce_done(landed);
+                        if landed {
+                            info!(node = %self.reg.id, channels = self.machine.channels().len(), "node: leaving: announced; the coordinator drains us");
+                        }
+                    }
                 }
                 () = self.fence.cancelled() => {
                     self.stop_all().await;
@@ -454,6 +514,15 @@ impl Session {
         );
     }
 
+    /// Stops every channel and revokes the lease, so what is left moves at once.
+    async fn stop_and_revoke(mut self) -> SessionEnd {
+        self.stop_all().await;
+        if let Err(e) = self.store.revoke(self.reg.lease).await {
+            warn!(error = %e, "node: lease revoke failed; it will expire by itself");
+        }
+        SessionEnd::Shutdown
+    }
+
     /// Stops every runner and waits for each release.
     async fn stop_all(&mut self) {
         let runners: Vec<(ChannelName, Runner)> =
@@ -465,6 +534,10 @@ impl Session {
             let _ = r.task.await;
         }
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Drop for Session {

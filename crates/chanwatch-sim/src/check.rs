@@ -111,6 +111,8 @@ pub struct Checker {
     /// The last committed checkpoint position of each channel (data plane), dropped when its
     /// checkpoint is deleted.
     positions: BTreeMap<ChannelName, u64>,
+    /// Planned restarts under way (`departures.rs`).
+    pub departures: crate::departures::Departures,
 }
 
 impl Checker {
@@ -132,6 +134,7 @@ impl Checker {
             outage: None,
             term_since: None,
             positions: BTreeMap::new(),
+            departures: Default::default(),
         }
     }
 
@@ -158,7 +161,15 @@ impl Checker {
             self.check_static_stability(rev, at, &writer, &events);
             self.check_checkpoints(rev, &writer, &events);
             self.check_revision(rev, &writer, &events);
+            for f in self.departures.observe(&self.keys, &self.kv, &events) {
+                self.violation(rev, f);
+            }
         }
+    }
+
+    /// Node `node` begins a planned restart (see `departures.rs`).
+    pub fn planned_restart(&mut self, node: NodeId) {
+        self.departures.begin(&self.keys, &self.kv, node);
     }
 
     /// The whole store went away (no leader): from now until `grace` after it returns, no
@@ -213,7 +224,12 @@ impl Checker {
             return;
         }
         let mut found = Vec::new();
-        for e in events.iter().filter(|e| e.kind == EventKind::Put) {
+        // A registration creates a session key; a leaving node rewriting its own session
+        // (a planned restart) is not one.
+        for e in events
+            .iter()
+            .filter(|e| e.kind == EventKind::Put && e.kv.version == 1)
+        {
             if self.keys.parse_session(&e.kv.key).is_ok() {
                 let proc = chanwatch_core::NodeSession::decode(&e.kv.value)
                     .map(|s| s.admin_addr)

@@ -25,6 +25,7 @@
 //! something a real process could suffer.
 
 pub mod check;
+mod departures;
 mod memlog;
 mod world;
 

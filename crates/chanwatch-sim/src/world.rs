@@ -109,6 +109,8 @@ struct World {
     report: Report,
     /// The data plane, when [`SimOptions::data_plane`] is set.
     data: Option<DataPlane>,
+    /// Slots of the nodes leaving after a planned restart.
+    leaving: BTreeSet<usize>,
 }
 
 /// The data plane of a run: the log, the consumer every node runs, and the producer.
@@ -208,6 +210,7 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
         ambiguous: BTreeSet::new(),
         behaviours: Vec::new(),
         undo: Vec::new(),
+        leaving: BTreeSet::new(),
         excuses: Vec::new(),
         checker,
         report: Report {
@@ -272,6 +275,10 @@ impl World {
     }
 
     fn fault(&mut self, kind: &'static str, text: &str) {
+        if kind != "node-restart" {
+            // A departure under way is no longer judged: this may move its channels again.
+            self.checker.departures.disturb();
+        }
         *self.report.faults.entry(kind).or_default() += 1;
         self.log(&format!("fault {kind}: {text}"));
     }
@@ -555,9 +562,11 @@ impl World {
 
     /// One step: maybe one fault or request, chosen by the RNG.
     async fn step(&mut self) {
+        self.reap_departed();
         let roll = self.rng.random_range(0..128u32);
         match roll {
-            0..=39 => {}
+            0..=37 => {}
+            38..=39 => self.planned_restart(),
             40..=44 => {
                 // Crash: the process dies without revoking its lease.
                 if let Some(i) = self.pick(self.nodes.len()) {
@@ -882,6 +891,46 @@ impl World {
         }
     }
 
+    /// A planned restart (DESIGN §5): a node is asked to leave (SIGTERM) and a replacement
+    /// starts under a fresh ID; the leaving node ends by itself once the coordinator has
+    /// moved its channels off (`departures.rs` judges it).
+    fn planned_restart(&mut self) {
+        let Some(i) = self.pick(self.nodes.len()) else {
+            return;
+        };
+        let node = &self.nodes[i];
+        let (slot, Some(id)) = (node.slot, node.id()) else {
+            return;
+        };
+        if node.proc.paused() || self.leaving.contains(&slot) {
+            return;
+        }
+        node.proc.leave();
+        self.leaving.insert(slot);
+        self.checker.planned_restart(id);
+        if !self.undo.is_empty() {
+            // A timed fault is still on: not judged.
+            self.checker.departures.disturb();
+        }
+        self.fault(
+            "node-restart",
+            &format!("proc{slot} (node {id}) leaves; a new node starts"),
+        );
+        self.spawn_node();
+    }
+
+    /// Forgets the nodes that left by themselves after a planned restart.
+    fn reap_departed(&mut self) {
+        let (gone, kept): (Vec<NodeProc>, Vec<NodeProc>) = std::mem::take(&mut self.nodes)
+            .into_iter()
+            .partition(|n| self.leaving.contains(&n.slot) && n.proc.is_finished());
+        self.nodes = kept;
+        for n in gone {
+            self.leaving.remove(&n.slot);
+            self.log(&format!("proc{} left", n.slot));
+        }
+    }
+
     fn leader_index(&self) -> Option<usize> {
         self.coords
             .iter()
@@ -980,6 +1029,7 @@ impl World {
         let mut last = None;
         while Instant::now() < deadline {
             self.advance(Duration::from_millis(250)).await;
+            self.reap_departed();
             let expected = self.expected.clone();
             last = self.checker.settled(&expected, &self.ambiguous);
             if let (None, Some(d)) = (&last, &self.data) {
@@ -1004,6 +1054,10 @@ impl World {
     }
 
     fn finish(mut self) -> Report {
+        let judged = self.checker.departures.judged;
+        if judged > 0 {
+            self.log(&format!("planned restarts judged (undisturbed): {judged}"));
+        }
         let overlap = overlaps(&self.handler.intervals(), &self.excuses);
         for o in &overlap {
             self.log(&format!("violation: {o}"));

@@ -20,10 +20,10 @@ use chanwatch_coord::{
 };
 use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::{Keys, NodeId};
-use chanwatch_node::{ChannelHandler, NodeConfig, NodeError, NodeMetrics, NodeStatus};
+use chanwatch_node::{ChannelHandler, NodeConfig, NodeError, NodeMetrics, NodeStatus, Stop};
 use chanwatch_store::{Clock, MetaStore};
 use thiserror::Error;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// Why the harness could not start a process, or a wait ran out.
@@ -298,13 +298,11 @@ impl Cluster {
         config: NodeConfig,
     ) -> NodeProc {
         let (status_tx, status) = watch::channel(NodeStatus::default());
-        let (stop, stopped) = oneshot::channel::<()>();
+        let (stop, stopped) = watch::channel(Stop::Run);
         let clock = self.clock;
         let task = Task::spawn(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            let r = chanwatch_node::run(store, handler, config, clock, status_tx, shutdown).await;
+            let r =
+                chanwatch_node::run_until(store, handler, config, clock, status_tx, stopped).await;
             if let Err(e) = &r {
                 tracing::error!(error = %e, "in-process node ended");
             }
@@ -394,7 +392,7 @@ impl CoordProc {
 pub struct NodeProc {
     /// Its status as it changes.
     pub status: watch::Receiver<NodeStatus>,
-    stop: Option<oneshot::Sender<()>>,
+    stop: Option<watch::Sender<Stop>>,
     task: Task<Result<(), NodeError>>,
 }
 
@@ -412,6 +410,21 @@ impl NodeProc {
         self.status.borrow().id
     }
 
+    /// Leaves for a planned restart ([`Stop::Leave`], SIGTERM): the coordinator moves its
+    /// channels off while it runs them; it ends by itself once none is left, or after its
+    /// shutdown timeout. Returns at once.
+    pub fn leave(&self) {
+        if let Some(s) = &self.stop {
+            s.send_if_modified(|l| {
+                let changed = *l < Stop::Leave;
+                if changed {
+                    *l = Stop::Leave;
+                }
+                changed
+            });
+        }
+    }
+
     /// Dies without revoking its lease: its channels move after the TTL.
     pub fn kill(mut self) {
         // Aborted before the stop signal goes (dropped), so it cannot stop gracefully.
@@ -424,7 +437,7 @@ impl NodeProc {
     pub async fn stop(mut self) {
         self.pause(false);
         if let Some(s) = self.stop.take() {
-            let _ = s.send(());
+            let _ = s.send(Stop::Now);
         }
         let _ = self.task.task.await;
     }

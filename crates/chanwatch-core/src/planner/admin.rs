@@ -52,9 +52,12 @@ impl Planner {
             return Err(AdminError::AlreadyExists(channel));
         }
         let loads = self.loads();
-        let owner = self
-            .least_loaded(&loads, None)
-            .map_or(ChannelOwner::Remaining, ChannelOwner::Node);
+        let owner = if self.startup_holds() {
+            ChannelOwner::Remaining // cold start: placed with the rest when the gate opens
+        } else {
+            self.least_loaded(&loads, None)
+                .map_or(ChannelOwner::Remaining, ChannelOwner::Node)
+        };
         let info = ChannelInfo::new(channel.clone(), Epoch(1), now_ms, vchannel);
         let change = Change {
             guards: vec![Guard {

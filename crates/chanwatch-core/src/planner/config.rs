@@ -29,6 +29,11 @@ pub struct PlannerConfig {
     pub max_txn_bytes: usize,
     /// Most balance/drain moves in flight at once.
     pub max_concurrent_moves: usize,
+    /// Cold start: a leader that finds no channel under a live node places nothing until
+    /// this many nodes are live (or `startup_grace_ms` has passed). 0: no wait.
+    pub expected_nodes: usize,
+    /// Cold start: the longest wait for `expected_nodes`.
+    pub startup_grace_ms: u64,
     /// A safety rule switched off, for tests only: proves the simulation catches it.
     pub planted_bug: Option<PlannerBug>,
 }
@@ -60,6 +65,8 @@ impl Default for PlannerConfig {
             max_txn_bytes: 1024 * 1024,
             max_concurrent_moves: 16,
             planted_bug: None,
+            expected_nodes: 0,
+            startup_grace_ms: 10_000,
         }
     }
 }

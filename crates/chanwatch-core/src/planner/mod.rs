@@ -32,6 +32,7 @@
 //!   least-loaded choice, back-offs, what balance may move, the balance move picker;
 //! - `fencing`: fence marks of nodes stuck releasing, and the lease revokes the runtime does;
 //! - `packing`: changes into txns within the op and byte limits;
+//! - `planned`: planned events — nodes leaving (SIGTERM) and the cold-start gate;
 //! - `admin`: operator commands (add, remove, move, drain, the balance plan), [`AdminError`];
 //! - `rows`: [`ChannelRow`] and [`NodeRow`] for `ctl` and the admin API;
 //! - `tests` (test builds only): the `World` helper every module's tests use, and the tests
@@ -44,6 +45,7 @@ mod fencing;
 mod packing;
 mod passes;
 mod placement;
+mod planned;
 mod rows;
 #[cfg(test)]
 mod tests;
@@ -53,6 +55,7 @@ pub use admin::AdminError;
 pub use commands::{Cause, Guard, Op, PlannedTxn, Transition};
 pub use config::{PlannerBug, PlannerConfig};
 pub use placement::{Loads, PlannedMove};
+pub use planned::StartupWait;
 pub use rows::{ChannelRow, NodeRow};
 pub use view::{Census, Entry};
 
@@ -132,6 +135,8 @@ pub struct Planner {
     /// No watch timeout fires before this: the store was away (or this leader just took
     /// over), and a node could not have loaded or acknowledged meanwhile.
     timeouts_after_ms: u64,
+    /// The cold-start gate (see `planned`).
+    startup: planned::Startup,
 }
 
 impl Planner {
@@ -157,6 +162,7 @@ impl Planner {
             moved_at: BTreeMap::new(),
             next_prune_ms: 0,
             timeouts_after_ms: 0,
+            startup: planned::Startup::Unknown,
         }
     }
 

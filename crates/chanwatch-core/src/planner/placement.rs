@@ -141,7 +141,7 @@ impl Planner {
 
     /// Whether `node`, if alive, may take a channel: not draining, not being fenced.
     pub(super) fn takes_new(&self, node: NodeId) -> bool {
-        !self.draining.contains(&node) && !self.fences.contains_key(&node)
+        !self.draining.contains(&node) && !self.fences.contains_key(&node) && !self.is_leaving(node)
     }
 
     /// Least-loaded assignable node, ties by ID, skipping `avoid`.

@@ -88,7 +88,7 @@ impl Planner {
                 admin_addr: s.admin_addr.clone(),
                 channels: counts.get(id).copied().unwrap_or(0),
                 started_at_ms: s.started_at_ms,
-                draining: self.draining.contains(id),
+                draining: self.draining.contains(id) || self.is_leaving(*id),
                 name: s.name.clone(),
             })
             .collect()

@@ -24,6 +24,7 @@ mod exec;
 mod failover;
 mod idle;
 mod meter;
+mod rolling_restart;
 mod store;
 mod system;
 
@@ -65,6 +66,10 @@ pub enum What {
     /// A settled cluster that nothing changes: etcd's requests/s and bytes/s by method (from
     /// its `/metrics`) and the process's CPU over an idle window, at each size.
     Idle(BenchIdleArgs),
+    /// Planned rolling restart of real node processes on etcd: each node in turn gets
+    /// SIGTERM and is replaced; time each moved channel ran nowhere, moves per channel per
+    /// restart, failovers (`--shutdown-timeout 0s`: the behaviour before planned restarts).
+    RollingRestart(BenchRollingRestartArgs),
 }
 
 /// Flags of `bench idle`.
@@ -310,6 +315,35 @@ pub struct BenchFailoverArgs {
     pub etcd: EtcdArgs,
 }
 
+/// Flags of `bench rolling-restart` (always real etcd: `--endpoints`).
+#[derive(Debug, ClapArgs)]
+pub struct BenchRollingRestartArgs {
+    /// Node processes (each restarted once per run).
+    #[arg(long, default_value_t = 5)]
+    pub nodes: usize,
+    /// Channels.
+    #[arg(long, default_value_t = 500)]
+    pub channels: usize,
+    /// The nodes' --shutdown-timeout; 0s stops and revokes at once (before planned restarts).
+    #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "60s")]
+    pub shutdown_timeout: std::time::Duration,
+    /// Session TTL of every process.
+    #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "10s")]
+    pub session_ttl: std::time::Duration,
+    /// The coordinator's --balance-quiet.
+    #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "2s")]
+    pub balance_quiet: std::time::Duration,
+    /// Start each replacement before the SIGTERM (and wait until it registered), as a
+    /// rolling update with surge does: the drain then fills the new node.
+    #[arg(long)]
+    pub surge: bool,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+}
+
 /// Which backend a benchmark measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
@@ -362,6 +396,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::DataFailover(args) => data_failover::run(&args).await,
         What::Exec(args) => exec::run(&args).await,
         What::Idle(args) => idle::run(&args).await,
+        What::RollingRestart(args) => rolling_restart::run(&args).await,
     }
 }
 

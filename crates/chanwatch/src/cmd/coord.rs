@@ -61,6 +61,14 @@ pub struct Args {
     /// Balance does not move a channel that moved (for any reason) within this long.
     #[arg(long, env = "CHANWATCH_MOVE_COOLDOWN", value_parser = humantime_secs, default_value = "60s")]
     pub move_cooldown: Duration,
+    /// Cold start: a leader that finds no channel on a live node places nothing until this
+    /// many nodes are live (or --startup-grace has passed), so the first node up does not
+    /// get every channel. A leader taking over a running cluster never waits. 0: no wait.
+    #[arg(long, env = "CHANWATCH_EXPECTED_NODES", default_value_t = 0)]
+    pub expected_nodes: usize,
+    /// Cold start: the longest wait for --expected-nodes.
+    #[arg(long, env = "CHANWATCH_STARTUP_GRACE", value_parser = humantime_secs, default_value = "10s")]
+    pub startup_grace: Duration,
     /// FOR TESTS: switch one safety rule of the planner off, to prove a black-box test
     /// catches it (tests/blackbox.rs). Never in production.
     #[arg(long, value_enum, hide = true)]
@@ -112,6 +120,8 @@ pub async fn run(args: Args) -> Result<()> {
             max_txn_ops: args.max_txn_ops as usize,
             max_concurrent_moves: args.max_concurrent_moves,
             planted_bug: args.plant.map(PlantArg::planner_bug),
+            expected_nodes: args.expected_nodes,
+            startup_grace_ms: args.startup_grace.as_millis() as u64,
             ..PlannerConfig::default()
         },
         session_ttl: args.session_ttl,

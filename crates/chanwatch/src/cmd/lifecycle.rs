@@ -32,6 +32,43 @@ pub async fn shutdown_signal() {
     info!("shutdown requested");
 }
 
+/// Counts Ctrl-C and SIGTERM signals as they come (1 after the first, 2 after the second):
+/// a node leaves gracefully on the first and stops at once on the second.
+pub fn counted_signals() -> watch::Receiver<u32> {
+    let (tx, rx) = watch::channel(0u32);
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        loop {
+            #[cfg(unix)]
+            let term_recv = async {
+                match term.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let term_recv = std::future::pending::<()>();
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => {
+                    if r.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                () = term_recv => {}
+            }
+            tx.send_modify(|n| *n += 1);
+            if tx.is_closed() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 /// A shutdown future that can be shared by several tasks.
 pub fn shared_shutdown() -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);

@@ -14,7 +14,7 @@ use chanwatch_store::Clock;
 use clap::Args as ClapArgs;
 use tracing::info;
 
-use super::lifecycle::{bind_admin, shared_shutdown, wait_true};
+use super::lifecycle::{bind_admin, counted_signals, wait_true};
 use crate::flags::{humantime_secs, EtcdArgs, HandlerArgs, RootArg, TestLoadArgs};
 
 /// The node admin API's default address (the coordinator's is 9870).
@@ -52,6 +52,12 @@ pub struct Args {
     pub handler: HandlerArgs,
     #[command(flatten)]
     pub test_load: TestLoadArgs,
+    /// On SIGTERM (or Ctrl-C) the node asks the coordinator to move its channels off while
+    /// it still runs them, and exits once none is left or after this long (then it stops
+    /// what is left and revokes its lease: those fail over). A second signal stops at once.
+    /// 0s: stop and revoke at once, as before planned restarts.
+    #[arg(long, env = "CHANWATCH_SHUTDOWN_TIMEOUT", value_parser = humantime_secs, default_value = "60s")]
+    pub shutdown_timeout: Duration,
     /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
     /// check what stands behind it (tests/blackbox.rs). Never in production.
     #[arg(long, value_enum, hide = true)]
@@ -75,7 +81,8 @@ pub async fn run(args: Args) -> Result<()> {
     let keys = args.root.keys()?;
     let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
-    let stop = shared_shutdown();
+    let mut signals = counted_signals();
+    let (done_tx, done) = tokio::sync::watch::channel(false);
     let name = match &args.name {
         Some(n) => n.trim().to_owned(),
         None => host_name(),
@@ -97,6 +104,7 @@ pub async fn run(args: Args) -> Result<()> {
             keys,
             session_ttl: args.session_ttl,
             progress_interval: args.progress_interval,
+            shutdown_timeout: args.shutdown_timeout,
             admin_addr,
             name,
             planted_bug,
@@ -108,19 +116,35 @@ pub async fn run(args: Args) -> Result<()> {
     let server = tokio::spawn(chanwatch_coord::api::serve(
         listener,
         router,
-        wait_true(stop.clone()),
+        wait_true(done),
     ));
     let mut node = node;
-    // The node ends by itself only for a configuration error at start-up.
-    let ended = tokio::select! {
-        () = wait_true(stop.clone()) => None,
-        r = node.wait() => Some(r),
+    let stopper = node.stopper();
+    // The first signal: leave (the coordinator drains us); the second: stop at once. The
+    // node ends by itself once it has left, or for a configuration error at start-up.
+    let ended = {
+        let wait = node.wait();
+        tokio::pin!(wait);
+        loop {
+            tokio::select! {
+                r = &mut wait => break r,
+                Ok(()) = signals.changed() => {
+                    let n = *signals.borrow_and_update();
+                    if let Some(stopper) = &stopper {
+                        if n == 1 {
+                            info!(timeout = ?args.shutdown_timeout, "node: signal: leaving (a second signal stops at once)");
+                            stopper.leave();
+                        } else {
+                            info!("node: second signal: stopping at once");
+                            stopper.stop();
+                        }
+                    }
+                }
+            }
+        }
     };
-    match ended {
-        None => node.stop().await?,
-        // The admin server goes with the process.
-        Some(r) => return r.map_err(Into::into),
-    }
+    let _ = done_tx.send(true);
+    ended?;
     server.await??;
     Ok(())
 }

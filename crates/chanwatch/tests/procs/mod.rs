@@ -16,6 +16,26 @@ impl Proc {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Sends it `signal` (e.g. `TERM`) with `kill`.
+    #[allow(dead_code)] // not every test binary signals
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} {} failed", self.child.id());
+    }
+
+    /// Its exit code once it has exited (`Some(-1)`: killed by a signal).
+    #[allow(dead_code)] // not every test binary reads it
+    pub fn exit_code(&mut self) -> Option<i32> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(status.code().unwrap_or(-1)),
+            _ => None,
+        }
+    }
+
     /// What it printed so far (stdout and stderr).
     pub fn output(&self) -> String {
         std::fs::read_to_string(&self.out).unwrap_or_default()

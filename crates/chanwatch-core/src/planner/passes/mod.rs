@@ -25,6 +25,9 @@ mod timeouts;
 impl Planner {
     /// Everything that should change now. See the module docs.
     pub fn plan(&mut self, now_ms: u64) -> Vec<PlannedTxn> {
+        if self.startup_gate(now_ms).is_some() {
+            return Vec::new(); // cold start: waiting for the expected nodes
+        }
         self.forget_failed_moves(now_ms);
         if std::mem::take(&mut self.disturbed) {
             self.quiet_since_ms = now_ms;

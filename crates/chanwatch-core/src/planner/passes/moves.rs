@@ -1,5 +1,5 @@
 //! Passes that start new moves, run only in a round that planned nothing else: drains move
-//! every channel off a draining node, and balance moves `Watched` channels from the busiest
+//! every channel off a draining or leaving node, and balance moves `Watched` channels from the busiest
 //! to the least loaded node until max − min ≤ 1. Both break-before-make (`ToRelease`
 //! first), at most `max_concurrent_moves` in flight.
 //!
@@ -15,7 +15,7 @@ use super::super::{PendingMove, Planner};
 
 impl Planner {
     pub(super) fn plan_drains(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
-        if self.draining.is_empty() {
+        if self.draining.is_empty() && !self.any_leaving() {
             return;
         }
         let mut loads = self.loads();
@@ -37,7 +37,10 @@ impl Planner {
             let ChannelOwner::Node(from) = e.owner else {
                 continue;
             };
-            if !self.draining.contains(&from) || !self.nodes.contains_key(&from) {
+            // A drain mark, or the node's own `leaving` (a planned restart): the same moves.
+            if !(self.draining.contains(&from) || self.is_leaving(from))
+                || !self.nodes.contains_key(&from)
+            {
                 continue;
             }
             let Some(to) = self.least_loaded_for(&loads, channel, Some(from), now_ms) else {
