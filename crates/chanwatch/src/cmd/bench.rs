@@ -319,26 +319,26 @@ pub struct BenchFailoverArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchRollingRestartArgs {
     /// Node processes (each restarted once per run).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 5)]
     pub nodes: usize,
     /// Channels.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 500)]
     pub channels: usize,
     /// The nodes' --shutdown-timeout; 0s stops and revokes at once (before planned restarts).
-    #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "60s")]
+    #[arg(long, env = "CHANWATCH_BENCH_SHUTDOWN_TIMEOUT", value_parser = crate::flags::humantime_secs, default_value = "60s")]
     pub shutdown_timeout: std::time::Duration,
     /// Session TTL of every process.
-    #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "10s")]
+    #[arg(long, env = "CHANWATCH_BENCH_SESSION_TTL", value_parser = crate::flags::humantime_secs, default_value = "10s")]
     pub session_ttl: std::time::Duration,
     /// The coordinator's --balance-quiet.
-    #[arg(long, value_parser = crate::flags::humantime_secs, default_value = "2s")]
+    #[arg(long, env = "CHANWATCH_BENCH_BALANCE_QUIET", value_parser = crate::flags::humantime_secs, default_value = "2s")]
     pub balance_quiet: std::time::Duration,
     /// Start each replacement before the SIGTERM (and wait until it registered), as a
     /// rolling update with surge does: the drain then fills the new node.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_SURGE")]
     pub surge: bool,
     /// Repetitions; medians are reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
