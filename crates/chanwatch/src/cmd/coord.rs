@@ -65,6 +65,24 @@ pub struct Args {
     /// catches it (tests/blackbox.rs). Never in production.
     #[arg(long, value_enum, hide = true)]
     pub plant: Option<PlantArg>,
+    /// No placement takes a node above this load (its channels' weights over its
+    /// --capacity); what fits nowhere waits under `remaining` with the reason, so a cluster
+    /// that lost most of its nodes does not crush the survivors. Unset: no cap.
+    #[arg(long, env = "CHANWATCH_MAX_LOAD", value_parser = parse_max_load)]
+    pub max_load: Option<chanwatch_core::planner::MaxLoad>,
+    /// Balance runs on its own (`--auto-balance=false`: only when asked by `ctl balance`).
+    #[arg(long, env = "CHANWATCH_AUTO_BALANCE", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub auto_balance: bool,
+}
+
+/// `--max-load`: a positive number (e.g. `2`, `1.5`).
+fn parse_max_load(s: &str) -> Result<chanwatch_core::planner::MaxLoad, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(chanwatch_core::planner::MaxLoad::from_f64)
+        .filter(|m| m.milli > 0)
+        .ok_or_else(|| format!("{s:?} is not a positive load; give e.g. 2 or 1.5"))
 }
 
 /// Planner bugs `coord --plant` can switch on (a subset of `sim --plant`).
@@ -112,6 +130,8 @@ pub async fn run(args: Args) -> Result<()> {
             max_txn_ops: args.max_txn_ops as usize,
             max_concurrent_moves: args.max_concurrent_moves,
             planted_bug: args.plant.map(PlantArg::planner_bug),
+            max_load: args.max_load,
+            auto_balance: args.auto_balance,
             ..PlannerConfig::default()
         },
         session_ttl: args.session_ttl,

@@ -43,6 +43,10 @@ pub struct Args {
     pub handler: HandlerArgs,
     #[command(flatten)]
     pub test_load: TestLoadArgs,
+    /// This node's relative capacity: it gets channels of total weight in proportion (a
+    /// node of capacity 2 takes twice what a node of 1 takes). Written in its session.
+    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub capacity: u32,
     /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
     /// check what stands behind it (tests/blackbox.rs). Never in production.
     #[arg(long, value_enum, hide = true)]
@@ -80,6 +84,7 @@ pub async fn run(args: Args) -> Result<()> {
             progress_interval: args.progress_interval,
             admin_addr,
             planted_bug,
+            capacity: args.capacity,
             ..chanwatch_node::NodeConfig::default()
         })
         .spawn()?;
