@@ -9,6 +9,7 @@ mod browser;
 mod cluster;
 mod leader;
 mod library;
+mod placement;
 mod scenarios;
 mod scope;
 mod upkeep;
