@@ -79,7 +79,10 @@ async fn channels_are_registered_with_weight_and_group_and_pinned_without_moving
     let (code, body) = api
         .call(M::POST, "/api/v1/channels/heavy/unpin", None)
         .await?;
-    ensure!(code == 200 && body["pinned"] == json!(false), "{code} {body}");
+    ensure!(
+        code == 200 && body["pinned"] == json!(false),
+        "{code} {body}"
+    );
     ensure!(!stored(&store, "heavy").await?.pinned);
     let (code, body) = api
         .call(M::POST, "/api/v1/channels/nosuch/pin", None)

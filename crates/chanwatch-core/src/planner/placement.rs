@@ -45,8 +45,8 @@ impl Load {
     }
 
     /// Whether `self - other <= w / c` (the spread between two loads is within one weight
-    /// `w` over one capacity `c`).
-    fn within(self, other: Load, w: u64, c: u64) -> bool {
+    /// `w` over one capacity `c`): the balance goal (invariant 5), exactly.
+    pub fn within(self, other: Load, w: u64, c: u64) -> bool {
         // a/b - x/y <= w/c  <=>  (a*y - x*b) * c <= w * b * y, all positive but the first.
         let (a, b) = (i128::from(self.weight), i128::from(self.capacity.max(1)));
         let (x, y) = (i128::from(other.weight), i128::from(other.capacity.max(1)));
