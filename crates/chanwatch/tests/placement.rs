@@ -92,10 +92,7 @@ async fn capacity_pins_and_max_load_shape_placement_from_outside() {
     }
     let wide = c.ctl(&["channels", "-o", "wide"]).expect("ctl channels");
     assert!(
-        wide.lines()
-            .filter(|l| l.contains(" pinned "))
-            .count()
-            == pinned.len(),
+        wide.lines().filter(|l| l.contains(" pinned ")).count() == pinned.len(),
         "{wide}"
     );
     let before = c.history.changes().len();
@@ -121,8 +118,14 @@ async fn capacity_pins_and_max_load_shape_placement_from_outside() {
         assert!(touched.is_empty(), "pinned {ch} changed: {touched:?}");
     }
     let rows = c.channels().expect("ctl channels");
-    for r in rows.iter().filter(|r| pinned.contains(&r.channel.to_string())) {
-        assert!(r.pinned && r.node == Some(ids["b"]) && r.epoch == 1, "{r:?}");
+    for r in rows
+        .iter()
+        .filter(|r| pinned.contains(&r.channel.to_string()))
+    {
+        assert!(
+            r.pinned && r.node == Some(ids["b"]) && r.epoch == 1,
+            "{r:?}"
+        );
     }
 
     // 3. a, c and d die: b is full at 3.0 with its pinned channels, so the other nine wait

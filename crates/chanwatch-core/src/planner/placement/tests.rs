@@ -147,13 +147,15 @@ fn a_heavy_channel_counts_by_weight_and_a_group_is_spread() {
     }
     // 4 and 3: one more on node 2 ties at 4 vs 5 on node 1, so node 2.
     assert_eq!(add(&mut w, "g1", Some("orders")), n(2));
-    // Now 4 / 4: equal after adding, and node 2 holds one of `orders`: node 1.
+    // Now 4 / 4: equal after adding; node 1 (by ID, and it holds no `orders`).
     assert_eq!(add(&mut w, "g2", Some("orders")), n(1));
     // 5 / 4: node 2 is less loaded whatever the group.
     assert_eq!(add(&mut w, "g3", Some("orders")), n(2));
-    // Without the group preference, a tie at 5 / 5 goes to node 1 by ID; with `orders` on
-    // both, too. A fresh group `users` on neither: node 1.
+    // 5 / 5, `users` on neither: node 1 by ID.
     assert_eq!(add(&mut w, "u1", Some("users")), n(1));
+    assert_eq!(add(&mut w, "x4", None), n(2));
+    // 6 / 6 again: by ID node 1, but it holds a `users` channel and node 2 none.
+    assert_eq!(add(&mut w, "u2", Some("users")), n(2));
 }
 
 #[test]
