@@ -230,4 +230,27 @@ mod tests {
             "--plant must stay out of --help:\n{help}"
         );
     }
+
+    /// `--max-load` takes a positive number; `--auto-balance` is on unless set false.
+    #[test]
+    fn max_load_and_auto_balance_parse() {
+        let coord = |args: &[&str]| {
+            let all = [&["chanwatch", "coord"][..], args].concat();
+            match Cli::try_parse_from(all).map(|c| c.command) {
+                Ok(Command::Coord(a)) => Ok((a.max_load.map(|m| m.milli), a.auto_balance)),
+                Ok(_) => Err("not coord".to_owned()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(coord(&[]), Ok((None, true)));
+        assert_eq!(
+            coord(&["--max-load", "2.5", "--auto-balance=false"]),
+            Ok((Some(2500), false))
+        );
+        assert_eq!(coord(&["--auto-balance"]), Ok((None, true)));
+        for bad in ["0", "-1", "x", "nan"] {
+            let e = coord(&[&format!("--max-load={bad}")]).expect_err(bad);
+            assert!(e.contains("not a positive load"), "{bad}: {e}");
+        }
+    }
 }
