@@ -88,6 +88,6 @@ async fn channels_are_registered_with_weight_and_group_and_pinned_without_moving
         .call(M::POST, "/api/v1/channels/nosuch/pin", None)
         .await?;
     ensure!(code == 404, "{code} {body}");
-    handle.stop().await;
+    handle.stop().await?;
     Ok(())
 }

@@ -145,7 +145,7 @@ struct Slot {
 pub struct Loads {
     nodes: BTreeMap<NodeId, Slot>,
     /// Channels of a group placed on a node by this pass, on top of the view's counts.
-    placed: BTreeMap<(NodeId, String), usize>,
+    placed: BTreeMap<NodeId, BTreeMap<String, usize>>,
 }
 
 impl Loads {
@@ -219,7 +219,13 @@ impl Loads {
             s.load.weight = s.load.weight.saturating_add(want.weight);
             s.channels += 1;
             if let Some(g) = want.group {
-                *self.placed.entry((node, g.to_owned())).or_default() += 1;
+                let groups = self.placed.entry(node).or_default();
+                match groups.get_mut(g) {
+                    Some(c) => *c += 1,
+                    None => {
+                        groups.insert(g.to_owned(), 1);
+                    }
+                }
             }
         }
     }
@@ -239,13 +245,11 @@ impl Loads {
 
     /// Channels of `group` this pass placed on `node`.
     fn placed(&self, node: NodeId, group: &str) -> usize {
-        // Few entries (one per channel placed by a pass with a group): a scan is cheap and
-        // needs no owned key.
         self.placed
-            .iter()
-            .filter(|((n, g), _)| *n == node && g == group)
-            .map(|(_, c)| *c)
-            .sum()
+            .get(&node)
+            .and_then(|g| g.get(group))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The least loaded tracked node and its load, ties to the lowest ID.
