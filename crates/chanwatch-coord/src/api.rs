@@ -15,7 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use chanwatch_core::planner::AdminError;
+use chanwatch_core::planner::{AdminError, Placement};
 use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -70,6 +70,8 @@ impl From<ApiError> for HttpError {
                 (StatusCode::SERVICE_UNAVAILABLE, leader_addr.clone())
             }
             ApiError::Store(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
+            ApiError::Admin(AdminError::NoRoom(..)) => (StatusCode::CONFLICT, None),
+            ApiError::Admin(AdminError::BadPlacement(_)) => (StatusCode::BAD_REQUEST, None),
         };
         HttpError {
             status,
@@ -155,6 +157,8 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .route("/api/v1/nodes/{id}", get(events::node))
         .route("/api/v1/nodes/{id}/undrain", post(events::undrain))
         .route("/api/v1/events", get(events::events))
+        .route("/api/v1/channels/{name}/pin", post(pin))
+        .route("/api/v1/channels/{name}/unpin", post(unpin))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
@@ -316,6 +320,12 @@ struct AddChannel {
     /// Read typed, once; its size is checked below (DESIGN §2: at most 64 KiB).
     #[serde(default)]
     vchannel: Option<VChannelInfo>,
+    /// Relative load (DESIGN §5), default 1.
+    #[serde(default)]
+    weight: Option<u32>,
+    /// Group spread across nodes (e.g. the collection).
+    #[serde(default)]
+    group: Option<String>,
 }
 
 async fn add_channel(
@@ -328,8 +338,27 @@ async fn add_channel(
     vchannel
         .check_size()
         .map_err(|e| HttpError::bad_request(e.to_string()))?;
-    let t = h.add_channel(name, vchannel).await?;
+    let placement = Placement {
+        weight: body.weight.unwrap_or(1),
+        group: body.group,
+    };
+    placement
+        .check()
+        .map_err(|e| HttpError::bad_request(e.to_string()))?;
+    let t = h.add_channel_with(name, vchannel, placement).await?;
     Ok((StatusCode::CREATED, Json(t)).into_response())
+}
+
+/// `POST /api/v1/channels/{name}/pin`: balance never moves it; nothing moves now.
+async fn pin(State(h): State<CoordHandle>, Path(name): Path<String>) -> HttpResult {
+    let t = h.pin(channel_name(&name)?, true).await?;
+    Ok(Json(json!({ "channel": name, "pinned": true, "transitions": t })).into_response())
+}
+
+/// `POST /api/v1/channels/{name}/unpin`.
+async fn unpin(State(h): State<CoordHandle>, Path(name): Path<String>) -> HttpResult {
+    let t = h.pin(channel_name(&name)?, false).await?;
+    Ok(Json(json!({ "channel": name, "pinned": false, "transitions": t })).into_response())
 }
 
 async fn remove_channel(State(h): State<CoordHandle>, Path(name): Path<String>) -> HttpResult {

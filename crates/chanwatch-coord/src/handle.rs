@@ -9,7 +9,9 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use chanwatch_core::planner::{AdminError, ChannelRow, NodeRow, PlannedMove, Transition};
+use chanwatch_core::planner::{
+    AdminError, ChannelRow, NodeRow, Placement, PlannedMove, Transition,
+};
 use chanwatch_core::{ChannelName, NodeId, VChannelInfo};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -103,6 +105,26 @@ pub(crate) enum Request {
         node: NodeId,
         /// Where the answer goes: whether it was draining.
         reply: oneshot::Sender<Result<bool, ApiError>>,
+    },
+    /// Register a channel with a weight and group.
+    AddPlaced {
+        /// Its name.
+        name: ChannelName,
+        /// Its vchannel info.
+        vchannel: VChannelInfo,
+        /// Its weight and group.
+        placement: Placement,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,
+    },
+    /// Pin or unpin a channel.
+    Pin {
+        /// The channel.
+        name: ChannelName,
+        /// Pinned (`true`) or not.
+        pinned: bool,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,
     },
 }
 
@@ -365,7 +387,42 @@ impl CoordHandle {
         self.ask(|reply| Request::Drain { node, reply }).await
     }
 
-    /// The balance plan; unless `dry_run`, balance runs (it also runs on its own).
+    /// Registers a channel with a weight and group (DESIGN §5): on the least-loaded node
+    /// with room, or under `remaining` with the reason.
+    ///
+    /// # Errors
+    /// Already exists, a bad weight or group, not leader, or the store failed.
+    pub async fn add_channel_with(
+        &self,
+        name: ChannelName,
+        vchannel: VChannelInfo,
+        placement: Placement,
+    ) -> Result<Vec<Transition>, ApiError> {
+        self.ask(|reply| Request::AddPlaced {
+            name,
+            vchannel,
+            placement,
+            reply,
+        })
+        .await
+    }
+
+    /// Pins (`true`) or unpins a channel: balance never moves a pinned channel. Moves
+    /// nothing; the answer is the rewrite (empty when it already was so).
+    ///
+    /// # Errors
+    /// Unknown channel, not leader, or the store failed.
+    pub async fn pin(&self, name: ChannelName, pinned: bool) -> Result<Vec<Transition>, ApiError> {
+        self.ask(|reply| Request::Pin {
+            name,
+            pinned,
+            reply,
+        })
+        .await
+    }
+
+    /// The balance plan; unless `dry_run`, balance runs (it also runs on its own, unless
+    /// `--auto-balance=false`: then this asks for one).
     ///
     /// # Errors
     /// Not leader.
@@ -381,7 +438,9 @@ pub(crate) fn refuse(req: Request, err: ApiError) {
         Request::Nodes(r) => drop(r.send(Err(err))),
         Request::Add { reply, .. }
         | Request::Remove { reply, .. }
-        | Request::Move { reply, .. } => {
+        | Request::Move { reply, .. }
+        | Request::AddPlaced { reply, .. }
+        | Request::Pin { reply, .. } => {
             drop(reply.send(Err(err)));
         }
         Request::Drain { reply, .. } => drop(reply.send(Err(err))),

@@ -527,7 +527,31 @@ impl<'a> Term<'a> {
             Request::Balance { dry_run, reply } => {
                 let plan = self.state.balance_plan();
                 drop(reply.send(Ok(plan)));
-                self.replan |= !dry_run;
+                if !dry_run {
+                    // Runs even with --auto-balance=false, until balanced.
+                    self.state.ask_balance();
+                    self.replan = true;
+                }
+            }
+            Request::AddPlaced {
+                name,
+                vchannel,
+                placement,
+                reply,
+            } => {
+                let planned = self.state.add_channel_with(name, vchannel, placement, now);
+                self.run_one(planned, reply).await?;
+            }
+            Request::Pin {
+                name,
+                pinned,
+                reply,
+            } => {
+                match self.state.set_pinned(&name, pinned) {
+                    // Already so: nothing to write.
+                    Ok(t) if t.ops.is_empty() => drop(reply.send(Ok(Vec::new()))),
+                    planned => self.run_one(planned, reply).await?,
+                }
             }
             Request::View(read) => (read.0)(Ok(&self.state)),
             Request::Undrain { node, reply } => self.undrain(node, reply).await?,

@@ -272,12 +272,40 @@ pub struct ChannelInfo {
     /// Load progress, written by the node while a load runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
+    /// The channel's relative load (DESIGN §5); absent means 1, and 0 counts as 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub weight: u32,
+    /// A group (e.g. the collection) whose channels placement spreads across nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Balance never moves a pinned channel (drains, failovers and manual moves still do).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned: bool,
     /// Fields this build does not know, kept verbatim.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
 
+fn one() -> u32 {
+    1
+}
+
+fn is_one(w: &u32) -> bool {
+    *w == 1
+}
+
+/// Largest channel weight accepted from an operator: loads stay exact in integer arithmetic.
+pub const MAX_CHANNEL_WEIGHT: u32 = 1_000_000;
+
+/// Longest channel group name in bytes.
+pub const MAX_GROUP_BYTES: usize = 255;
+
 impl ChannelInfo {
+    /// The weight placement counts: [`ChannelInfo::weight`], with 0 read as 1.
+    pub fn load_weight(&self) -> u64 {
+        u64::from(self.weight.max(1))
+    }
+
     /// A fresh assignment in `ToWatch`.
     pub fn new(
         channel: ChannelName,
@@ -294,6 +322,9 @@ impl ChannelInfo {
             vchannel,
             reason: None,
             progress: None,
+            weight: 1,
+            group: None,
+            pinned: false,
             extra: Map::new(),
         }
     }
@@ -338,7 +369,8 @@ pub struct NodeSession {
     pub version: String,
     /// Unix milliseconds when the session began.
     pub started_at_ms: u64,
-    /// Relative capacity for weighted assignment; 0 means "default".
+    /// Relative capacity for weighted assignment (`--capacity`); 0 means the default, 1.
+    /// A node's load is its channels' weights over this (DESIGN §5).
     #[serde(default)]
     pub capacity: u32,
     /// The node's stable name (`node --name`, default the host name): what operators and
@@ -351,6 +383,11 @@ pub struct NodeSession {
 }
 
 impl NodeSession {
+    /// The capacity placement divides by: [`NodeSession::capacity`], with 0 read as 1.
+    pub fn load_capacity(&self) -> u64 {
+        u64::from(self.capacity.max(1))
+    }
+
     /// Encodes to JSON.
     pub fn encode(&self) -> Vec<u8> {
         encode(self)

@@ -19,8 +19,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use chanwatch_core::planner::Load;
 use chanwatch_core::{
     ChannelInfo, ChannelName, ChannelOwner, ChannelState, CoordSession, Epoch, Keys, NodeId,
+    NodeSession,
 };
 use chanwatch_node::Interval;
 use chanwatch_store::{EventKind, KeyValue, Observed, Revision, WatchEvent};
@@ -685,8 +687,9 @@ impl Checker {
     /// Why the cluster is not settled yet (`None`: settled). Settled means: the channels
     /// are exactly those added and not removed; each has one key; none is under a node
     /// without a session; each is `Watched` on a live node, or under `remaining` when no
-    /// live node takes channels; the loads of the nodes that take channels differ by at most
-    /// one; and draining nodes are empty unless every live node is draining.
+    /// live node takes channels; the loads (weights over capacity) of the nodes that take
+    /// channels are within the heaviest channel's weight over the smallest capacity
+    /// (invariant 5); and draining nodes are empty unless every live node is draining.
     /// Channels in `ambiguous` (an add or remove with an unknown outcome) may be there or not.
     pub fn settled(
         &self,
@@ -720,12 +723,36 @@ impl Checker {
                 "channels missing {missing:?}, unexpected {extra:?}"
             ));
         }
-        let mut loads: BTreeMap<NodeId, usize> = assignable.iter().map(|n| (*n, 0)).collect();
+        // Invariant 5 by weight and capacity (DESIGN §5): loads are the weights of each
+        // node's channels over its capacity; balanced when the spread is within the
+        // heaviest channel's weight over the smallest capacity, as the planner counts.
+        let capacity = |n: &NodeId| {
+            self.kv
+                .get(&self.keys.session(*n))
+                .and_then(|kv| NodeSession::decode(&kv.value).ok())
+                .map_or(1, |s| s.load_capacity())
+        };
+        let mut loads: BTreeMap<NodeId, Load> = assignable
+            .iter()
+            .map(|n| {
+                (
+                    *n,
+                    Load {
+                        weight: 0,
+                        capacity: capacity(n),
+                    },
+                )
+            })
+            .collect();
+        let mut heaviest = 1;
         for (key, kv) in &self.kv {
             let Ok(ck) = self.keys.parse_channel(key) else {
                 continue;
             };
-            let state = ChannelInfo::decode(&kv.value).map(|i| i.state).ok();
+            let info = ChannelInfo::decode(&kv.value).ok();
+            let state = info.as_ref().map(|i| i.state);
+            let weight = info.as_ref().map_or(1, ChannelInfo::load_weight);
+            heaviest = heaviest.max(weight);
             match ck.owner {
                 ChannelOwner::Node(n) if !live.contains(&n) => {
                     return Some(format!(
@@ -737,7 +764,18 @@ impl Checker {
                     if state != Some(ChannelState::Watched) {
                         return Some(format!("{} on node {n} is {state:?}", ck.channel));
                     }
-                    *loads.entry(n).or_default() += 1;
+                    if let Some(l) = loads.get_mut(&n) {
+                        l.weight += weight;
+                    } else {
+                        // A draining node: counted for the emptiness check below.
+                        loads.insert(
+                            n,
+                            Load {
+                                weight,
+                                capacity: capacity(&n),
+                            },
+                        );
+                    }
                 }
                 ChannelOwner::Remaining if !assignable.is_empty() => {
                     return Some(format!("{} is parked although nodes are alive", ck.channel))
@@ -745,18 +783,25 @@ impl Checker {
                 ChannelOwner::Remaining => {}
             }
         }
-        let counts: Vec<usize> = assignable
+        let counted: Vec<Load> = assignable
             .iter()
-            .map(|n| loads.get(n).copied().unwrap_or(0))
+            .filter_map(|n| loads.get(n).copied())
             .collect();
-        if let (Some(max), Some(min)) = (counts.iter().max(), counts.iter().min()) {
-            if max - min > 1 {
-                return Some(format!("unbalanced: loads {loads:?}"));
+        let min_capacity = counted.iter().map(|l| l.capacity).min().unwrap_or(1);
+        if let (Some(max), Some(min)) = (counted.iter().max(), counted.iter().min()) {
+            if !max.within(*min, heaviest, min_capacity) {
+                let shown: BTreeMap<NodeId, String> = loads
+                    .iter()
+                    .map(|(n, l)| (*n, format!("{}/{}", l.weight, l.capacity)))
+                    .collect();
+                return Some(format!(
+                    "unbalanced: loads {shown:?} (weight/capacity), spread over {heaviest}/{min_capacity}"
+                ));
             }
         }
         // With every live node draining, there is nowhere to move to: channels stay put.
         for n in draining.iter().filter(|_| !assignable.is_empty()) {
-            if loads.get(n).copied().unwrap_or(0) > 0 {
+            if loads.get(n).is_some_and(|l| l.weight > 0) {
                 return Some(format!("draining node {n} still has channels"));
             }
         }
@@ -925,5 +970,69 @@ mod tests {
             "{:?}",
             c.violations
         );
+    }
+
+    /// Invariant 5 is judged by weight over capacity: 4 channels on a node of capacity 2
+    /// and 2 on one of capacity 1 are balanced; by count they would not be, and a heavy
+    /// channel alone on one node is balanced against an empty one only within its weight.
+    #[tokio::test(start_paused = true)]
+    async fn settled_judges_balance_by_weight_over_capacity() {
+        let store = EmbeddedStore::new();
+        let keys = Keys::default();
+        let writers = Writers::default();
+        let mut c = Checker::new(keys.clone(), store.observe(), writers.clone());
+        for (id, capacity) in [(1, 2), (2, 1)] {
+            let s = NodeSession {
+                id: NodeId(id),
+                name: String::new(),
+                admin_addr: format!("proc{id}"),
+                version: String::new(),
+                started_at_ms: 0,
+                capacity,
+                extra: Default::default(),
+            };
+            let key = keys.session(NodeId(id));
+            write(
+                &store,
+                &writers,
+                &mut c,
+                Writer::Node(id as usize),
+                key,
+                s.encode(),
+            )
+            .await;
+        }
+        let expected: BTreeSet<ChannelName> = ["c0", "c1", "c2", "c3", "c4", "c5"]
+            .into_iter()
+            .filter_map(|n| ChannelName::new(n).ok())
+            .collect();
+        let key = |name: &str, node: u64| {
+            let ch = ChannelName::new(name).unwrap_or_else(|_| unreachable!());
+            keys.channel(ChannelOwner::Node(NodeId(node)), &ch)
+        };
+        let value = |name: &str| {
+            let ch = ChannelName::new(name).unwrap_or_else(|_| unreachable!());
+            let mut info = ChannelInfo::new(ch, Epoch(1), 0, VChannelInfo::default());
+            info.state = ChannelState::Watched;
+            info.encode()
+        };
+        let coord = || Writer::Coord("coord1".into());
+        for name in ["c0", "c1", "c2", "c3", "c4", "c5"] {
+            write(&store, &writers, &mut c, coord(), key(name, 1), value(name)).await;
+        }
+        let none = BTreeSet::new();
+        // 6/2 = 3 vs 0/1: over one channel (1) on the smallest capacity (1).
+        let why = c.settled(&expected, &none).expect("unbalanced");
+        assert!(why.contains("unbalanced"), "{why}");
+        for name in ["c4", "c5"] {
+            let r = store
+                .txn(Txn::new().and_then([TxnOp::delete(key(name, 1))]))
+                .await;
+            assert!(r.is_ok(), "{r:?}");
+            c.poll(&mut |_, _| {});
+            write(&store, &writers, &mut c, coord(), key(name, 2), value(name)).await;
+        }
+        // 4/2 = 2 vs 2/1 = 2: balanced by load, though 4 vs 2 by count.
+        assert_eq!(c.settled(&expected, &none), None);
     }
 }

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chanwatch_coord::CoordHandle;
+use chanwatch_core::planner::Placement;
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
 use chanwatch_node::handler::{ConsumerOptions, StreamConsumer};
 use chanwatch_node::{Behaviour, ChannelHandler, RecordingHandler};
@@ -35,6 +36,31 @@ const SESSION_TTL: Duration = Duration::from_secs(4);
 const WATCH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed after the faults stop and one session TTL has passed.
 const SETTLE: Duration = Duration::from_secs(40);
+/// A 64-bit mix of `seed` and `x` (splitmix64's finaliser).
+fn mix(seed: u64, x: u64) -> u64 {
+    let mut z = seed ^ x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A channel's weight (1-3) and group (one of three, or none), hashed from the seed and its
+/// name, so that invariant 5 is checked by weight and capacity (DESIGN §5).
+fn placement_of(seed: u64, name: &ChannelName) -> Placement {
+    let h = name
+        .as_str()
+        .bytes()
+        .fold(seed, |h, b| mix(h, u64::from(b)));
+    let group = match (h >> 8) % 4 {
+        0 => None,
+        g => Some(format!("g{g}")),
+    };
+    Placement {
+        weight: 1 + (h % 3) as u32,
+        group,
+    }
+}
+
 /// Most network latency of one store call (each picked from the seed).
 const LATENCY: Duration = Duration::from_millis(15);
 /// How long an admin request may take before its outcome counts as unknown.
@@ -318,6 +344,9 @@ impl World {
         self.attribute(&faults, Writer::Node(slot));
         let mut config = self.harness.node_config.clone();
         config.admin_addr = format!("proc{slot}");
+        // Capacities 1-3, hashed from the seed (not drawn from `rng`: the fault schedule of
+        // a seed stays what it was before placement v2).
+        config.capacity = 1 + (mix(self.seed, slot as u64) % 3) as u32;
         let sick = Arc::new(AtomicBool::new(false));
         let inner: Arc<dyn ChannelHandler> = match &self.data {
             None => Arc::new(self.handler.clone()),
@@ -501,9 +530,10 @@ impl World {
             Some(h) => {
                 let n = name.clone();
                 self.log(&format!("request add {n}"));
+                let placement = placement_of(self.seed, &n);
                 let r = tokio::time::timeout(
                     REQUEST_TIMEOUT,
-                    h.add_channel(n, VChannelInfo::default()),
+                    h.add_channel_with(n, VChannelInfo::default(), placement),
                 )
                 .await;
                 classify(r.map(|r| r.map(|_| ())))

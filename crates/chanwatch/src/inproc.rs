@@ -83,6 +83,14 @@ impl InProc {
         self.cluster.spawn_node()
     }
 
+    /// A node on the common store whose session says `capacity`.
+    pub fn spawn_node_with_capacity(&self, capacity: u32) -> NodeProc {
+        let cluster = &self.cluster;
+        let mut config = cluster.node_config.clone();
+        config.capacity = capacity;
+        cluster.spawn_node_with(cluster.store.clone(), cluster.handler.clone(), config)
+    }
+
     /// A node with a store of its own (its own etcd connection, as a node process has).
     pub fn spawn_node_on(&self, store: Arc<dyn MetaStore>) -> NodeProc {
         let cluster = &self.cluster;

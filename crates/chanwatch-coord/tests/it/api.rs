@@ -9,13 +9,13 @@ use chanwatch_coord::{CoordHandle, Coordinator};
 use chanwatch_store::{EmbeddedStore, MetaStore};
 use serde_json::{json, Value};
 
-struct Api {
+pub(crate) struct Api {
     base: String,
     client: reqwest::Client,
 }
 
 impl Api {
-    async fn call(
+    pub(crate) async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -40,7 +40,7 @@ impl Api {
     }
 }
 
-async fn start(store: Arc<dyn MetaStore>, id: &str) -> Result<(Api, CoordHandle)> {
+pub(crate) async fn start(store: Arc<dyn MetaStore>, id: &str) -> Result<(Api, CoordHandle)> {
     start_with(store, id, None).await
 }
 

@@ -10,6 +10,7 @@ mod cluster;
 mod events;
 mod leader;
 mod library;
+mod placement;
 mod scenarios;
 mod scope;
 mod upkeep;

@@ -7,11 +7,14 @@
 //! second move of a channel already moving.
 
 use crate::keys::ChannelOwner;
-use crate::types::{ChannelInfo, ChannelName, ChannelState, Epoch, NodeId, VChannelInfo};
+use crate::types::{
+    ChannelInfo, ChannelName, ChannelState, Epoch, NodeId, VChannelInfo, MAX_CHANNEL_WEIGHT,
+    MAX_GROUP_BYTES,
+};
 
 use super::commands::{guard, reassign, release, Cause, Change, Guard, Op, PlannedTxn, Transition};
 use super::packing::merge;
-use super::placement::{pick_moves, PlannedMove};
+use super::placement::{pick_moves, Loads, PlannedMove, Want};
 use super::{PendingMove, Planner};
 
 /// Refusals of admin requests. None is retryable as is; each says what to fix.
@@ -35,10 +38,61 @@ pub enum AdminError {
     /// The channel is already on that node.
     #[error("channel {0} is already on node {1}")]
     AlreadyThere(ChannelName, NodeId),
+    /// A weight or group that is not allowed: what to give instead.
+    #[error("{0}")]
+    BadPlacement(String),
+    /// The target has no room for the channel under `--max-load`.
+    #[error("node {0} has no room for channel {1} under --max-load")]
+    NoRoom(NodeId, ChannelName),
+}
+
+/// How a new channel is placed: its weight and group (DESIGN §2, §5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Relative load, 1 to [`MAX_CHANNEL_WEIGHT`].
+    pub weight: u32,
+    /// Group (e.g. the collection) spread across nodes.
+    pub group: Option<String>,
+}
+
+impl Default for Placement {
+    fn default() -> Self {
+        Placement {
+            weight: 1,
+            group: None,
+        }
+    }
+}
+
+impl Placement {
+    /// Checks the weight range and the group's name (1-255 bytes of `[A-Za-z0-9._-]`).
+    ///
+    /// # Errors
+    /// [`AdminError::BadPlacement`] saying which rule is broken.
+    pub fn check(&self) -> Result<(), AdminError> {
+        if self.weight == 0 || self.weight > MAX_CHANNEL_WEIGHT {
+            return Err(AdminError::BadPlacement(format!(
+                "weight {} is out of range: give 1 to {MAX_CHANNEL_WEIGHT}",
+                self.weight
+            )));
+        }
+        if let Some(g) = &self.group {
+            let ok = !g.is_empty()
+                && g.len() <= MAX_GROUP_BYTES
+                && g.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            if !ok {
+                return Err(AdminError::BadPlacement(format!(
+                    "group {g:?}: give 1-{MAX_GROUP_BYTES} characters of [A-Za-z0-9._-]"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Planner {
-    /// Registers a new channel on the least-loaded node, or under `remaining`.
+    /// Registers a new channel of weight 1 and no group: see [`Planner::add_channel_with`].
     ///
     /// # Errors
     /// [`AdminError::AlreadyExists`].
@@ -48,17 +102,44 @@ impl Planner {
         vchannel: VChannelInfo,
         now_ms: u64,
     ) -> Result<PlannedTxn, AdminError> {
+        self.add_channel_with(channel, vchannel, Placement::default(), now_ms)
+    }
+
+    /// Registers a new channel on the least-loaded node with room for it (DESIGN §5), or
+    /// under `remaining` with the reason when none has.
+    ///
+    /// # Errors
+    /// [`AdminError::AlreadyExists`], [`AdminError::BadPlacement`].
+    pub fn add_channel_with(
+        &self,
+        channel: ChannelName,
+        vchannel: VChannelInfo,
+        placement: Placement,
+        now_ms: u64,
+    ) -> Result<PlannedTxn, AdminError> {
+        placement.check()?;
         if self.channels.contains_key(&channel) {
             return Err(AdminError::AlreadyExists(channel));
         }
         let loads = self.loads();
+        let mut info = ChannelInfo::new(channel.clone(), Epoch(1), now_ms, vchannel);
+        info.weight = placement.weight;
+        info.group = placement.group;
+        let want = Want::of(&info);
         let owner = if self.startup_holds() {
             ChannelOwner::Remaining // cold start: placed with the rest when the gate opens
         } else {
-            self.least_loaded(&loads, None)
-                .map_or(ChannelOwner::Remaining, ChannelOwner::Node)
+            match self.least_loaded(&loads, want, None) {
+                Some(n) => ChannelOwner::Node(n),
+                None => {
+                    if self.assignable().next().is_some() {
+                        info.reason =
+                            Some(format!("{}: {}", Cause::Park.as_str(), self.no_room(want)));
+                    }
+                    ChannelOwner::Remaining
+                }
+            }
         };
-        let info = ChannelInfo::new(channel.clone(), Epoch(1), now_ms, vchannel);
         let change = Change {
             guards: vec![Guard {
                 owner,
@@ -76,6 +157,50 @@ impl Planner {
             ops: vec![Op::Put { owner, info }],
         };
         Ok(self.pack(vec![change]).remove(0))
+    }
+
+    /// Pins (`true`) or unpins a channel: rewrites its key with `pinned` set, guarded on
+    /// its mod revision, moving nothing (its owner, state and epoch stay). Balance never
+    /// picks a pinned channel. Every key of the channel is rewritten (a duplicate too).
+    ///
+    /// # Errors
+    /// [`AdminError::UnknownChannel`].
+    pub fn set_pinned(
+        &self,
+        channel: &ChannelName,
+        pinned: bool,
+    ) -> Result<PlannedTxn, AdminError> {
+        let entries = self
+            .channels
+            .get(channel)
+            .ok_or_else(|| AdminError::UnknownChannel(channel.clone()))?;
+        let mut changes = Vec::new();
+        for e in entries.values().filter(|e| e.info.pinned != pinned) {
+            let mut info = e.info.clone();
+            info.pinned = pinned;
+            changes.push(Change {
+                guards: vec![guard(e)],
+                transition: Some(Transition {
+                    channel: channel.clone(),
+                    cause: if pinned { Cause::Pin } else { Cause::Unpin },
+                    from: Some(e.owner),
+                    to: Some(e.owner),
+                    state: Some(info.state),
+                    epoch: info.epoch,
+                }),
+                ops: vec![Op::Put {
+                    owner: e.owner,
+                    info,
+                }],
+            });
+        }
+        Ok(merge(self.pack(changes)))
+    }
+
+    /// Asks for a balance: it runs (within the damping rules) even with `auto_balance` off,
+    /// until the cluster is balanced or nothing more can move.
+    pub fn ask_balance(&mut self) {
+        self.balance_asked = true;
     }
 
     /// Removes a channel: deletes every key it has. Its node stops it on the DELETE.
@@ -142,6 +267,9 @@ impl Planner {
         if e.owner == ChannelOwner::Node(to) {
             return Err(AdminError::AlreadyThere(channel.clone(), to));
         }
+        if !self.fits(&self.loads(), to, Want::of(&e.info)) {
+            return Err(AdminError::NoRoom(to, channel.clone()));
+        }
         let change = match e.info.state {
             ChannelState::Watched | ChannelState::ToWatch | ChannelState::ToRelease => {
                 self.moves.insert(
@@ -182,11 +310,24 @@ impl Planner {
         // node holds now, and every `Watched` channel may move. No copy of the view (it
         // runs on every metrics tick, and the view can be 100 MB).
         let mut loads = self.held_loads();
-        if loads.spread() <= 1 {
+        let unit = self.heaviest_weight();
+        if loads.len() < 2 || loads.balanced(unit) {
             return Vec::new();
         }
         let mut movable = self.movable(false);
-        pick_moves(&mut loads, &mut movable, usize::MAX, |_, _| true)
+        let room = |l: &Loads, to: NodeId, w: u64| {
+            self.fits(
+                l,
+                to,
+                Want {
+                    weight: w,
+                    group: None,
+                },
+            )
+        };
+        pick_moves(&mut loads, &mut movable, usize::MAX, unit, room, |_, _| {
+            true
+        })
     }
 }
 

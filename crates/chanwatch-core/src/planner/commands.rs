@@ -41,6 +41,10 @@ pub enum Cause {
     Remove,
     /// A second key for the same channel was removed.
     Dedupe,
+    /// Pinned by an operator (balance leaves it alone); nothing moved.
+    Pin,
+    /// Unpinned by an operator; nothing moved.
+    Unpin,
 }
 
 impl Cause {
@@ -58,6 +62,8 @@ impl Cause {
             Cause::Manual => "manual",
             Cause::Remove => "remove",
             Cause::Dedupe => "dedupe",
+            Cause::Pin => "pin",
+            Cause::Unpin => "unpin",
         }
     }
 }
@@ -230,12 +236,12 @@ pub(super) fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -
     }
 }
 
-/// Park under `remaining`: no node owns it, so the epoch stays.
-pub(super) fn park(e: &Entry) -> Change {
+/// Park under `remaining`, saying `why`: no node owns it, so the epoch stays.
+pub(super) fn park(e: &Entry, why: String) -> Change {
     let mut info = e.info.clone();
     info.state = ChannelState::ToWatch;
     info.progress = None;
-    info.reason = Some(Cause::Park.as_str().to_owned());
+    info.reason = Some(format!("{}: {why}", Cause::Park.as_str()));
     let transition = Transition {
         channel: info.channel.clone(),
         cause: Cause::Park,
@@ -342,7 +348,10 @@ mod tests {
 
     #[test]
     fn park_keeps_the_epoch_and_release_keeps_owner_and_epoch() {
-        let c = park(&entry(n(1), ChannelState::Watched, 3));
+        let c = park(
+            &entry(n(1), ChannelState::Watched, 3),
+            "no live node".into(),
+        );
         assert_eq!(c.guards, guarded_on_the_old_key());
         assert!(matches!(
             &c.ops[..],

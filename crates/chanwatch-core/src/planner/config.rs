@@ -1,6 +1,8 @@
 //! The planner's tunables ([`PlannerConfig`]) and the safety rules a test may switch off
 //! ([`PlannerBug`]). Plain data: no logic here but the defaults.
 
+use super::MaxLoad;
+
 /// Tunables of the planner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlannerConfig {
@@ -36,6 +38,14 @@ pub struct PlannerConfig {
     pub startup_grace_ms: u64,
     /// A safety rule switched off, for tests only: proves the simulation catches it.
     pub planted_bug: Option<PlannerBug>,
+    /// `--max-load`: no placement takes a node above this load (weights over capacity);
+    /// what fits nowhere waits under `remaining` with a reason. `None`: no cap.
+    pub max_load: Option<MaxLoad>,
+    /// `--auto-balance`: balance runs on its own. Off, it runs only when asked
+    /// ([`Planner::ask_balance`], `ctl balance`).
+    ///
+    /// [`Planner::ask_balance`]: crate::planner::Planner::ask_balance
+    pub auto_balance: bool,
 }
 
 /// Safety rules of the planner a test can switch off ([`PlannerConfig::planted_bug`]).
@@ -67,6 +77,8 @@ impl Default for PlannerConfig {
             planted_bug: None,
             expected_nodes: 0,
             startup_grace_ms: 10_000,
+            max_load: None,
+            auto_balance: true,
         }
     }
 }

@@ -64,7 +64,7 @@ impl Planner {
                 continue;
             }
             let gone = *f.gone_ms.get_or_insert(now_ms);
-            let owns = self.owned.get(node).copied().unwrap_or(0) > 0;
+            let owns = self.owned.get(node).is_some_and(|h| h.keys > 0);
             if gone.saturating_add(wait) <= now_ms && !owns {
                 changes.push(Change {
                     guards: Vec::new(),

@@ -51,10 +51,10 @@ mod rows;
 mod tests;
 mod view;
 
-pub use admin::AdminError;
+pub use admin::{AdminError, Placement};
 pub use commands::{Cause, Guard, Op, PlannedTxn, Transition};
 pub use config::{PlannerBug, PlannerConfig};
-pub use placement::{Loads, PlannedMove};
+pub use placement::{Load, Loads, MaxLoad, PlannedMove, Want};
 pub use planned::StartupWait;
 pub use rows::{ChannelRow, NodeRow};
 pub use view::{Census, Entry};
@@ -66,6 +66,13 @@ use crate::types::{ChannelName, NodeId, NodeSession};
 
 use fencing::Fence;
 use view::Owners;
+
+/// What a node holds: assignment keys and their total weight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Held {
+    keys: usize,
+    weight: u64,
+}
 
 /// A move in flight: the channel was asked to release and will go to `to`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,9 +90,18 @@ pub struct Planner {
     nodes: BTreeMap<NodeId, NodeSession>,
     /// Normally one entry per channel; more only if the store was edited by hand.
     channels: BTreeMap<ChannelName, Owners>,
-    /// Entries per node, kept in step with `channels`, so that `loads` (needed by every
-    /// assignment) costs O(nodes + moves), not O(channels).
-    owned: BTreeMap<NodeId, usize>,
+    /// Entries and their total weight per node, kept in step with `channels`, so that
+    /// `loads` (needed by every assignment) costs O(nodes + moves), not O(channels).
+    owned: BTreeMap<NodeId, Held>,
+    /// Channels per group per node (keys under nodes with a `group`), kept in step with
+    /// `channels`: placement prefers the node with fewer of a channel's group.
+    grouped: BTreeMap<NodeId, BTreeMap<String, usize>>,
+    /// How many keys carry each weight, kept in step with `channels`: the heaviest is the
+    /// balance goal's unit.
+    weights: BTreeMap<u64, usize>,
+    /// An operator asked for a balance (`ctl balance`): it runs even with
+    /// `auto_balance` off, until the cluster is balanced or nothing more can move.
+    balance_asked: bool,
     /// Channels that are not one `Watched` key under a node (duplicates, parked, loading,
     /// failed, releasing), kept in step with `channels`: what the passes of a round visit.
     attention: BTreeSet<ChannelName>,
@@ -148,6 +164,9 @@ impl Planner {
             nodes: BTreeMap::new(),
             channels: BTreeMap::new(),
             owned: BTreeMap::new(),
+            grouped: BTreeMap::new(),
+            weights: BTreeMap::new(),
+            balance_asked: false,
             attention: BTreeSet::new(),
             tombstones: BTreeMap::new(),
             corrupt: BTreeMap::new(),

@@ -1,100 +1,272 @@
-//! Placement: where a channel may go.
+//! Placement: where a channel may go (DESIGN §5, placement v2).
 //!
-//! Owns: [`Loads`], the one place load arithmetic happens (channels per node, counting moves
-//! in flight at their target; the least loaded and the busiest node, ties to the lowest ID);
-//! which nodes are assignable (alive, not draining, not fenced); the per-channel back-offs
-//! of nodes that failed a channel; what balance may move where; and the balance move picker
-//! shared by the balance pass and the dry-run plan.
+//! Owns: [`Loads`], the one place load arithmetic happens — a node's load is the sum of its
+//! channels' weights over its capacity, compared exactly as fractions, counting moves in
+//! flight at their target; the least-loaded choice (after adding the channel, then fewer
+//! channels of its group, then the lowest ID); the `--max-load` cap; which nodes are
+//! assignable (alive, not draining, not fenced); the per-channel back-offs of nodes that
+//! failed a channel; what balance may move where (never a pinned channel); the balance goal
+//! (spread within one channel's weight by capacity) and the move picker shared by the
+//! balance pass and the dry-run plan.
 //!
 //! Must not: build changes or touch the memory of moves; the passes do, with what it picks.
 
-use std::collections::{btree_map, BTreeMap};
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::keys::ChannelOwner;
-use crate::types::{ChannelName, ChannelState, NodeId};
+use crate::types::{ChannelInfo, ChannelName, ChannelState, NodeId};
 
 use super::{Planner, PlannerBug};
 
-/// Channels per node, as placement counts them. Every pass that places channels takes one
+/// A load: `weight / capacity`, compared exactly (cross-multiplied, never as a float).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Load {
+    /// Sum of the weights of the node's channels.
+    pub weight: u64,
+    /// The node's capacity (at least 1).
+    pub capacity: u64,
+}
+
+impl Load {
+    /// The load as a float, for display and metrics only.
+    pub fn value(&self) -> f64 {
+        self.weight as f64 / self.capacity.max(1) as f64
+    }
+
+    /// This load with `w` more weight.
+    fn plus(self, w: u64) -> Load {
+        Load {
+            weight: self.weight.saturating_add(w),
+            capacity: self.capacity,
+        }
+    }
+
+    /// Whether `self - other <= w / c` (the spread between two loads is within one weight
+    /// `w` over one capacity `c`): the balance goal (invariant 5), exactly.
+    pub fn within(self, other: Load, w: u64, c: u64) -> bool {
+        // a/b - x/y <= w/c  <=>  (a*y - x*b) * c <= w * b * y, all positive but the first.
+        let (a, b) = (i128::from(self.weight), i128::from(self.capacity.max(1)));
+        let (x, y) = (i128::from(other.weight), i128::from(other.capacity.max(1)));
+        (a * y - x * b) * i128::from(c.max(1)) <= i128::from(w) * b * y
+    }
+}
+
+impl PartialEq for Load {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Load {}
+
+impl PartialOrd for Load {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Load {
+    fn cmp(&self, other: &Self) -> Ordering {
+        let l = u128::from(self.weight) * u128::from(other.capacity.max(1));
+        let r = u128::from(other.weight) * u128::from(self.capacity.max(1));
+        l.cmp(&r)
+    }
+}
+
+/// The `--max-load` cap, in thousandths: a node may hold channels of total weight `w` at
+/// capacity `c` only while `w * 1000 <= milli * c`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxLoad {
+    /// The cap times 1000.
+    pub milli: u64,
+}
+
+impl MaxLoad {
+    /// The cap from its decimal value (as given to `--max-load`), rounded down to
+    /// thousandths; `None` for a value that is not a positive finite number.
+    pub fn from_f64(x: f64) -> Option<MaxLoad> {
+        (x.is_finite() && x > 0.0).then(|| MaxLoad {
+            milli: (x * 1000.0).floor() as u64,
+        })
+    }
+
+    /// Whether a node at `load` may hold it.
+    pub fn allows(self, load: Load) -> bool {
+        u128::from(load.weight) * 1000 <= u128::from(self.milli) * u128::from(load.capacity.max(1))
+    }
+}
+
+impl std::fmt::Display for MaxLoad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.milli % 1000 == 0 {
+            write!(f, "{}.0", self.milli / 1000)
+        } else {
+            write!(f, "{}", self.milli as f64 / 1000.0)
+        }
+    }
+}
+
+/// What placement needs to know of a channel: its weight and group.
+#[derive(Debug, Clone, Copy)]
+pub struct Want<'a> {
+    /// Its weight (at least 1).
+    pub weight: u64,
+    /// Its group, if any.
+    pub group: Option<&'a str>,
+}
+
+impl<'a> Want<'a> {
+    /// What `info` asks of placement.
+    pub fn of(info: &'a ChannelInfo) -> Self {
+        Want {
+            weight: info.load_weight(),
+            group: info.group.as_deref(),
+        }
+    }
+}
+
+/// One node's load as placement counts it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Slot {
+    load: Load,
+    channels: usize,
+}
+
+/// Loads per node, as placement counts them. Every pass that places channels takes one
 /// ([`Planner::loads`]) and counts each channel it places with `Loads::add`, so the next
-/// choice in the same pass sees it.
+/// choice in the same pass sees it (its weight, and its group).
 ///
 /// It tracks the nodes it was made with; a change naming another node is ignored, since a
 /// node it does not track is never a target. Iterates in node ID order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Loads(BTreeMap<NodeId, usize>);
+pub struct Loads {
+    nodes: BTreeMap<NodeId, Slot>,
+    /// Channels of a group placed on a node by this pass, on top of the view's counts.
+    placed: BTreeMap<NodeId, BTreeMap<String, usize>>,
+}
 
 impl Loads {
-    /// Channels on `node` (0 for a node not tracked).
-    pub fn get(&self, node: NodeId) -> usize {
-        self.0.get(&node).copied().unwrap_or(0)
+    /// The load of `node` (0 over capacity 1 for a node not tracked).
+    pub fn get(&self, node: NodeId) -> Load {
+        self.nodes.get(&node).map_or(
+            Load {
+                weight: 0,
+                capacity: 1,
+            },
+            |s| s.load,
+        )
+    }
+
+    /// Channels counted on `node` (0 for a node not tracked).
+    pub fn channels(&self, node: NodeId) -> usize {
+        self.nodes.get(&node).map_or(0, |s| s.channels)
     }
 
     /// Each tracked node with its load, in node ID order.
-    pub fn iter(&self) -> impl Iterator<Item = (NodeId, usize)> + '_ {
-        self.0.iter().map(|(n, l)| (*n, *l))
-    }
-
-    /// The loads alone, in node ID order.
-    pub fn values(&self) -> btree_map::Values<'_, NodeId, usize> {
-        self.0.values()
+    pub fn iter(&self) -> impl Iterator<Item = (NodeId, Load)> + '_ {
+        self.nodes.iter().map(|(n, s)| (*n, s.load))
     }
 
     /// Number of tracked nodes.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.nodes.len()
     }
 
     /// Whether no node is tracked.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.nodes.is_empty()
     }
 
-    /// Max − min load (0 without nodes): balanced when at most 1.
-    pub fn spread(&self) -> usize {
-        self.0.values().max().unwrap_or(&0) - self.0.values().min().unwrap_or(&0)
+    /// Starts tracking `node` with `channels` channels of total `weight` over `capacity`.
+    pub(super) fn track(&mut self, node: NodeId, channels: usize, weight: u64, capacity: u64) {
+        self.nodes.insert(
+            node,
+            Slot {
+                load: Load {
+                    weight,
+                    capacity: capacity.max(1),
+                },
+                channels,
+            },
+        );
     }
 
-    /// One channel more on `node`.
-    pub(super) fn add(&mut self, node: NodeId) {
-        if let Some(l) = self.0.get_mut(&node) {
-            *l += 1;
+    /// Whether the spread (max − min load) is within one channel of weight `w` on the
+    /// smallest capacity tracked: the balance goal (DESIGN §5, invariant 5). True without
+    /// nodes.
+    pub fn balanced(&self, w: u64) -> bool {
+        let (Some((_, max)), Some((_, min))) = (self.busiest(), self.lightest()) else {
+            return true;
+        };
+        max.within(min, w, self.min_capacity())
+    }
+
+    /// The smallest capacity tracked (1 without nodes).
+    pub fn min_capacity(&self) -> u64 {
+        self.nodes
+            .values()
+            .map(|s| s.load.capacity)
+            .min()
+            .unwrap_or(1)
+    }
+
+    /// A channel `want` more on `node`.
+    pub(super) fn add(&mut self, node: NodeId, want: Want<'_>) {
+        if let Some(s) = self.nodes.get_mut(&node) {
+            s.load.weight = s.load.weight.saturating_add(want.weight);
+            s.channels += 1;
+            if let Some(g) = want.group {
+                let groups = self.placed.entry(node).or_default();
+                match groups.get_mut(g) {
+                    Some(c) => *c += 1,
+                    None => {
+                        groups.insert(g.to_owned(), 1);
+                    }
+                }
+            }
         }
     }
 
-    /// One channel fewer on `node`, never below zero.
-    pub(super) fn remove(&mut self, node: NodeId) {
-        if let Some(l) = self.0.get_mut(&node) {
-            *l = l.saturating_sub(1);
+    /// A channel of `weight` fewer on `node`, never below zero.
+    pub(super) fn remove(&mut self, node: NodeId, weight: u64) {
+        if let Some(s) = self.nodes.get_mut(&node) {
+            s.load.weight = s.load.weight.saturating_sub(weight);
+            s.channels = s.channels.saturating_sub(1);
         }
     }
 
     /// Stops tracking the nodes `keep` refuses.
     pub(super) fn retain(&mut self, keep: impl Fn(NodeId) -> bool) {
-        self.0.retain(|n, _| keep(*n));
+        self.nodes.retain(|n, _| keep(*n));
     }
 
-    /// The least loaded of `candidates` (an untracked one counts 0), ties to the lowest ID.
-    pub(super) fn least_loaded(&self, candidates: impl Iterator<Item = NodeId>) -> Option<NodeId> {
-        candidates.min_by_key(|n| (self.get(*n), *n))
+    /// Channels of `group` this pass placed on `node`.
+    fn placed(&self, node: NodeId, group: &str) -> usize {
+        self.placed
+            .get(&node)
+            .and_then(|g| g.get(group))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The least loaded tracked node and its load, ties to the lowest ID.
-    fn lightest(&self) -> Option<(NodeId, usize)> {
-        self.iter().min_by_key(|(n, l)| (*l, *n))
+    fn lightest(&self) -> Option<(NodeId, Load)> {
+        self.iter().min_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)))
     }
 
     /// The busiest tracked node and its load, ties to the lowest ID.
-    fn busiest(&self) -> Option<(NodeId, usize)> {
-        self.iter().max_by_key(|(n, l)| (*l, std::cmp::Reverse(*n)))
+    fn busiest(&self) -> Option<(NodeId, Load)> {
+        self.iter().min_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)))
     }
-}
 
-impl FromIterator<(NodeId, usize)> for Loads {
-    fn from_iter<I: IntoIterator<Item = (NodeId, usize)>>(iter: I) -> Self {
-        Loads(iter.into_iter().collect())
+    /// Tracked nodes from the busiest down, ties to the lowest ID.
+    fn by_load_desc(&self) -> Vec<(NodeId, Load)> {
+        let mut v: Vec<(NodeId, Load)> = self.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
     }
 }
 
@@ -109,29 +281,57 @@ pub struct PlannedMove {
     pub to: NodeId,
 }
 
+/// A channel balance may move: its name and weight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Movable {
+    pub(super) channel: ChannelName,
+    pub(super) weight: u64,
+}
+
 impl Planner {
-    /// Channels per live node, counting moves in flight at their target (and not at their
+    /// Loads of live nodes, counting moves in flight at their target (and not at their
     /// source): what a pass places against. O(nodes + moves in flight).
     pub fn loads(&self) -> Loads {
-        let mut loads: Loads = self.nodes.keys().map(|&n| (n, self.keys_of(n))).collect();
+        let mut loads = Loads::default();
+        for (n, s) in &self.nodes {
+            let held = self.owned.get(n).copied().unwrap_or_default();
+            loads.track(*n, held.keys, held.weight, s.load_capacity());
+        }
         for (channel, m) in &self.moves {
-            if let Some(ChannelOwner::Node(from)) = self.entry(channel).map(|e| e.owner) {
-                loads.remove(from);
+            let Some(e) = self.entry(channel) else {
+                continue;
+            };
+            let w = e.info.load_weight();
+            if let ChannelOwner::Node(from) = e.owner {
+                loads.remove(from, w);
             }
-            loads.add(m.to);
+            loads.add(
+                m.to,
+                Want {
+                    weight: w,
+                    group: None,
+                },
+            );
         }
         loads
     }
 
-    /// The keys each assignable node holds now, as if no move were in flight: what the
+    /// The loads each assignable node holds now, as if no move were in flight: what the
     /// dry-run balance plan starts from.
     pub(super) fn held_loads(&self) -> Loads {
-        self.assignable().map(|n| (n, self.keys_of(n))).collect()
+        let mut loads = Loads::default();
+        for n in self.assignable() {
+            let held = self.owned.get(&n).copied().unwrap_or_default();
+            let cap = self.nodes.get(&n).map_or(1, |s| s.load_capacity());
+            loads.track(n, held.keys, held.weight, cap);
+        }
+        loads
     }
 
-    /// Assignment keys under `node`.
-    fn keys_of(&self, node: NodeId) -> usize {
-        self.owned.get(&node).copied().unwrap_or(0)
+    /// The heaviest registered channel's weight (1 without channels): the balance goal's
+    /// unit (spread within one channel's weight by capacity).
+    pub fn heaviest_weight(&self) -> u64 {
+        self.weights.keys().next_back().copied().unwrap_or(1)
     }
 
     /// Nodes that may take a channel: alive, not draining, not being fenced.
@@ -144,9 +344,55 @@ impl Planner {
         !self.draining.contains(&node) && !self.fences.contains_key(&node) && !self.is_leaving(node)
     }
 
-    /// Least-loaded assignable node, ties by ID, skipping `avoid`.
-    pub(super) fn least_loaded(&self, loads: &Loads, avoid: Option<NodeId>) -> Option<NodeId> {
-        loads.least_loaded(self.assignable().filter(|n| Some(*n) != avoid))
+    /// Whether `node` has room for `want` under `--max-load` (always without a cap).
+    pub(super) fn fits(&self, loads: &Loads, node: NodeId, want: Want<'_>) -> bool {
+        self.config
+            .max_load
+            .map_or(true, |m| m.allows(loads.get(node).plus(want.weight)))
+    }
+
+    /// Channels of `group` on `node`: held keys, plus those this pass placed there.
+    fn in_group(&self, loads: &Loads, node: NodeId, group: Option<&str>) -> usize {
+        let Some(g) = group else { return 0 };
+        let held = self
+            .grouped
+            .get(&node)
+            .and_then(|m| m.get(g))
+            .copied()
+            .unwrap_or(0);
+        held + loads.placed(node, g)
+    }
+
+    /// The best of `candidates` for `want`: the least loaded after adding it, then fewer
+    /// channels of its group, then the lowest ID; only nodes with room under `--max-load`.
+    fn best(
+        &self,
+        loads: &Loads,
+        want: Want<'_>,
+        candidates: impl Iterator<Item = NodeId>,
+    ) -> Option<NodeId> {
+        candidates
+            .filter(|n| self.fits(loads, *n, want))
+            .map(|n| {
+                (
+                    loads.get(n).plus(want.weight),
+                    self.in_group(loads, n, want.group),
+                    n,
+                )
+            })
+            .min()
+            .map(|(_, _, n)| n)
+    }
+
+    /// The best assignable node for `want` with room for it, skipping `not`; back-offs
+    /// are not looked at (a failover's fallback).
+    pub(super) fn least_loaded(
+        &self,
+        loads: &Loads,
+        want: Want<'_>,
+        not: Option<NodeId>,
+    ) -> Option<NodeId> {
+        self.best(loads, want, self.assignable().filter(|n| Some(*n) != not))
     }
 
     /// Whether `node` is still in its back-off for `channel`.
@@ -157,19 +403,34 @@ impl Planner {
             .is_some_and(|until| *until > now_ms)
     }
 
-    /// Least-loaded assignable node for `channel` that is not in a back-off for it and is
-    /// not `not`.
+    /// The best assignable node for `channel` (`want`) with room for it, not in a back-off
+    /// for it and not `not`.
     pub(super) fn least_loaded_for(
         &self,
         loads: &Loads,
         channel: &ChannelName,
+        want: Want<'_>,
         not: Option<NodeId>,
         now_ms: u64,
     ) -> Option<NodeId> {
-        loads.least_loaded(
+        self.best(
+            loads,
+            want,
             self.assignable()
                 .filter(|n| Some(*n) != not && !self.avoided(channel, *n, now_ms)),
         )
+    }
+
+    /// Why a channel of `want` goes (or stays) under `remaining`: no live node, or none
+    /// with room under `--max-load`.
+    pub(super) fn no_room(&self, want: Want<'_>) -> String {
+        match self.config.max_load {
+            Some(m) if self.assignable().next().is_some() => format!(
+                "no node has room under --max-load {m} (weight {})",
+                want.weight
+            ),
+            _ => "no live node can take it".to_owned(),
+        }
     }
 
     /// Whether balance may move `channel` to `to` now: not onto a node in a back-off for the
@@ -186,10 +447,10 @@ impl Planner {
                 .is_some_and(|t| *t + self.config.move_cooldown_ms > now_ms)
     }
 
-    /// `Watched` channels with one key, per live node, in name order; `idle_only` leaves
-    /// out channels with a move in flight.
-    pub(super) fn movable(&self, idle_only: bool) -> BTreeMap<NodeId, Vec<ChannelName>> {
-        let mut movable: BTreeMap<NodeId, Vec<ChannelName>> = BTreeMap::new();
+    /// `Watched`, unpinned channels with one key, per live node, in name order;
+    /// `idle_only` leaves out channels with a move in flight.
+    pub(super) fn movable(&self, idle_only: bool) -> BTreeMap<NodeId, Vec<Movable>> {
+        let mut movable: BTreeMap<NodeId, Vec<Movable>> = BTreeMap::new();
         for (channel, entries) in &self.channels {
             if entries.len() != 1 || (idle_only && self.moves.contains_key(channel)) {
                 continue;
@@ -197,105 +458,98 @@ impl Planner {
             let Some(e) = entries.values().next() else {
                 continue;
             };
+            if e.info.pinned {
+                continue;
+            }
             if let (ChannelOwner::Node(n), ChannelState::Watched) = (e.owner, e.info.state) {
-                movable.entry(n).or_default().push(channel.clone());
+                movable.entry(n).or_default().push(Movable {
+                    channel: channel.clone(),
+                    weight: e.info.load_weight(),
+                });
             }
         }
         movable
     }
 }
 
-/// Up to `budget` moves, each of the last movable channel of the busiest node (ties: lowest
-/// ID) to the least loaded one (ties: lowest ID), until max − min ≤ 1 or the busiest node
-/// has nothing movable. `loads` ends as it would after the moves.
+/// Up to `budget` balance moves (DESIGN §5): while the spread is over one channel's weight
+/// `unit` by the smallest capacity, a channel moves from the busiest node that has one it
+/// may move to the least loaded node (ties: lowest IDs). Of the source's channels it takes
+/// the one that leaves the two nodes closest to each other (then the heaviest, then the last
+/// by name), and only one the target has room for under `room` and whose move lowers
+/// Σ weight²/capacity, so balance ends. `loads` ends as it would after the moves.
 pub(super) fn pick_moves(
     loads: &mut Loads,
-    movable: &mut BTreeMap<NodeId, Vec<ChannelName>>,
+    movable: &mut BTreeMap<NodeId, Vec<Movable>>,
     budget: usize,
+    unit: u64,
+    room: impl Fn(&Loads, NodeId, u64) -> bool,
     allowed: impl Fn(&ChannelName, NodeId) -> bool,
 ) -> Vec<PlannedMove> {
     let mut out = Vec::new();
-    while out.len() < budget {
-        let Some((max_node, max)) = loads.busiest() else {
+    'moves: while out.len() < budget && !loads.balanced(unit) {
+        let Some((to, low)) = loads.lightest() else {
             break;
         };
-        let Some((min_node, min)) = loads.lightest() else {
-            break;
-        };
-        if max <= min + 1 {
-            break;
+        for (from, high) in loads.by_load_desc() {
+            if high <= low {
+                break; // the rest are as light as the target
+            }
+            let Some(cs) = movable.get_mut(&from) else {
+                continue;
+            };
+            let (ca, cb) = (high.capacity, low.capacity);
+            // Only a move that lowers Σ weight²/capacity, so balance ends:
+            // 2 (a/ca − b/cb) > w/ca + w/cb, times ca·cb.
+            let lowers = |w: u64| {
+                let d = i128::from(high.weight) * i128::from(cb)
+                    - i128::from(low.weight) * i128::from(ca);
+                2 * d > i128::from(w) * (i128::from(ca) + i128::from(cb))
+            };
+            // |(a/ca - w/ca) - (b/cb + w/cb)| * ca * cb = |(a - w)*cb - (b + w)*ca|.
+            let gap = |w: u64| {
+                let l = i128::from(high.weight) - i128::from(w);
+                let r = i128::from(low.weight) + i128::from(w);
+                (l * i128::from(cb) - r * i128::from(ca)).abs()
+            };
+            let best = cs
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| {
+                    lowers(m.weight) && room(loads, to, m.weight) && allowed(&m.channel, to)
+                })
+                .min_by(|(i, a), (j, b)| {
+                    gap(a.weight)
+                        .cmp(&gap(b.weight))
+                        .then(b.weight.cmp(&a.weight))
+                        .then(j.cmp(i))
+                })
+                .map(|(i, _)| i);
+            let Some(i) = best else {
+                // Everything on this node is mid-transition, pinned, cooling down or kept
+                // off the least loaded node: try the next busiest.
+                continue;
+            };
+            let m = cs.remove(i);
+            loads.remove(from, m.weight);
+            loads.add(
+                to,
+                Want {
+                    weight: m.weight,
+                    group: None,
+                },
+            );
+            out.push(PlannedMove {
+                channel: m.channel,
+                from,
+                to,
+            });
+            continue 'moves;
         }
-        // The last movable channel of the busiest node that may go to the least loaded.
-        let Some(channel) = movable.get_mut(&max_node).and_then(|cs| {
-            let i = cs.iter().rposition(|c| allowed(c, min_node))?;
-            Some(cs.remove(i))
-        }) else {
-            // Everything on the busiest node is mid-transition, cooling down or kept off
-            // the least loaded node; wait for it.
-            break;
-        };
-        loads.remove(max_node);
-        loads.add(min_node);
-        out.push(PlannedMove {
-            channel,
-            from: max_node,
-            to: min_node,
-        });
+        break;
     }
     out
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::planner::tests::{info, n, World};
-    use crate::planner::PlannerConfig;
-
-    fn loads(l: &[(u64, usize)]) -> Loads {
-        l.iter().map(|&(n, l)| (NodeId(n), l)).collect()
-    }
-
-    #[test]
-    fn ties_go_to_the_lowest_node_id_both_ways() {
-        let l = loads(&[(3, 2), (1, 5), (2, 2), (4, 5)]);
-        assert_eq!(l.lightest(), Some((NodeId(2), 2)));
-        assert_eq!(l.busiest(), Some((NodeId(1), 5)));
-        assert_eq!(
-            l.least_loaded([4, 3, 2].map(NodeId).into_iter()),
-            Some(NodeId(2))
-        );
-        assert_eq!(l.spread(), 3);
-        assert_eq!(Loads::default().spread(), 0);
-        assert_eq!(Loads::default().busiest(), None);
-    }
-
-    #[test]
-    fn only_tracked_nodes_change_and_none_goes_below_zero() {
-        let mut l = loads(&[(1, 0), (2, 1)]);
-        l.add(NodeId(9));
-        l.remove(NodeId(1));
-        l.add(NodeId(2));
-        assert_eq!(l, loads(&[(1, 0), (2, 2)]));
-        // An untracked candidate counts as empty.
-        assert_eq!(
-            l.least_loaded([2, 9].map(NodeId).into_iter()),
-            Some(NodeId(9))
-        );
-        l.retain(|n| n != NodeId(1));
-        assert_eq!(l, loads(&[(2, 2)]));
-    }
-
-    #[test]
-    fn loads_count_a_move_in_flight_at_its_target_not_its_source() {
-        let mut w = World::new(PlannerConfig::default());
-        w.node(1);
-        w.node(2);
-        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
-        w.put(n(1), info("b", ChannelState::Watched, 1, 0));
-        assert_eq!(w.state.loads(), loads(&[(1, 2), (2, 0)]));
-        w.move_to("a", 2);
-        assert_eq!(w.state.loads(), loads(&[(1, 1), (2, 1)]));
-        // The dry-run plan counts the keys held, as if nothing were moving.
-        assert_eq!(w.state.held_loads(), loads(&[(1, 2), (2, 0)]));
-    }
-}
+mod tests;

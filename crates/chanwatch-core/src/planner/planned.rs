@@ -58,7 +58,7 @@ impl Planner {
     fn has_live_assignments(&self) -> bool {
         self.owned
             .iter()
-            .any(|(n, count)| *count > 0 && self.nodes.contains_key(n))
+            .any(|(n, count)| count.keys > 0 && self.nodes.contains_key(n))
     }
 
     /// Moves the gate on at the start of a round; `Some` while it holds placement.

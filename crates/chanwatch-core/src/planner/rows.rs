@@ -3,14 +3,12 @@
 //!
 //! Must not: change the view; rows are a read-only projection.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
 use crate::keys::ChannelOwner;
-use crate::types::{ChannelName, ChannelState, NodeId};
+use crate::types::{ChannelName, ChannelState};
 
-use super::Planner;
+use super::{Load, Planner};
 
 /// One channel as `ctl channels --json` prints it (DESIGN.md §7).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -31,10 +29,27 @@ pub struct ChannelRow {
     /// Load progress in percent, while loading.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<u8>,
+    /// Its weight (DESIGN §5); left out when 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub weight: u32,
+    /// Its group, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Whether balance leaves it alone; left out when not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(w: &u32) -> bool {
+    *w == 1
 }
 
 /// One node as `ctl nodes --json` prints it (DESIGN.md §7).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct NodeRow {
     /// Node ID.
     pub id: u64,
@@ -50,6 +65,15 @@ pub struct NodeRow {
     /// Its name (`node --name`; empty for a node that gave none).
     #[serde(default)]
     pub name: String,
+    /// Its capacity (`--capacity`, at least 1).
+    #[serde(default = "one")]
+    pub capacity: u32,
+    /// Sum of its channels' weights.
+    #[serde(default)]
+    pub weight: u64,
+    /// Its load: `weight / capacity` (DESIGN §5).
+    #[serde(default)]
+    pub load: f64,
 }
 
 impl Planner {
@@ -69,27 +93,35 @@ impl Planner {
                 start_time_ms: e.info.start_time_ms,
                 reason: e.info.reason.clone(),
                 progress: e.info.progress.as_ref().map(|p| p.percent),
+                weight: e.info.weight.max(1),
+                group: e.info.group.clone(),
+                pinned: e.info.pinned,
             })
             .collect()
     }
 
-    /// One row per live node, for `ctl nodes` and the admin API.
+    /// One row per live node, for `ctl nodes` and the admin API: its keys (from the
+    /// per-node counts the view keeps), capacity, weight and load.
     pub fn node_rows(&self) -> Vec<NodeRow> {
-        let mut counts: BTreeMap<NodeId, usize> = BTreeMap::new();
-        for e in self.entries() {
-            if let ChannelOwner::Node(n) = e.owner {
-                *counts.entry(n).or_default() += 1;
-            }
-        }
         self.nodes
             .iter()
-            .map(|(id, s)| NodeRow {
-                id: id.0,
-                admin_addr: s.admin_addr.clone(),
-                channels: counts.get(id).copied().unwrap_or(0),
-                started_at_ms: s.started_at_ms,
-                draining: self.draining.contains(id) || self.is_leaving(*id),
-                name: s.name.clone(),
+            .map(|(id, s)| {
+                let held = self.owned.get(id).copied().unwrap_or_default();
+                let load = Load {
+                    weight: held.weight,
+                    capacity: s.load_capacity(),
+                };
+                NodeRow {
+                    id: id.0,
+                    admin_addr: s.admin_addr.clone(),
+                    channels: held.keys,
+                    started_at_ms: s.started_at_ms,
+                    draining: self.draining.contains(id) || self.is_leaving(*id),
+                    name: s.name.clone(),
+                    capacity: s.capacity.max(1),
+                    weight: held.weight,
+                    load: load.value(),
+                }
             })
             .collect()
     }

@@ -24,6 +24,19 @@ fn session(id: u64) -> NodeSession {
     }
 }
 
+/// A channel value of `weight` in `group`.
+pub(super) fn weighted(
+    ch: &str,
+    state: ChannelState,
+    weight: u32,
+    group: Option<&str>,
+) -> ChannelInfo {
+    let mut i = info(ch, state, 1, 0);
+    i.weight = weight;
+    i.group = group.map(str::to_owned);
+    i
+}
+
 pub(super) fn info(ch: &str, state: ChannelState, epoch: u64, start: u64) -> ChannelInfo {
     let mut i = ChannelInfo::new(name(ch), Epoch(epoch), start, VChannelInfo::default());
     i.state = state;
@@ -49,6 +62,34 @@ impl World {
         self.rev += 1;
         let key = self.keys.session(NodeId(id));
         self.state.apply_put(&key, &session(id).encode(), self.rev);
+    }
+    /// A node of `capacity` joins.
+    pub(super) fn node_cap(&mut self, id: u64, capacity: u32) {
+        self.rev += 1;
+        let key = self.keys.session(NodeId(id));
+        let mut s = session(id);
+        s.capacity = capacity;
+        self.state.apply_put(&key, &s.encode(), self.rev);
+    }
+    /// Nodes answer as the node machine does: `ToRelease` → `Released`, `ToWatch` →
+    /// `Watched`.
+    pub(super) fn answer(&mut self) {
+        let entries: Vec<Entry> = self.state.entries().cloned().collect();
+        for e in entries {
+            let mut i = e.info.clone();
+            i.state = match i.state {
+                ChannelState::ToRelease => ChannelState::Released,
+                ChannelState::ToWatch => ChannelState::Watched,
+                other => other,
+            };
+            if i != e.info && e.owner != ChannelOwner::Remaining {
+                self.put(e.owner, i);
+            }
+        }
+    }
+    /// Each node's load as a float, in node ID order.
+    pub(super) fn load_values(&self) -> Vec<f64> {
+        self.state.loads().iter().map(|(_, l)| l.value()).collect()
     }
     pub(super) fn kill(&mut self, id: u64) {
         self.state
@@ -158,7 +199,11 @@ fn balance_converges_and_stops_moving() {
             }
         }
     }
-    let loads: Vec<usize> = s.loads().values().copied().collect();
+    let loads: Vec<usize> = s
+        .loads()
+        .iter()
+        .map(|(n, _)| s.loads().channels(n))
+        .collect();
     assert_eq!(loads, [7, 7, 7]);
     // The incremental per-node counts agree with a full count.
     let mut brute: BTreeMap<NodeId, usize> = BTreeMap::new();
@@ -174,7 +219,11 @@ fn balance_converges_and_stops_moving() {
         rev += 1;
         s.applied(t, rev);
     }
-    let loads: Vec<usize> = s.loads().values().copied().collect();
+    let loads: Vec<usize> = s
+        .loads()
+        .iter()
+        .map(|(n, _)| s.loads().channels(n))
+        .collect();
     assert_eq!(loads, [11, 10], "failover keeps the counts right");
     assert_eq!(total_moves, 7, "moves beyond the minimum");
 }

@@ -220,12 +220,61 @@ impl Planner {
     fn insert_entry(&mut self, channel: ChannelName, entry: Entry) {
         let owner = entry.owner;
         let owners = self.channels.entry(channel.clone()).or_default();
-        let fresh = owners.insert(owner, entry).is_none();
+        let added = (entry.info.load_weight(), entry.info.group.clone());
+        let old = owners.insert(owner, entry);
         let settled = owners.settled();
-        if let (true, ChannelOwner::Node(n)) = (fresh, owner) {
-            *self.owned.entry(n).or_default() += 1;
+        if let Some(old) = old {
+            self.count(
+                owner,
+                old.info.load_weight(),
+                old.info.group.as_deref(),
+                false,
+            );
         }
+        self.count(owner, added.0, added.1.as_deref(), true);
         mark(&mut self.attention, &channel, settled);
+    }
+
+    /// Counts one key of `owner` with `weight` and `group` in (or out of) the per-node
+    /// counts, group counts and weights.
+    fn count(&mut self, owner: ChannelOwner, weight: u64, group: Option<&str>, add: bool) {
+        let step = |c: &mut usize| {
+            if add {
+                *c += 1;
+            } else {
+                *c = c.saturating_sub(1);
+            }
+        };
+        step(self.weights.entry(weight).or_default());
+        if self.weights.get(&weight) == Some(&0) {
+            self.weights.remove(&weight);
+        }
+        let ChannelOwner::Node(n) = owner else {
+            return;
+        };
+        let held = self.owned.entry(n).or_default();
+        step(&mut held.keys);
+        held.weight = if add {
+            held.weight.saturating_add(weight)
+        } else {
+            held.weight.saturating_sub(weight)
+        };
+        if let Some(g) = group {
+            let groups = self.grouped.entry(n).or_default();
+            match groups.get_mut(g) {
+                Some(c) => step(c),
+                None if add => {
+                    groups.insert(g.to_owned(), 1);
+                }
+                None => {}
+            }
+            if groups.get(g) == Some(&0) {
+                groups.remove(g);
+            }
+            if groups.is_empty() {
+                self.grouped.remove(&n);
+            }
+        }
     }
 
     /// Applies a DELETE seen in the store: `key` is absent as of `revision` (the delete's
@@ -250,15 +299,18 @@ impl Planner {
             let known = self.tombstones.entry(key.to_owned()).or_insert(revision);
             *known = (*known).max(revision);
             if let Some(entries) = self.channels.get_mut(&ck.channel) {
-                if entries.remove(&ck.owner).is_some() {
-                    if let ChannelOwner::Node(n) = ck.owner {
-                        if let Some(c) = self.owned.get_mut(&n) {
-                            *c = c.saturating_sub(1);
-                        }
-                    }
+                let removed = entries.remove(&ck.owner);
+                let (settled, empty) = (entries.settled(), entries.is_empty());
+                if let Some(old) = removed {
+                    self.count(
+                        ck.owner,
+                        old.info.load_weight(),
+                        old.info.group.as_deref(),
+                        false,
+                    );
                 }
-                mark(&mut self.attention, &ck.channel, entries.settled());
-                if entries.is_empty() {
+                mark(&mut self.attention, &ck.channel, settled);
+                if empty {
                     self.attention.remove(&ck.channel);
                     self.channels.remove(&ck.channel);
                     self.moves.remove(&ck.channel);
@@ -279,6 +331,8 @@ impl Planner {
         self.nodes.clear();
         self.channels.clear();
         self.owned.clear();
+        self.grouped.clear();
+        self.weights.clear();
         self.attention.clear();
         self.corrupt.clear();
         self.draining.clear();
@@ -428,7 +482,7 @@ impl Planner {
     pub(super) fn dead_owner(&self) -> bool {
         self.owned
             .iter()
-            .any(|(n, count)| *count > 0 && !self.nodes.contains_key(n))
+            .any(|(n, held)| held.keys > 0 && !self.nodes.contains_key(n))
     }
 }
 

@@ -137,11 +137,13 @@ prop_compose! {
         reason in proptest::option::of(".{0,30}"),
         progress in proptest::option::of((0u8..=100, any::<u64>())),
         extra in extra_strategy(&[]),
+        placement in (any::<u32>(), proptest::option::of("[a-z0-9]{1,8}"), any::<bool>()),
     ) -> ChannelInfo {
         ChannelInfo {
             v: CHANNEL_INFO_VERSION, channel, state, epoch: Epoch(epoch), start_time_ms: start,
             vchannel, reason,
             progress: progress.map(|(percent, updated_at_ms)| Progress { percent, updated_at_ms }),
+            weight: placement.0, group: placement.1, pinned: placement.2,
             extra,
         }
     }
@@ -188,4 +190,31 @@ proptest! {
     fn node_ids_round_trip(n in any::<u64>()) {
         prop_assert_eq!(n.to_string().parse::<NodeId>().ok(), Some(NodeId(n)));
     }
+}
+
+/// `weight`, `group` and `pinned` (DESIGN §2) are absent from a value written before them,
+/// read as 1 / none / false, and a value with the defaults is written without them, so an
+/// older reader sees exactly what it wrote; set, they round-trip.
+#[test]
+fn placement_fields_default_when_absent_and_are_written_only_when_set() {
+    let old = br#"{"v":1,"channel":"a","state":"Watched","epoch":2,"start_time_ms":5}"#;
+    let info = ChannelInfo::decode(old).expect("an old value");
+    assert_eq!(
+        (info.weight, info.group.as_deref(), info.pinned),
+        (1, None, false)
+    );
+    assert_eq!(info.load_weight(), 1);
+    let text = String::from_utf8(info.encode()).expect("utf8");
+    assert!(
+        !text.contains("weight") && !text.contains("group") && !text.contains("pinned"),
+        "{text}"
+    );
+    let mut set = info;
+    set.weight = 3;
+    set.group = Some("c7".into());
+    set.pinned = true;
+    let back = ChannelInfo::decode(&set.encode()).expect("round trip");
+    assert_eq!(back, set);
+    set.weight = 0;
+    assert_eq!(set.load_weight(), 1, "0 counts as 1");
 }

@@ -73,6 +73,24 @@ pub struct Args {
     /// catches it (tests/blackbox.rs). Never in production.
     #[arg(long, value_enum, hide = true)]
     pub plant: Option<PlantArg>,
+    /// No placement takes a node above this load (its channels' weights over its
+    /// --capacity); what fits nowhere waits under `remaining` with the reason, so a cluster
+    /// that lost most of its nodes does not crush the survivors. Unset: no cap.
+    #[arg(long, env = "CHANWATCH_MAX_LOAD", value_parser = parse_max_load)]
+    pub max_load: Option<chanwatch_core::planner::MaxLoad>,
+    /// Balance runs on its own (`--auto-balance=false`: only when asked by `ctl balance`).
+    #[arg(long, env = "CHANWATCH_AUTO_BALANCE", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub auto_balance: bool,
+}
+
+/// `--max-load`: a positive number (e.g. `2`, `1.5`).
+fn parse_max_load(s: &str) -> Result<chanwatch_core::planner::MaxLoad, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(chanwatch_core::planner::MaxLoad::from_f64)
+        .filter(|m| m.milli > 0)
+        .ok_or_else(|| format!("{s:?} is not a positive load; give e.g. 2 or 1.5"))
 }
 
 /// Planner bugs `coord --plant` can switch on (a subset of `sim --plant`).
@@ -122,6 +140,8 @@ pub async fn run(args: Args) -> Result<()> {
             planted_bug: args.plant.map(PlantArg::planner_bug),
             expected_nodes: args.expected_nodes,
             startup_grace_ms: args.startup_grace.as_millis() as u64,
+            max_load: args.max_load,
+            auto_balance: args.auto_balance,
             ..PlannerConfig::default()
         },
         session_ttl: args.session_ttl,
@@ -220,5 +240,28 @@ mod tests {
             !help.contains("plant"),
             "--plant must stay out of --help:\n{help}"
         );
+    }
+
+    /// `--max-load` takes a positive number; `--auto-balance` is on unless set false.
+    #[test]
+    fn max_load_and_auto_balance_parse() {
+        let coord = |args: &[&str]| {
+            let all = [&["chanwatch", "coord"][..], args].concat();
+            match Cli::try_parse_from(all).map(|c| c.command) {
+                Ok(Command::Coord(a)) => Ok((a.max_load.map(|m| m.milli), a.auto_balance)),
+                Ok(_) => Err("not coord".to_owned()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(coord(&[]), Ok((None, true)));
+        assert_eq!(
+            coord(&["--max-load", "2.5", "--auto-balance=false"]),
+            Ok((Some(2500), false))
+        );
+        assert_eq!(coord(&["--auto-balance"]), Ok((None, true)));
+        for bad in ["0", "-1", "x", "nan"] {
+            let e = coord(&[&format!("--max-load={bad}")]).expect_err(bad);
+            assert!(e.contains("not a positive load"), "{bad}: {e}");
+        }
     }
 }

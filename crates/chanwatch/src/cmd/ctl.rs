@@ -52,7 +52,8 @@ pub struct Args {
 pub enum Command {
     /// List channels, in natural order: channel, node (or remaining), state, epoch, age, and
     /// whether the node says it has paused them (asked over its admin HTTP; etcd cannot
-    /// know). `-o wide` adds the vchannel info and the checkpoint's position, epoch and age.
+    /// know). `-o wide` adds weight, group, pinned, the vchannel info and the checkpoint's
+    /// position, epoch and age.
     Channels {
         /// Only the channels of this node (an ID, or `remaining`).
         #[arg(long, env = "CHANWATCH_CTL_NODE")]
@@ -73,6 +74,23 @@ pub enum Command {
         /// '{"collection_id":7,"seek_position":"..."}'.
         #[arg(long, env = "CHANWATCH_CTL_VCHANNEL")]
         vchannel: Option<String>,
+        /// Its relative load (1 to 1000000; default 1): a node's load is the weights of its
+        /// channels over its --capacity.
+        #[arg(long, env = "CHANWATCH_CTL_WEIGHT", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        weight: Option<u32>,
+        /// A group (e.g. the collection) whose channels placement spreads across nodes.
+        #[arg(long, env = "CHANWATCH_CTL_GROUP")]
+        group: Option<String>,
+    },
+    /// Pin a channel: balance never moves it (drains and failovers still do). Moves nothing.
+    Pin {
+        /// Channel name.
+        name: String,
+    },
+    /// Unpin a channel: balance may move it again.
+    Unpin {
+        /// Channel name.
+        name: String,
     },
     /// Remove a channel; its node stops it at once.
     RemoveChannel {
@@ -92,7 +110,8 @@ pub enum Command {
         /// Node ID.
         node: u64,
     },
-    /// Even out channels over nodes (max - min <= 1).
+    /// Even out load over nodes (weights over capacity, until the spread is within one
+    /// channel's weight); runs even with the coordinator's --auto-balance=false.
     Balance {
         /// Print the plan (channel, from, to) without moving anything.
         #[arg(long, env = "CHANWATCH_CTL_DRY_RUN")]
@@ -136,6 +155,12 @@ enum Checked {
         name: ChannelName,
         /// Boxed: up to 64 KiB of JSON, parsed.
         vchannel: Option<Box<VChannelInfo>>,
+        weight: Option<u32>,
+        group: Option<String>,
+    },
+    Pin {
+        name: ChannelName,
+        pinned: bool,
     },
     Remove {
         name: ChannelName,
@@ -165,12 +190,35 @@ impl Checked {
                 },
             },
             Command::Nodes => Checked::Nodes,
-            Command::AddChannel { name: n, vchannel } => Checked::Add {
+            Command::AddChannel {
+                name: n,
+                vchannel,
+                weight,
+                group,
+            } => {
+                chanwatch_core::planner::Placement {
+                    weight: weight.unwrap_or(1),
+                    group: group.clone(),
+                }
+                .check()
+                .map_err(|e| anyhow!("{e}"))?;
+                Checked::Add {
+                    name: name(n)?,
+                    vchannel: vchannel
+                        .map(|v| VChannelInfo::from_json(v.as_bytes()).map(Box::new))
+                        .transpose()
+                        .map_err(|e| anyhow!("--vchannel: {e}"))?,
+                    weight,
+                    group,
+                }
+            }
+            Command::Pin { name: n } => Checked::Pin {
                 name: name(n)?,
-                vchannel: vchannel
-                    .map(|v| VChannelInfo::from_json(v.as_bytes()).map(Box::new))
-                    .transpose()
-                    .map_err(|e| anyhow!("--vchannel: {e}"))?,
+                pinned: true,
+            },
+            Command::Unpin { name: n } => Checked::Pin {
+                name: name(n)?,
+                pinned: false,
             },
             Command::RemoveChannel { name: n } => Checked::Remove { name: name(n)? },
             Command::Move { name: n, to } => Checked::Move {
@@ -233,7 +281,12 @@ pub async fn run(args: Args) -> Result<()> {
                 Some(text) => text,
                 None => {
                     let table = channels::table(&lines, format == Format::Wide, age, now);
-                    format!("{table}{} channel(s)\n{}", lines.len(), paused_lines(&live))
+                    format!(
+                        "{table}{} channel(s)\n{}{}",
+                        lines.len(),
+                        paused_lines(&live),
+                        channels::parked_lines(&lines)
+                    )
                 }
             }
         }
@@ -246,10 +299,32 @@ pub async fn run(args: Args) -> Result<()> {
                 None => nodes_table(&rows, &live, format == Format::Wide),
             }
         }
-        Checked::Add { name, vchannel } => transitions(
+        Checked::Add {
+            name,
+            vchannel,
+            weight,
+            group,
+        } => transitions(
             format,
-            &leader.add_channel(&name, vchannel.as_deref()).await?,
+            &leader
+                .add_channel_with(&name, vchannel.as_deref(), weight, group.as_deref())
+                .await?,
         )?,
+        Checked::Pin { name, pinned } => {
+            let done = leader.pin(&name, pinned).await?;
+            let word = if pinned { "pinned" } else { "unpinned" };
+            machine(
+                format,
+                &serde_json::json!({ "channel": name, "pinned": pinned }),
+            )?
+            .unwrap_or_else(|| {
+                if done.transitions.is_empty() {
+                    format!("channel {name} was already {word}\n")
+                } else {
+                    format!("channel {name} {word}; nothing moved\n")
+                }
+            })
+        }
         Checked::Remove { name } => transitions(format, &leader.remove_channel(&name).await?)?,
         Checked::Move { name, to } => transitions(format, &leader.move_channel(&name, to).await?)?,
         Checked::Drain { node } => {
@@ -359,10 +434,11 @@ fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -
     let mut header = vec![
         "ID", "NAME", "ADMIN", "CHANNELS", "AGE", "STATUS", "DRAINING",
     ];
+    header.extend(["CAPACITY", "LOAD"]);
     if wide {
         header.push("WHY");
     }
-    let mut t = Columns::new(&header, &[0, 3, 4]);
+    let mut t = Columns::new(&header, &[0, 3, 4, 7, 8]);
     let now = now_ms();
     for r in rows {
         let l = live.get(&r.id);
@@ -374,6 +450,8 @@ fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -
             age(now.saturating_sub(r.started_at_ms)),
             l.map_or("", live::Live::cell).to_owned(),
             if r.draining { "draining" } else { "" }.to_owned(),
+            r.capacity.to_string(),
+            format!("{:.2}", r.load),
         ];
         if wide {
             cells.push(match l {

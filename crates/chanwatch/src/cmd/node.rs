@@ -58,6 +58,10 @@ pub struct Args {
     /// 0s: stop and revoke at once, as before planned restarts.
     #[arg(long, env = "CHANWATCH_SHUTDOWN_TIMEOUT", value_parser = humantime_secs, default_value = "60s")]
     pub shutdown_timeout: Duration,
+    /// This node's relative capacity: it gets channels of total weight in proportion (a
+    /// node of capacity 2 takes twice what a node of 1 takes). Written in its session.
+    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub capacity: u32,
     /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
     /// check what stands behind it (tests/blackbox.rs). Never in production.
     #[arg(long, value_enum, hide = true)]
@@ -108,6 +112,7 @@ pub async fn run(args: Args) -> Result<()> {
             admin_addr,
             name,
             planted_bug,
+            capacity: args.capacity,
             ..chanwatch_node::NodeConfig::default()
         })
         .registry(registry)

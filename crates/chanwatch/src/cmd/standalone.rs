@@ -41,6 +41,9 @@ pub struct Args {
     pub handler: HandlerArgs,
     #[command(flatten)]
     pub test_load: TestLoadArgs,
+    /// Relative capacity of each in-process node (written in its session).
+    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub capacity: u32,
 }
 
 /// Runs coordinator and nodes in this process until Ctrl-C or SIGTERM.
@@ -99,7 +102,9 @@ pub async fn run(args: Args) -> Result<()> {
         api,
         wait_true(stop.clone()),
     ));
-    let nodes: Vec<_> = (0..args.nodes).map(|_| cluster.spawn_node()).collect();
+    let nodes: Vec<_> = (0..args.nodes)
+        .map(|_| cluster.spawn_node_with_capacity(args.capacity))
+        .collect();
     cluster.ready().await?;
     for i in 0..args.channels {
         let name = ChannelName::new(format!("ch-{i:03}"))?;

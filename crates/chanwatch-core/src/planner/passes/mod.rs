@@ -67,7 +67,12 @@ impl Planner {
         for t in changes.iter().filter_map(|c| c.transition.as_ref()) {
             if !matches!(
                 t.cause,
-                Cause::Assign | Cause::Remove | Cause::Dedupe | Cause::Park
+                Cause::Assign
+                    | Cause::Remove
+                    | Cause::Dedupe
+                    | Cause::Park
+                    | Cause::Pin
+                    | Cause::Unpin
             ) {
                 self.moved_at.insert(t.channel.clone(), now_ms);
             }

@@ -10,7 +10,7 @@ use crate::keys::ChannelOwner;
 use crate::types::{ChannelName, ChannelState, NodeId};
 
 use super::super::commands::{reassign, release, Cause, Change};
-use super::super::placement::pick_moves;
+use super::super::placement::{pick_moves, Loads, Want};
 use super::super::{PendingMove, Planner};
 
 impl Planner {
@@ -43,10 +43,11 @@ impl Planner {
             {
                 continue;
             }
-            let Some(to) = self.least_loaded_for(&loads, channel, Some(from), now_ms) else {
-                continue;
+            let want = Want::of(&e.info);
+            let Some(to) = self.least_loaded_for(&loads, channel, want, Some(from), now_ms) else {
+                continue; // no node has room: it stays where it runs
             };
-            loads.add(to);
+            loads.add(to, want);
             budget -= 1;
             match e.info.state {
                 // A loading channel runs too: it is released first like a watched one, or a
@@ -72,9 +73,13 @@ impl Planner {
         self.moves.extend(new_moves);
     }
 
-    /// Move `Watched` channels from the most to the least loaded node until max - min <= 1,
-    /// with at most `max_concurrent_moves` in flight.
+    /// Move `Watched`, unpinned channels from the most to the least loaded node until the
+    /// spread is within one channel's weight by capacity, with at most
+    /// `max_concurrent_moves` in flight; only with `auto_balance` or when asked.
     pub(in crate::planner) fn plan_balance(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        if !self.config.auto_balance && !self.balance_asked {
+            return;
+        }
         if now_ms
             < self
                 .quiet_since_ms
@@ -84,11 +89,11 @@ impl Planner {
         }
         let mut loads = self.loads();
         loads.retain(|n| self.takes_new(n));
-        if loads.len() < 2 {
+        let unit = self.heaviest_weight();
+        if loads.len() < 2 || loads.balanced(unit) {
+            // Balanced: skip collecting movable channels, the costly part.
+            self.balance_asked = false;
             return;
-        }
-        if loads.spread() <= 1 {
-            return; // balanced: skip collecting movable channels, the costly part
         }
         let mut movable = self.movable(true);
         let budget = self
@@ -96,7 +101,26 @@ impl Planner {
             .max_concurrent_moves
             .saturating_sub(self.moves.len());
         let allowed = |c: &ChannelName, to: NodeId| self.balance_allows(c, to, now_ms);
-        for m in pick_moves(&mut loads, &mut movable, budget, allowed) {
+        let room = |l: &Loads, to: NodeId, w: u64| {
+            self.fits(
+                l,
+                to,
+                Want {
+                    weight: w,
+                    group: None,
+                },
+            )
+        };
+        let picked = pick_moves(&mut loads, &mut movable, budget, unit, room, allowed);
+        if picked.is_empty()
+            && budget > 0
+            && !self.moves.values().any(|m| m.cause == Cause::Balance)
+        {
+            // Nothing can move now (pinned, cooling down, no room): an operator's request
+            // is answered; automatic balance tries again next round.
+            self.balance_asked = false;
+        }
+        for m in picked {
             if let Some(e) = self.entry(&m.channel) {
                 changes.push(release(e, Cause::Balance));
             }

@@ -9,6 +9,7 @@ use crate::keys::ChannelOwner;
 use crate::types::ChannelName;
 
 use super::super::commands::{guard, park, reassign, Cause, Change, Op, Transition};
+use super::super::placement::Want;
 use super::super::view::Owners;
 use super::super::Planner;
 
@@ -77,16 +78,17 @@ impl Planner {
                 ChannelOwner::Remaining => Cause::Unpark,
                 ChannelOwner::Node(_) => continue,
             };
+            let want = Want::of(&e.info);
             let target = self
-                .least_loaded_for(&loads, channel, None, now_ms)
-                .or_else(|| self.least_loaded(&loads, None));
+                .least_loaded_for(&loads, channel, want, None, now_ms)
+                .or_else(|| self.least_loaded(&loads, want, None));
             match target {
                 Some(target) => {
-                    loads.add(target);
+                    loads.add(target, want);
                     planned.push(reassign(e, ChannelOwner::Node(target), cause, now_ms));
                 }
                 None if cause == Cause::Failover => {
-                    planned.push(park(e));
+                    planned.push(park(e, self.no_room(want)));
                 }
                 None => {}
             }

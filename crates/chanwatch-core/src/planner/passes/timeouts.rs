@@ -12,7 +12,8 @@ use std::collections::BTreeSet;
 use crate::keys::ChannelOwner;
 use crate::types::ChannelState;
 
-use super::super::commands::{reassign, release, Cause, Change, Op};
+use super::super::commands::{park, reassign, release, Cause, Change, Op};
+use super::super::placement::Want;
 use super::super::{PendingMove, Planner, PlannerBug};
 
 impl Planner {
@@ -50,7 +51,8 @@ impl Planner {
             if !timed_out {
                 continue;
             }
-            let target = match self.least_loaded_for(&loads, channel, Some(node), now_ms) {
+            let want = Want::of(&e.info);
+            let target = match self.least_loaded_for(&loads, channel, want, Some(node), now_ms) {
                 Some(t) => t,
                 // Every other node is in its back-off for this channel (or there is none):
                 // retry here once this node's own back-off has passed, else wait.
@@ -72,7 +74,7 @@ impl Planner {
                     }
                 },
             };
-            loads.add(target);
+            loads.add(target, want);
             newly_avoided.push((channel.clone(), node));
             troubled.push(node);
             if e.info.state == ChannelState::ToWatch {
@@ -145,7 +147,7 @@ impl Planner {
                 None => {
                     // A move begun by an earlier leader: pick a target now.
                     let to = self
-                        .least_loaded_for(&loads, channel, Some(from), now_ms)
+                        .least_loaded_for(&loads, channel, Want::of(&e.info), Some(from), now_ms)
                         .unwrap_or(from);
                     let m = PendingMove {
                         to,
@@ -170,26 +172,30 @@ impl Planner {
             if e.info.state == ChannelState::Released || stuck {
                 // The target may have died, started draining or failed the channel
                 // meanwhile: then the least loaded node not in a back-off for it.
+                // (The pending target counts the channel already: its room was checked
+                // when the move was picked.)
+                let want = Want::of(&e.info);
                 let to = if self.nodes.contains_key(&pending.to)
                     && !self.draining.contains(&pending.to)
                     && !self.avoided(channel, pending.to, now_ms)
                 {
-                    pending.to
+                    Some(pending.to)
                 } else {
-                    match self
-                        .least_loaded_for(&loads, channel, Some(from), now_ms)
-                        .or_else(|| self.least_loaded(&loads, Some(from)))
-                        .or_else(|| self.least_loaded(&loads, None))
-                    {
-                        Some(t) => t,
-                        None => continue,
-                    }
+                    self.least_loaded_for(&loads, channel, want, Some(from), now_ms)
+                        .or_else(|| self.least_loaded(&loads, want, Some(from)))
+                        .or_else(|| self.least_loaded(&loads, want, None))
                 };
-                loads.add(to);
-                done.push((
-                    channel.clone(),
-                    reassign(e, ChannelOwner::Node(to), pending.cause, now_ms),
-                ));
+                let change = match to {
+                    Some(to) => {
+                        loads.add(to, want);
+                        reassign(e, ChannelOwner::Node(to), pending.cause, now_ms)
+                    }
+                    // Stopped, and no node has room under `--max-load`: it waits under
+                    // `remaining`, saying why, until room appears.
+                    None if e.info.state == ChannelState::Released => park(e, self.no_room(want)),
+                    None => continue,
+                };
+                done.push((channel.clone(), change));
             }
         }
         for (c, m) in adopt {

@@ -155,13 +155,14 @@ pub fn vchannel_cell(v: &VChannelInfo) -> String {
     }
 }
 
-/// The table (`wide` adds vchannel and checkpoint columns). `age` formats a duration in ms.
+/// The table (`wide` adds weight, group, pinned, vchannel and checkpoint columns). `age` formats a duration in ms.
 pub fn table(lines: &[Line], wide: bool, age: impl Fn(u64) -> String, now_ms: u64) -> String {
     let mut header = vec!["CHANNEL", "NODE", "STATE", "EPOCH", "AGE", "NODE SAYS"];
     let mut right = vec![1, 3, 4];
     if wide {
+        header.extend(["WEIGHT", "GROUP", "PINNED"]);
         header.extend(["VCHANNEL", "POSITION", "CP EPOCH", "CP AGE"]);
-        right.extend([8, 9]);
+        right.extend([6, 11, 12]);
     }
     let mut t = Columns::new(&header, &right);
     for l in lines {
@@ -182,6 +183,11 @@ pub fn table(lines: &[Line], wide: bool, age: impl Fn(u64) -> String, now_ms: u6
             says.to_owned(),
         ];
         if wide {
+            cells.extend([
+                r.weight.to_string(),
+                r.group.clone().unwrap_or_else(|| "-".into()),
+                if r.pinned { "pinned" } else { "-" }.to_owned(),
+            ]);
             cells.push(vchannel_cell(&l.vchannel));
             match &l.checkpoint {
                 Some(cp) => {
@@ -193,6 +199,19 @@ pub fn table(lines: &[Line], wide: bool, age: impl Fn(u64) -> String, now_ms: u6
         t.row(cells);
     }
     t.render()
+}
+
+/// One line per channel waiting under `remaining` with a reason (no room under
+/// `--max-load`, no live node): the table has no room for it.
+pub fn parked_lines(lines: &[Line]) -> String {
+    lines
+        .iter()
+        .filter(|l| l.row.node.is_none())
+        .filter_map(|l| {
+            let why = l.row.reason.as_deref()?;
+            Some(format!("{} waits in remaining: {why}\n", l.row.channel))
+        })
+        .collect()
 }
 
 #[cfg(test)]

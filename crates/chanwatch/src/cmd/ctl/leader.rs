@@ -95,6 +95,17 @@ struct AddChannel<'a> {
     name: &'a ChannelName,
     #[serde(skip_serializing_if = "Option::is_none")]
     vchannel: Option<&'a VChannelInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weight: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    group: Option<&'a str>,
+}
+
+/// The answer of `POST /api/v1/channels/{name}/pin|unpin`.
+#[derive(Debug, serde::Deserialize)]
+pub struct Pinned {
+    /// The rewrite (empty when it already was so).
+    pub transitions: Vec<Transition>,
 }
 
 #[derive(Serialize)]
@@ -109,15 +120,29 @@ struct Refusal {
 }
 
 impl Leader {
-    /// Registers a channel.
-    pub async fn add_channel(
+    /// Registers a channel with a weight and group (either may be left to the default).
+    pub async fn add_channel_with(
         &self,
         name: &ChannelName,
         vchannel: Option<&VChannelInfo>,
+        weight: Option<u32>,
+        group: Option<&str>,
     ) -> Result<Vec<Transition>> {
-        let body = AddChannel { name, vchannel };
+        let body = AddChannel {
+            name,
+            vchannel,
+            weight,
+            group,
+        };
         self.call(Method::POST, "/api/v1/channels", Some(&body))
             .await
+    }
+
+    /// Pins (`true`) or unpins a channel; nothing moves.
+    pub async fn pin(&self, name: &ChannelName, pinned: bool) -> Result<Pinned> {
+        let verb = if pinned { "pin" } else { "unpin" };
+        let path = format!("/api/v1/channels/{name}/{verb}");
+        self.call(Method::POST, &path, None::<&()>).await
     }
 
     /// Removes a channel.
@@ -404,7 +429,7 @@ mod tests {
     async fn ctl_writes_pass_the_admin_apis_cross_site_guard() -> Result<()> {
         let (leader, _handle) = leader_on_embedded_store().await?;
         let c1 = ChannelName::new("c1")?;
-        let out = leader.add_channel(&c1, None).await?;
+        let out = leader.add_channel_with(&c1, None, None, None).await?;
         assert_eq!(out[0].channel, c1, "{out:?}");
         let plan = leader.balance(true).await?;
         assert!(plan.dry_run, "{plan:?}");
@@ -430,7 +455,9 @@ mod tests {
                  "metadata":{"k":"v"},"a_future_field":[1,2]}"#,
         )?;
         let c2 = ChannelName::new("c2")?;
-        let out = leader.add_channel(&c2, Some(&vchannel)).await?;
+        let out = leader
+            .add_channel_with(&c2, Some(&vchannel), None, None)
+            .await?;
         assert_eq!(out.len(), 1, "{out:?}");
         let t = &out[0];
         assert_eq!(

@@ -140,6 +140,9 @@ mod tests {
             started_at_ms: 0,
             draining: false,
             name: String::new(),
+            capacity: 1,
+            weight: 1,
+            load: 1.0,
         };
         let rows = [row(7, &paused_addr), row(8, &closed_addr), row(9, "")];
         let live = ask(&rows).await;
