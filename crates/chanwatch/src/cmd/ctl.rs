@@ -24,6 +24,7 @@ mod channels;
 mod leader;
 mod live;
 mod output;
+mod status;
 
 /// Flags of `ctl`.
 #[derive(Debug, ClapArgs)]
@@ -92,6 +93,15 @@ pub enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// The control plane at a glance: leader and standbys, each etcd endpoint (health,
+    /// version, raft leader and term, db size against the quota), alarms, drains, paused
+    /// nodes, channels by state, the last compaction.
+    Status {
+        /// The quota to show for an etcd member that does not say its own (etcd before 3.6,
+        /// behind https): etcd's `--quota-backend-bytes`, in bytes (etcd's default: 2 GiB).
+        #[arg(long, env = "CHANWATCH_QUOTA_BACKEND_BYTES", default_value_t = status::DEFAULT_QUOTA)]
+        quota_backend_bytes: u64,
+    },
 }
 
 /// A `ctl` command with its input validated and parsed, before any network call.
@@ -117,6 +127,9 @@ enum Checked {
     },
     Balance {
         dry_run: bool,
+    },
+    Status {
+        quota: u64,
     },
 }
 
@@ -145,6 +158,11 @@ impl Checked {
             },
             Command::Drain { node } => Checked::Drain { node: NodeId(node) },
             Command::Balance { dry_run } => Checked::Balance { dry_run },
+            Command::Status {
+                quota_backend_bytes,
+            } => Checked::Status {
+                quota: quota_backend_bytes,
+            },
         })
     }
 }
@@ -226,6 +244,11 @@ pub async fn run(args: Args) -> Result<()> {
                 None => balance_table(&plan),
             }
         }
+        Checked::Status { quota } => status::render(
+            &status::gather(&store, &keys, &args.etcd, quota).await?,
+            format,
+            now_ms(),
+        )?,
     };
     emit(&text)?;
     Ok(())
