@@ -112,6 +112,8 @@ pub(crate) async fn run(
 ) -> Result<(), CoordError> {
     tokio::pin!(shutdown);
     let leader_key = config.keys.leader();
+    // Every coordinator, leader or standby, under its campaign lease: `ctl status` lists them.
+    let member_key = config.keys.coord_member(&config.id);
     let mut attempt = 0u32;
     // Whether the store ever granted us a lease: after that, no error is a start-up error.
     let mut answered = false;
@@ -166,8 +168,14 @@ pub(crate) async fn run(
                 .txn(
                     Txn::new()
                         .when([Compare::absent(&leader_key)])
-                        .and_then([TxnOp::put_with_lease(&leader_key, me.encode(), lease.id)])
-                        .or_else([TxnOp::get(&leader_key)]),
+                        .and_then([
+                            TxnOp::put_with_lease(&leader_key, me.encode(), lease.id),
+                            TxnOp::put_with_lease(&member_key, me.encode(), lease.id),
+                        ])
+                        .or_else([
+                            TxnOp::get(&leader_key),
+                            TxnOp::put_with_lease(&member_key, me.encode(), lease.id),
+                        ]),
                 )
                 .await;
             let resp = match campaign {

@@ -122,6 +122,18 @@ impl Keys {
         format!("{}/coord/compact", self.root)
     }
 
+    /// `{root}/coord/member/`: one key per live coordinator, leader and standbys alike, under
+    /// its campaign lease (so `ctl status` can list the standbys; the key goes with the
+    /// process).
+    pub fn coord_members_prefix(&self) -> String {
+        format!("{}/coord/member/", self.root)
+    }
+
+    /// `{root}/coord/member/{id}`: the `CoordSession` of coordinator `id`.
+    pub fn coord_member(&self, id: &str) -> String {
+        format!("{}/coord/member/{id}", self.root)
+    }
+
     /// `{root}/coord/drain/`: one key per node being drained (DESIGN.md §2, v2): the drain
     /// must survive a coordinator failover and be visible to `ctl nodes`, so it lives in the
     /// store, written by the leader like every assignment.

@@ -525,7 +525,11 @@ impl Checker {
         match writer {
             Writer::Coord(id) => {
                 let leader = self.keys.leader();
-                let campaign = events.iter().any(|e| e.kv.key == leader);
+                // A campaign writes the leader key; every campaign, a standby's too, puts the
+                // coordinator's own member key (`ctl status` lists the standbys from them).
+                let own = self.keys.coord_member(id);
+                let campaign = events.iter().any(|e| e.kv.key == leader)
+                    || events.iter().all(|e| e.kv.key == own);
                 let holder = self
                     .kv
                     .get(&leader)

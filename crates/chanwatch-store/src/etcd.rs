@@ -677,6 +677,60 @@ impl MetaStore for EtcdStore {
     }
 }
 
+/// One etcd member's own view, from the maintenance `status` of the endpoint asked
+/// ([`EtcdStore::member_status`]; `etcdctl endpoint status`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberStatus {
+    /// The member that answered.
+    pub member_id: u64,
+    /// Its etcd version.
+    pub version: String,
+    /// The member it takes for the raft leader (0: none).
+    pub leader: u64,
+    /// Its raft term.
+    pub raft_term: u64,
+    /// Its raft index.
+    pub raft_index: u64,
+    /// The store's revision.
+    pub revision: Revision,
+    /// Bytes of the backend database file (what the quota limits).
+    pub db_size: i64,
+    /// Bytes of it in use (0 when the member does not say).
+    pub db_size_in_use: i64,
+    /// The member's backend quota in bytes, when it says (etcd 3.6 and later; 0 before).
+    pub db_size_quota: i64,
+    /// Whether it is a learner (not voting).
+    pub is_learner: bool,
+    /// Errors the member reports about itself.
+    pub errors: Vec<String>,
+}
+
+impl EtcdStore {
+    /// The maintenance `status` of the member this client talks to: connect with a single
+    /// endpoint to ask one member.
+    ///
+    /// # Errors
+    /// The member does not answer, or refuses the call.
+    pub async fn member_status(&self) -> StoreResult<MemberStatus> {
+        match self.client.maintenance_client().status().await {
+            Ok(s) => Ok(MemberStatus {
+                member_id: s.header().map_or(0, |h| h.member_id()),
+                version: s.version().to_owned(),
+                leader: s.leader(),
+                raft_term: s.raft_term(),
+                raft_index: s.raft_index(),
+                revision: s.header().map_or(0, |h| h.revision()),
+                db_size: s.db_size(),
+                db_size_in_use: s.raft_used_db_size(),
+                db_size_quota: s.db_size_quota(),
+                is_learner: s.is_learner(),
+                errors: s.errors().to_vec(),
+            }),
+            Err(e) => Err(self.err(e, "").await),
+        }
+    }
+}
+
 /// The first key a txn names, for errors that must say which key was refused.
 fn txn_first_key(txn: &Txn) -> String {
     txn.compares

@@ -63,7 +63,7 @@ pub use alarms::follow_alarms;
 pub use clock::Clock;
 pub use embedded::{EmbeddedOptions, EmbeddedStore, Observed};
 pub use error::{StoreError, StoreResult};
-pub use etcd::{EtcdConfig, EtcdStore, TlsFiles};
+pub use etcd::{EtcdConfig, EtcdStore, MemberStatus, TlsFiles};
 /// Test fixtures (feature `testing`): a store wrapper that injects faults.
 #[cfg(any(test, feature = "testing"))]
 pub use faults::{CommitHook, Faults, FaultyStore};

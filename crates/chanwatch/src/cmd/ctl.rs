@@ -28,6 +28,7 @@ mod events;
 mod leader;
 mod live;
 mod output;
+mod status;
 
 /// Flags of `ctl`.
 #[derive(Debug, ClapArgs)]
@@ -143,6 +144,15 @@ pub enum Command {
         /// The shell.
         shell: clap_complete::Shell,
     },
+    /// The control plane at a glance: leader and standbys, each etcd endpoint (health,
+    /// version, raft leader and term, db size against the quota), alarms, drains, paused
+    /// nodes, channels by state, the last compaction.
+    Status {
+        /// The quota to show for an etcd member that does not say its own (etcd before 3.6,
+        /// behind https): etcd's `--quota-backend-bytes`, in bytes (etcd's default: 2 GiB).
+        #[arg(long, env = "CHANWATCH_QUOTA_BACKEND_BYTES", default_value_t = status::DEFAULT_QUOTA)]
+        quota_backend_bytes: u64,
+    },
 }
 
 /// A `ctl` command with its input validated and parsed, before any network call.
@@ -177,6 +187,9 @@ enum Checked {
     },
     /// `get`, `describe`, `events`, `undrain` (in `describe`).
     More(describe::Ask),
+    Status {
+        quota: u64,
+    },
 }
 
 impl Checked {
@@ -227,6 +240,11 @@ impl Checked {
             },
             Command::Drain { node } => Checked::Drain { node: NodeId(node) },
             Command::Balance { dry_run } => Checked::Balance { dry_run },
+            Command::Status {
+                quota_backend_bytes,
+            } => Checked::Status {
+                quota: quota_backend_bytes,
+            },
             other => Checked::More(describe::Ask::new(other)?),
         })
     }
@@ -340,6 +358,19 @@ pub async fn run(args: Args) -> Result<()> {
                 None => balance_table(&plan),
             }
         }
+        Checked::Status { quota } => status::render(
+            &status::gather(
+                store.as_ref().ok_or_else(|| {
+                    anyhow!("ctl status reads etcd (its members, alarms and db size): give --endpoints, not --admin")
+                })?,
+                &keys,
+                &args.etcd,
+                quota,
+            )
+            .await?,
+            format,
+            now_ms(),
+        )?,
     };
     emit(&text)?;
     Ok(())
