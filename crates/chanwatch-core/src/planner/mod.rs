@@ -33,11 +33,13 @@
 //! - `fencing`: fence marks of nodes stuck releasing, and the lease revokes the runtime does;
 //! - `packing`: changes into txns within the op and byte limits;
 //! - `admin`: operator commands (add, remove, move, drain, the balance plan), [`AdminError`];
+//! - `bulk`: registering a list of channels at once, packed ([`Planner::add_channels`]);
 //! - `rows`: [`ChannelRow`] and [`NodeRow`] for `ctl` and the admin API;
 //! - `tests` (test builds only): the `World` helper every module's tests use, and the tests
 //!   of the planner as a whole.
 
 mod admin;
+mod bulk;
 mod commands;
 mod config;
 mod fencing;
