@@ -478,6 +478,7 @@ impl<'a> Term<'a> {
                 drop(reply.send(Ok(plan)));
                 self.replan |= !dry_run;
             }
+            Request::AddMany { infos, reply } => self.add_many(infos, reply).await?,
         }
         Ok(())
     }
