@@ -20,6 +20,7 @@ use crate::flags::{EtcdArgs, RootArg};
 use leader::{BalancePlan, Leader};
 use output::{emit, machine, Columns, Format, OutputArgs};
 
+mod bulk;
 mod channels;
 mod leader;
 mod live;
@@ -92,6 +93,15 @@ pub enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Register many channels from a file: one name or one JSON channel object
+    /// (`{"name":…,"vchannel":{…}}`) per line; blank lines and `#` comments are skipped. The
+    /// whole file is checked first (nothing is registered if any line is bad; each is named),
+    /// then sent in lists of up to 10,000.
+    AddChannels {
+        /// The file; `-` reads stdin.
+        #[arg(long)]
+        from_file: String,
+    },
 }
 
 /// A `ctl` command with its input validated and parsed, before any network call.
@@ -118,6 +128,7 @@ enum Checked {
     Balance {
         dry_run: bool,
     },
+    AddMany(bulk::File),
 }
 
 impl Checked {
@@ -145,6 +156,7 @@ impl Checked {
             },
             Command::Drain { node } => Checked::Drain { node: NodeId(node) },
             Command::Balance { dry_run } => Checked::Balance { dry_run },
+            Command::AddChannels { from_file } => Checked::AddMany(bulk::read(&from_file)?),
         })
     }
 }
@@ -225,6 +237,15 @@ pub async fn run(args: Args) -> Result<()> {
                 Some(text) => text,
                 None => balance_table(&plan),
             }
+        }
+        Checked::AddMany(file) => {
+            bulk::check_registered(&file, &*store, &keys).await?;
+            bulk::send(
+                &file,
+                &leader,
+                format != Format::Table && format != Format::Wide,
+            )
+            .await?
         }
     };
     emit(&text)?;
