@@ -24,6 +24,7 @@ mod exec;
 mod failover;
 mod idle;
 mod meter;
+mod register;
 mod store;
 mod system;
 
@@ -65,6 +66,31 @@ pub enum What {
     /// A settled cluster that nothing changes: etcd's requests/s and bytes/s by method (from
     /// its `/metrics`) and the process's CPU over an idle window, at each size.
     Idle(BenchIdleArgs),
+    /// Registration: channels from `ctl add-channels --from-file` until all are Watched,
+    /// against the floor of writing the same keys and acks in packed txns.
+    Register(BenchRegisterArgs),
+}
+
+/// Flags of `bench register`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchRegisterArgs {
+    /// Which backend (`ctl add-channels` needs etcd; `--one-by-one` runs on either).
+    #[arg(long, value_enum, default_value_t = StoreKind::Etcd)]
+    pub store: StoreKind,
+    /// Channels to register.
+    #[arg(long, default_value_t = 50_000)]
+    pub channels: usize,
+    /// Nodes (in-process, each with its own etcd connection).
+    #[arg(long, default_value_t = 20)]
+    pub nodes: usize,
+    /// The old way instead of the file: one API call per channel, 16 clients.
+    #[arg(long)]
+    pub one_by_one: bool,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 /// Flags of `bench idle`.
@@ -348,6 +374,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::DataFailover(args) => data_failover::run(&args).await,
         What::Exec(args) => exec::run(&args).await,
         What::Idle(args) => idle::run(&args).await,
+        What::Register(args) => register::run(&args).await,
     }
 }
 
