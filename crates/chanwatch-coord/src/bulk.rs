@@ -48,6 +48,7 @@ impl Term<'_> {
         reply: oneshot::Sender<Result<Vec<Transition>, BulkError>>,
     ) -> Result<(), String> {
         let count = infos.len();
+        let started = self.clock.now();
         let txns = match self.state.add_channels(infos, self.clock.unix_ms()) {
             Ok(t) => t,
             Err(refused) => {
@@ -55,6 +56,7 @@ impl Term<'_> {
                 return Ok(());
             }
         };
+        let planned = self.clock.now();
         let store = self.store.clone();
         let clock = self.clock;
         let jobs: Vec<_> = txns
@@ -107,6 +109,8 @@ impl Term<'_> {
         info!(
             listed = count,
             registered = added.len(),
+            plan_ms = crate::execute::millis(planned.saturating_duration_since(started)),
+            write_ms = crate::execute::millis(self.clock.now().saturating_duration_since(planned)),
             "coord: bulk registration"
         );
         let answer = match failed {
