@@ -242,6 +242,11 @@ impl<'a> Term<'a> {
                 }
                 dirty = true;
             }
+            // A failover is done when its last ack is seen, not at the next plan round (that
+            // waited up to `plan_gap`: ~70 ms at 10,000 channels).
+            if !self.failovers.is_empty() {
+                self.finish_failovers();
+            }
             if dirty && !recovered {
                 recovered = true;
                 info!(
