@@ -22,8 +22,11 @@ use serde_json::{json, Value};
 
 use crate::handle::{ApiError, CoordHandle};
 
+mod bulk;
 mod events;
 mod guard;
+
+pub use bulk::MAX_BULK_BODY_BYTES;
 
 /// Largest request body: a channel name plus a 64 KiB vchannel, with room for JSON escaping.
 pub const MAX_BODY_BYTES: usize = 256 * 1024;
@@ -145,7 +148,12 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/api/v1/channels", get(list_channels).post(add_channel))
+        .route(
+            "/api/v1/channels",
+            get(list_channels)
+                .post(bulk::add_one_or_many)
+                .layer(DefaultBodyLimit::max(MAX_BULK_BODY_BYTES)),
+        )
         .route(
             "/api/v1/channels/{name}",
             get(events::channel).delete(remove_channel),

@@ -126,6 +126,13 @@ pub(crate) enum Request {
         /// Where the answer goes.
         reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,
     },
+    /// Register a checked list of channels, packed.
+    AddMany {
+        /// The new channels' values (state, epoch and start time are set by the planner).
+        infos: Vec<chanwatch_core::ChannelInfo>,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<Vec<Transition>, crate::BulkError>>,
+    },
 }
 
 /// Talks to a running coordinator: its status, the admin requests (what the HTTP API
@@ -429,6 +436,26 @@ impl CoordHandle {
     pub async fn balance(&self, dry_run: bool) -> Result<Vec<PlannedMove>, ApiError> {
         self.ask(|reply| Request::Balance { dry_run, reply }).await
     }
+
+    /// Registers a list of channels (at most [`crate::MAX_BULK_CHANNELS`]) in packed txns:
+    /// all of them, or none when any is already registered. Names, sizes and duplicates
+    /// within the list are the caller's to check first.
+    ///
+    /// # Errors
+    /// [`crate::BulkError`]: entries refused, not leader, or a store failure (possibly
+    /// after part of the list was written: it says which).
+    pub async fn add_channels(
+        &self,
+        infos: Vec<chanwatch_core::ChannelInfo>,
+    ) -> Result<Vec<Transition>, crate::BulkError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Request::AddMany { infos, reply })
+            .await
+            .map_err(|_| ApiError::Store("the coordinator is shutting down".into()))?;
+        rx.await
+            .map_err(|_| ApiError::Store("the coordinator dropped the request".into()))?
+    }
 }
 
 /// Answers a request with `err` without doing it.
@@ -447,5 +474,6 @@ pub(crate) fn refuse(req: Request, err: ApiError) {
         Request::Balance { reply, .. } => drop(reply.send(Err(err))),
         Request::View(f) => (f.0)(Err(err)),
         Request::Undrain { reply, .. } => drop(reply.send(Err(err))),
+        Request::AddMany { reply, .. } => drop(reply.send(Err(err.into()))),
     }
 }

@@ -72,6 +72,7 @@
 
 pub mod api;
 mod availability;
+mod bulk;
 pub mod checkpoints;
 mod coordinator;
 pub mod detail;
@@ -84,6 +85,7 @@ mod term;
 mod upkeep;
 mod watch_health;
 
+pub use bulk::{BulkError, MAX_BULK_CHANNELS};
 pub use coordinator::{Coordinator, CoordinatorBuilder, CoordinatorConfig};
 pub use election::CoordError;
 pub use handle::{ApiError, CoordHandle, CoordStatus};

@@ -247,6 +247,11 @@ impl<'a> Term<'a> {
                 }
                 dirty = true;
             }
+            // A failover is done when its last ack is seen, not at the next plan round (that
+            // waited up to `plan_gap`: ~70 ms at 10,000 channels).
+            if !self.failovers.is_empty() {
+                self.finish_failovers();
+            }
             if dirty && !recovered {
                 recovered = true;
                 info!(
@@ -555,6 +560,7 @@ impl<'a> Term<'a> {
             }
             Request::View(read) => (read.0)(Ok(&self.state)),
             Request::Undrain { node, reply } => self.undrain(node, reply).await?,
+            Request::AddMany { infos, reply } => self.add_many(infos, reply).await?,
         }
         Ok(())
     }

@@ -507,3 +507,66 @@ async fn a_leader_whose_watch_stalls_notices_relists_and_moves_nothing() {
     assert!(exits.is_empty(), "processes exited: {exits:?}");
     keep(c);
 }
+
+/// `ctl add-channels --from-file`: a file of names and JSON objects with one bad line
+/// registers nothing and names the line (rc ≠ 0); the same file fixed registers every
+/// channel, all of them `Watched` (as `ctl channels -o json` shows) and running; a file naming
+/// a registered channel is refused whole, naming its line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_channels_from_a_file_registers_all_or_names_every_bad_line_and_registers_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::new("chanwatch-blackbox-bulk-").await;
+    let ttl = format!("--session-ttl={TTL}s");
+    c.coord(&[&ttl]);
+    let direct = c.etcd.endpoint().to_owned();
+    c.node("a", &direct, &[&ttl]);
+    c.node("b", &direct, &[&ttl]);
+    c.wait_coord_nodes(2).await;
+    let mut lines = vec!["# bulk test".to_owned(), String::new()];
+    lines.extend((0..150).map(|i| format!("bulk-{i:03}")));
+    lines.extend((150..300).map(|i| {
+        format!(r#"{{"name":"bulk-{i:03}","vchannel":{{"collection_id":{i}}},"weight":2}}"#)
+    }));
+    let good = lines.join("\n") + "\n";
+    let bad = format!("{good}bulk bad name\n{{\"name\":\"bulk-301\"\n");
+    let file = c.dir.path().join("channels.txt");
+    std::fs::write(&file, &bad).expect("write the file");
+    let path = file.display().to_string();
+    let err = c
+        .ctl(&["add-channels", "--from-file", &path])
+        .expect_err("a bad line refuses the file");
+    assert!(
+        err.contains("line 303: bad name") && err.contains("line 304: bad JSON"),
+        "{err}"
+    );
+    assert!(err.contains("nothing was registered"), "{err}");
+    assert_eq!(c.channels().map(|r| r.len()), Ok(0), "nothing written");
+
+    std::fs::write(&file, &good).expect("write the file");
+    let out = c
+        .ctl(&["add-channels", "--from-file", &path])
+        .expect("a good file registers");
+    assert!(out.starts_with("added 300 channel(s) in "), "{out}");
+    let settled = c
+        .wait_settled(300, Duration::from_secs(60), |_, _| true)
+        .await;
+    assert!(settled.is_ok(), "not all Watched and running: {settled:?}");
+    let json = c.ctl(&["channels", "-o", "json"]).expect("ctl channels");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json).expect("json");
+    assert!(
+        rows.len() == 300 && rows.iter().all(|r| r["state"] == "Watched"),
+        "{json}"
+    );
+
+    std::fs::write(&file, "bulk-new\nbulk-007\n").expect("write the file");
+    let err = c
+        .ctl(&["add-channels", "--from-file", &path])
+        .expect_err("a registered channel refuses the file");
+    assert!(
+        err.contains("line 2: channel bulk-007 is already registered"),
+        "{err}"
+    );
+    assert_eq!(c.channels().map(|r| r.len()), Ok(300));
+    assert!(c.exits().is_empty());
+    keep(c);
+}

@@ -10,7 +10,9 @@
 //! - writes (POST, PUT, PATCH, DELETE): `Content-Type: application/json` (415 otherwise) — a
 //!   browser cannot send that cross-site without a CORS preflight, which this API never
 //!   answers — and a body that is empty or a JSON *object* (400 otherwise; 413 over
-//!   [`MAX_BODY_BYTES`](super::MAX_BODY_BYTES)).
+//!   [`MAX_BODY_BYTES`](super::MAX_BODY_BYTES)). `POST /api/v1/channels` alone also takes a
+//!   JSON *array* (bulk registration), up to
+//!   [`MAX_BULK_BODY_BYTES`](super::bulk::MAX_BULK_BODY_BYTES).
 //!
 //! Must not: look at the bearer token (that is `require_token`'s) or at what a route means.
 
@@ -88,20 +90,23 @@ pub(super) async fn guard(allowed: &AllowedHosts, req: Request, next: Next) -> R
     if let Err(why) = check_content_type(content_type.as_deref()) {
         return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, why);
     }
+    let bulk = super::bulk::takes_lists(req.method(), req.uri().path());
+    let limit = if bulk {
+        super::bulk::MAX_BULK_BODY_BYTES
+    } else {
+        super::MAX_BODY_BYTES
+    };
     let (parts, body) = req.into_parts();
-    let bytes = match axum::body::to_bytes(body, super::MAX_BODY_BYTES).await {
+    let bytes = match axum::body::to_bytes(body, limit).await {
         Ok(b) => b,
         Err(e) => {
             return refuse(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "request body refused ({e}); the limit is {} bytes",
-                    super::MAX_BODY_BYTES
-                ),
+                format!("request body refused ({e}); the limit is {limit} bytes"),
             )
         }
     };
-    if let Err(why) = check_body(&bytes) {
+    if let Err(why) = check_body(&bytes, bulk) {
         return refuse(StatusCode::BAD_REQUEST, why);
     }
     next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
@@ -195,7 +200,7 @@ fn check_content_type(content_type: Option<&str>) -> Result<(), String> {
 }
 
 /// `Ok` when a write's body is empty or a JSON object.
-fn check_body(bytes: &[u8]) -> Result<(), String> {
+fn check_body(bytes: &[u8], arrays: bool) -> Result<(), String> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(());
     }
@@ -203,6 +208,7 @@ fn check_body(bytes: &[u8]) -> Result<(), String> {
         .map_err(|e| format!("bad request body: not JSON ({e}); send a JSON object"))?;
     let kind = match value {
         serde_json::Value::Object(_) => return Ok(()),
+        serde_json::Value::Array(_) if arrays => return Ok(()),
         serde_json::Value::Array(_) => "an array",
         serde_json::Value::String(_) => "a string",
         serde_json::Value::Number(_) => "a number",
@@ -301,16 +307,17 @@ mod tests {
             let e = check_content_type(bad).expect_err("refused");
             assert!(e.contains("Content-Type: application/json"), "{e}");
         }
-        assert_eq!(check_body(b""), Ok(()));
-        assert_eq!(check_body(b" \n"), Ok(()));
-        assert_eq!(check_body(br#"{"name":"x"}"#), Ok(()));
-        assert!(check_body(br#"["x"]"#)
+        assert_eq!(check_body(b"", false), Ok(()));
+        assert_eq!(check_body(b" \n", false), Ok(()));
+        assert_eq!(check_body(br#"{"name":"x"}"#, false), Ok(()));
+        assert!(check_body(br#"["x"]"#, false)
             .expect_err("refused")
             .contains("an array"));
-        assert!(check_body(b"\"x\"")
+        assert_eq!(check_body(br#"[{"name":"x"}]"#, true), Ok(()));
+        assert!(check_body(b"\"x\"", true)
             .expect_err("refused")
             .contains("a string"));
-        assert!(check_body(b"{nope")
+        assert!(check_body(b"{nope", true)
             .expect_err("refused")
             .contains("bad request body"));
     }

@@ -463,7 +463,7 @@ async fn cross_site_and_dns_rebinding_requests_are_refused_and_change_nothing() 
             vec![json],
             Some(r#"["x"]"#),
             400,
-            "an array",
+            "[0] a string, not a JSON object",
         ),
         (
             M::POST,
@@ -618,5 +618,94 @@ async fn channels_carry_their_checkpoint_read_from_the_store_when_asked() -> Res
     // The handle reads the same through the store, on a standby too.
     let all = handle.checkpoints().await?;
     ensure!(all.checkpoints.len() == 1 && all.checkpoints[0].channel == "c1");
+    Ok(())
+}
+
+/// Channel names under the root, read from the store.
+async fn stored_channels(store: &dyn MetaStore) -> Result<Vec<String>> {
+    let keys = chanwatch_core::Keys::default();
+    let list = store.range(&keys.channels_prefix()).await?;
+    Ok(list
+        .kvs
+        .iter()
+        .filter_map(|kv| keys.parse_channel(&kv.key).ok())
+        .map(|ck| ck.channel.to_string())
+        .collect())
+}
+
+/// A list registers every channel in it, and a list with bad entries is refused whole —
+/// every bad entry named with its index, nothing written — as is one naming a registered
+/// channel (409) or one over the limit (413).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_channels_registers_all_of_them_or_names_every_bad_entry_and_writes_nothing(
+) -> Result<()> {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    let (api, handle) = start(store.clone(), "api-bulk").await?;
+    let mut status = handle.watch_status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.ready)).await??;
+    use reqwest::Method as M;
+
+    let good: Vec<Value> = (0..300)
+        .map(|i| json!({ "name": format!("b{i:03}"), "vchannel": { "collection_id": i } }))
+        .collect();
+    let (code, body) = api
+        .call(
+            M::POST,
+            "/api/v1/channels",
+            Some(&Value::from(good).to_string()),
+        )
+        .await?;
+    ensure!(code == 201, "{code} {body}");
+    ensure!(body.as_array().map(Vec::len) == Some(300), "{body}");
+    ensure!(stored_channels(&*store).await?.len() == 300);
+
+    let bad = r#"[{"name":"n1"}, {"name":"bad/name"}, {"name":"n1"}, 7, {"name":"n4"}]"#;
+    let (code, body) = api.call(M::POST, "/api/v1/channels", Some(bad)).await?;
+    ensure!(code == 400, "{code} {body}");
+    let refused: Vec<u64> = body["refused"]
+        .as_array()
+        .map(|r| r.iter().filter_map(|e| e["index"].as_u64()).collect())
+        .unwrap_or_default();
+    ensure!(refused == [1, 2, 3], "{body}");
+    let msg = body["error"].as_str().unwrap_or_default();
+    ensure!(
+        msg.contains("3 of 5")
+            && msg.contains("nothing was written")
+            && msg.contains("listed twice"),
+        "{body}"
+    );
+
+    let taken = r#"[{"name":"n1"}, {"name":"b007"}, {"name":"b100"}]"#;
+    let (code, body) = api.call(M::POST, "/api/v1/channels", Some(taken)).await?;
+    ensure!(code == 409, "{code} {body}");
+    ensure!(body["refused"][0]["index"] == json!(1), "{body}");
+    ensure!(
+        body["refused"][1]["error"] == json!("channel b100 already exists"),
+        "{body}"
+    );
+
+    let over: Vec<Value> = (0..10_001)
+        .map(|i| json!({ "name": format!("o{i}") }))
+        .collect();
+    let (code, body) = api
+        .call(
+            M::POST,
+            "/api/v1/channels",
+            Some(&Value::from(over).to_string()),
+        )
+        .await?;
+    ensure!(code == 413, "{code} {body}");
+    ensure!(
+        body["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("the limit is 10000"),
+        "{body}"
+    );
+
+    let (code, body) = api.call(M::POST, "/api/v1/channels", Some("[]")).await?;
+    ensure!(code == 400, "{code} {body}");
+    // Nothing of the refused lists was written.
+    ensure!(stored_channels(&*store).await?.len() == 300);
     Ok(())
 }

@@ -34,11 +34,13 @@
 //! - `packing`: changes into txns within the op and byte limits;
 //! - `planned`: planned events — nodes leaving (SIGTERM) and the cold-start gate;
 //! - `admin`: operator commands (add, remove, move, drain, the balance plan), [`AdminError`];
+//! - `bulk`: registering a list of channels at once, packed ([`Planner::add_channels`]);
 //! - `rows`: [`ChannelRow`] and [`NodeRow`] for `ctl` and the admin API;
 //! - `tests` (test builds only): the `World` helper every module's tests use, and the tests
 //!   of the planner as a whole.
 
 mod admin;
+mod bulk;
 mod commands;
 mod config;
 mod fencing;

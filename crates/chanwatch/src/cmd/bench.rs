@@ -24,6 +24,7 @@ mod exec;
 mod failover;
 mod idle;
 mod meter;
+mod register;
 mod rolling_restart;
 mod store;
 mod system;
@@ -70,6 +71,31 @@ pub enum What {
     /// SIGTERM and is replaced; time each moved channel ran nowhere, moves per channel per
     /// restart, failovers (`--shutdown-timeout 0s`: the behaviour before planned restarts).
     RollingRestart(BenchRollingRestartArgs),
+    /// Registration: channels from `ctl add-channels --from-file` until all are Watched,
+    /// against the floor of writing the same keys and acks in packed txns.
+    Register(BenchRegisterArgs),
+}
+
+/// Flags of `bench register`.
+#[derive(Debug, ClapArgs)]
+pub struct BenchRegisterArgs {
+    /// Which backend (`ctl add-channels` needs etcd; `--one-by-one` runs on either).
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Etcd)]
+    pub store: StoreKind,
+    /// Channels to register.
+    #[arg(long, env = "CHANWATCH_BENCH_CHANNELS", default_value_t = 50_000)]
+    pub channels: usize,
+    /// Nodes (in-process, each with its own etcd connection).
+    #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 20)]
+    pub nodes: usize,
+    /// The old way instead of the file: one API call per channel, 16 clients.
+    #[arg(long, env = "CHANWATCH_BENCH_ONE_BY_ONE")]
+    pub one_by_one: bool,
+    /// Repetitions; medians are reported.
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 /// Flags of `bench idle`.
@@ -397,6 +423,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Exec(args) => exec::run(&args).await,
         What::Idle(args) => idle::run(&args).await,
         What::RollingRestart(args) => rolling_restart::run(&args).await,
+        What::Register(args) => register::run(&args).await,
     }
 }
 

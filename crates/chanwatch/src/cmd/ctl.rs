@@ -22,6 +22,7 @@ use crate::flags::{EtcdArgs, RootArg};
 use leader::BalancePlan;
 use output::{emit, machine, Columns, Format, OutputArgs};
 
+mod bulk;
 mod channels;
 mod describe;
 mod events;
@@ -153,6 +154,15 @@ pub enum Command {
         #[arg(long, env = "CHANWATCH_QUOTA_BACKEND_BYTES", default_value_t = status::DEFAULT_QUOTA)]
         quota_backend_bytes: u64,
     },
+    /// Register many channels from a file: one name or one JSON channel object
+    /// (`{"name":…,"vchannel":{…}}`) per line; blank lines and `#` comments are skipped. The
+    /// whole file is checked first (nothing is registered if any line is bad; each is named),
+    /// then sent in lists of up to 10,000.
+    AddChannels {
+        /// The file; `-` reads stdin.
+        #[arg(long, env = "CHANWATCH_CTL_FROM_FILE")]
+        from_file: String,
+    },
 }
 
 /// A `ctl` command with its input validated and parsed, before any network call.
@@ -190,6 +200,7 @@ enum Checked {
     Status {
         quota: u64,
     },
+    AddMany(bulk::File),
 }
 
 impl Checked {
@@ -240,6 +251,7 @@ impl Checked {
             },
             Command::Drain { node } => Checked::Drain { node: NodeId(node) },
             Command::Balance { dry_run } => Checked::Balance { dry_run },
+            Command::AddChannels { from_file } => Checked::AddMany(bulk::read(&from_file)?),
             Command::Status {
                 quota_backend_bytes,
             } => Checked::Status {
@@ -371,6 +383,17 @@ pub async fn run(args: Args) -> Result<()> {
             format,
             now_ms(),
         )?,
+        Checked::AddMany(file) => {
+            if let Some(store) = store.as_deref() {
+                bulk::check_registered(&file, store, &keys).await?;
+            }
+            bulk::send(
+                &file,
+                &leader,
+                format != Format::Table && format != Format::Wide,
+            )
+            .await?
+        }
     };
     emit(&text)?;
     Ok(())

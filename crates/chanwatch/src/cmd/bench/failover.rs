@@ -1,5 +1,6 @@
 //! `chanwatch bench failover`: an in-process cluster loses nodes at once; the time from session
-//! loss to every moved channel `Watched`, against the floor the store allows.
+//! loss to every moved channel `Watched`, against the floor the store allows and against a
+//! replay of the same writes straight to the store ([`replay`]), in the same run.
 //!
 //! Owns: that workload and what it reports. Must not: assert on timings.
 
@@ -39,6 +40,7 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
     );
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let (mut seconds, mut txns, mut floors) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut replays, mut ratios) = (Vec::new(), Vec::new());
     let mut moved = 0;
     eprintln!(
         "bench failover: {} nodes, {} channels, kill {kill}, {} runs, store {:?}",
@@ -118,17 +120,19 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             }
         }
         let live: Vec<NodeId> = ids[kill..].to_vec();
-        let held = {
+        // The victims' channels, with their owner.
+        let held_by: Vec<(chanwatch_core::ChannelName, NodeId)> = {
             let list = store.range(&keys.channels_prefix()).await?;
             list.kvs
                 .iter()
-                .filter(|kv| {
-                    keys.parse_channel(&kv.key).is_ok_and(
-                        |ck| matches!(ck.owner, ChannelOwner::Node(n) if victims.contains(&n)),
-                    )
+                .filter_map(|kv| keys.parse_channel(&kv.key).ok())
+                .filter_map(|ck| match ck.owner {
+                    ChannelOwner::Node(n) if victims.contains(&n) => Some((ck.channel, n)),
+                    _ => None,
                 })
-                .count()
+                .collect()
         };
+        let held = held_by.len();
         for n in nodes.drain(..kill) {
             n.kill();
         }
@@ -171,6 +175,20 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             })
             .count();
         ensure!(watched == args.channels, "the coordinator reported the failover done but the store shows {watched} of {} Watched", args.channels);
+        // Where each moved channel went, for the replay.
+        let now_on: std::collections::HashMap<chanwatch_core::ChannelName, NodeId> = list
+            .kvs
+            .iter()
+            .filter_map(|kv| keys.parse_channel(&kv.key).ok())
+            .filter_map(|ck| match ck.owner {
+                ChannelOwner::Node(n) => Some((ck.channel, n)),
+                ChannelOwner::Remaining => None,
+            })
+            .collect();
+        let moves: Vec<_> = held_by
+            .iter()
+            .filter_map(|(c, from)| now_on.get(c).map(|to| (c.clone(), *from, *to)))
+            .collect();
         let coord_txns = c.coord_metrics.txns_of("committed") - committed0;
         let max_ops = store.limits().max_txn_ops;
         let floor =
@@ -190,8 +208,30 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
         store
             .txn(Txn::new().and_then([TxnOp::delete_prefix(keys.all_prefix())]))
             .await?;
+        // The same writes replayed straight to the store, on the same store, now idle.
+        let etcd = args.etcd.clone();
+        let kind = args.store;
+        let shared = store.clone();
+        let connect =
+            move || -> futures_util::future::BoxFuture<'static, Result<Arc<dyn MetaStore>>> {
+                let (etcd, shared) = (etcd.clone(), shared.clone());
+                Box::pin(async move {
+                    Ok(match kind {
+                        StoreKind::Embedded => shared,
+                        StoreKind::Etcd => etcd.connect().await?,
+                    })
+                })
+            };
+        let replayed = replay(store.clone(), connect, &moves, &format!("{kill}-{run}")).await?;
+        eprintln!(
+            "  run {run}: replay of its writes {replayed:.3} s; chanwatch / replay {:.2}",
+            took / replayed.max(1e-9)
+        );
+        replays.push(replayed);
+        ratios.push(took / replayed.max(1e-9));
     }
     let secs = median(seconds.clone());
+    let replay_secs = median(replays);
     let floor = median(floors);
     let coord_txns = median(txns);
     println!(
@@ -212,7 +252,142 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             "ops_per_txn": if coord_txns > 0.0 { ((2 * moved) as f64 / coord_txns * 10.0).round() / 10.0 } else { 0.0 },
             "floor_seconds": (floor * 1000.0).round() / 1000.0,
             "ratio_to_floor": (secs / floor.max(1e-9) * 100.0).round() / 100.0,
+            "replay_seconds_median": (replay_secs * 1000.0).round() / 1000.0,
+            "ratio_to_replay_median": (median(ratios) * 100.0).round() / 100.0,
         })
     );
     Ok(())
+}
+
+/// The replay floor: the writes of a failover straight to the store, under a root of its
+/// own — each moved channel seeded `Watched` under its dead owner (not timed), then the move
+/// txns (delete the old key, put `ToWatch` at the next epoch under the new owner, each
+/// guarded by the old key's revision; packed as the coordinator packs them, all in flight),
+/// and per receiving node one ack txn of all its channels once its own watch (on a
+/// connection of its own, as a node has) has shown every put. Seconds from the first move
+/// txn to the last ack.
+pub(super) async fn replay(
+    store: Arc<dyn MetaStore>,
+    connect: impl Fn() -> futures_util::future::BoxFuture<'static, Result<Arc<dyn MetaStore>>>,
+    moves: &[(
+        chanwatch_core::ChannelName,
+        chanwatch_core::NodeId,
+        chanwatch_core::NodeId,
+    )],
+    tag: &str,
+) -> Result<f64> {
+    use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Epoch, Keys, VChannelInfo};
+    use chanwatch_store::{Compare, EventKind};
+    use futures_util::StreamExt;
+    use std::collections::BTreeMap;
+
+    let keys = Keys::new(format!("bench-replay-{}-{tag}", std::process::id()))?;
+    let now = chanwatch_store::Clock::system().unix_ms();
+    let max_ops = store.limits().max_txn_ops;
+    let info = |c: &chanwatch_core::ChannelName, epoch, state| {
+        let mut i = ChannelInfo::new(c.clone(), Epoch(epoch), now, VChannelInfo::default());
+        i.state = state;
+        i.encode()
+    };
+    // Seed (not timed).
+    let mut seeded = BTreeMap::new();
+    for chunk in moves.chunks(max_ops) {
+        let r = store
+            .txn(Txn::new().and_then(chunk.iter().map(|(c, from, _)| {
+                TxnOp::put(
+                    keys.channel(ChannelOwner::Node(*from), c),
+                    info(c, 1, ChannelState::Watched),
+                )
+            })))
+            .await?;
+        for (c, _, _) in chunk {
+            seeded.insert(c.clone(), r.revision);
+        }
+    }
+    super::system::compact_history(store.as_ref()).await?;
+    let start = store.range("\0").await?.revision + 1;
+    // Each receiving node's watch, started before the clock.
+    let mut by_node: BTreeMap<chanwatch_core::NodeId, usize> = BTreeMap::new();
+    for (_, _, to) in moves {
+        *by_node.entry(*to).or_default() += 1;
+    }
+    let mut acks = Vec::new();
+    for (&node, &expect) in &by_node {
+        let s = connect().await?;
+        let prefix = keys.owner_prefix(ChannelOwner::Node(node));
+        let mut watch = s.watch(&prefix, start).await?;
+        acks.push(tokio::spawn(async move {
+            let mut seen: BTreeMap<String, (i64, Vec<u8>)> = BTreeMap::new();
+            while seen.len() < expect {
+                let batch = tokio::time::timeout(Duration::from_secs(60), watch.next())
+                    .await
+                    .map_err(|_| anyhow::anyhow!("replay: node {node}'s puts never all came"))?
+                    .ok_or_else(|| anyhow::anyhow!("replay: node {node}'s watch ended"))??;
+                for ev in batch.events {
+                    if ev.kind == EventKind::Put {
+                        seen.insert(ev.kv.key.clone(), (ev.kv.mod_revision, ev.kv.value));
+                    }
+                }
+            }
+            let compares: Vec<Compare> = seen
+                .iter()
+                .map(|(k, (rev, _))| Compare::mod_revision(k.clone(), *rev))
+                .collect();
+            let puts: Vec<TxnOp> = seen
+                .into_iter()
+                .map(|(k, (_, v))| {
+                    let mut i = ChannelInfo::decode(&v)?;
+                    i.state = ChannelState::Watched;
+                    Ok(TxnOp::put(k, i.encode()))
+                })
+                .collect::<Result<_>>()?;
+            for (c, p) in compares.chunks(max_ops - 1).zip(puts.chunks(max_ops - 1)) {
+                let r = s
+                    .txn(Txn::new().when(c.to_vec()).and_then(p.to_vec()))
+                    .await?;
+                ensure!(r.succeeded, "replay: node {node}'s ack was refused");
+            }
+            anyhow::Ok(())
+        }));
+    }
+    let t0 = Instant::now();
+    // Packed as the planner packs a failover: guards + 2 ops per move within max_txn_ops - 1.
+    let per_txn = (max_ops - 1) / 2;
+    let txns: Vec<Txn> = moves
+        .chunks(per_txn)
+        .map(|chunk| {
+            let compares = chunk.iter().map(|(c, from, _)| {
+                Compare::mod_revision(keys.channel(ChannelOwner::Node(*from), c), seeded[c])
+            });
+            let deletes = chunk
+                .iter()
+                .map(|(c, from, _)| TxnOp::delete(keys.channel(ChannelOwner::Node(*from), c)));
+            let puts = chunk.iter().map(|(c, _, to)| {
+                TxnOp::put(
+                    keys.channel(ChannelOwner::Node(*to), c),
+                    info(c, 2, ChannelState::ToWatch),
+                )
+            });
+            Txn::new()
+                .when(compares.collect::<Vec<_>>())
+                .and_then(deletes.chain(puts).collect::<Vec<_>>())
+        })
+        .collect();
+    // All at once: the floor is what the store allows.
+    let results = futures_util::future::join_all(txns.into_iter().map(|t| {
+        let store = store.clone();
+        async move { store.txn(t).await }
+    }))
+    .await;
+    for r in results {
+        ensure!(r?.succeeded, "replay: a move txn was refused");
+    }
+    for a in acks {
+        a.await??;
+    }
+    let took = t0.elapsed().as_secs_f64();
+    store
+        .txn(Txn::new().and_then([TxnOp::delete_prefix(keys.all_prefix())]))
+        .await?;
+    Ok(took)
 }

@@ -117,7 +117,39 @@ struct MoveTo {
 #[derive(Deserialize)]
 struct Refusal {
     error: String,
+    /// A list's refused entries.
+    #[serde(default)]
+    refused: Vec<RefusedEntry>,
 }
+
+#[derive(Deserialize)]
+struct RefusedEntry {
+    index: usize,
+    error: String,
+}
+
+/// The API's refusal, typed (the error of every [`Leader`] call the API refused).
+#[derive(Debug)]
+pub struct Refused {
+    /// HTTP status, with its reason (`409 Conflict`).
+    pub status: String,
+    /// What it said.
+    pub message: String,
+    /// A list's refused entries: (index in the list, why).
+    pub refused: Vec<(usize, String)>,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the coordinator refused ({}): {}",
+            self.status, self.message
+        )
+    }
+}
+
+impl std::error::Error for Refused {}
 
 impl Leader {
     /// Registers a channel with a weight and group (either may be left to the default).
@@ -208,6 +240,13 @@ impl Leader {
     pub async fn balance(&self, dry_run: bool) -> Result<BalancePlan> {
         let path = format!("/api/v1/balance?dry_run={dry_run}");
         self.call(Method::POST, &path, None::<&()>).await
+    }
+
+    /// Registers a list of channel objects (at most 10,000): all, or none (then [`Refused`]
+    /// names the entries).
+    pub async fn add_channels(&self, list: &[&serde_json::Value]) -> Result<Vec<Transition>> {
+        self.call(Method::POST, "/api/v1/channels", Some(&list))
+            .await
     }
 
     /// The admin API's base URL now (`http://host:port`).
@@ -370,11 +409,20 @@ impl Leader {
             )));
         }
         if !status.is_success() {
-            let msg = serde_json::from_slice::<Refusal>(&bytes)
-                .map_or_else(|_| "no error message".to_owned(), |r| r.error);
-            return Err(Failed::Final(anyhow!(
-                "the coordinator refused ({status}): {msg}"
-            )));
+            let r = serde_json::from_slice::<Refusal>(&bytes).ok();
+            return Err(Failed::Final(anyhow::Error::new(Refused {
+                status: status.to_string(),
+                refused: r
+                    .as_ref()
+                    .map(|r| {
+                        r.refused
+                            .iter()
+                            .map(|e| (e.index, e.error.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                message: r.map_or_else(|| "no error message".to_owned(), |r| r.error),
+            })));
         }
         serde_json::from_slice(&bytes).map_err(|e| {
             Failed::Final(anyhow!(e).context(format!(
