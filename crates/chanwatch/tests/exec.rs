@@ -2,6 +2,8 @@
 //! nodes as processes and their workers as real child processes, judged from outside — `ctl
 //! --json`, `etcdctl`, the nodes' logs, the workers' own files and `/proc`.
 //!
+//! The Rust consumer and the Python worker resuming each other's checkpoints: `exec/mixed.rs`.
+//!
 //! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
 //! `tests/exec/` module when it grows again.
@@ -13,6 +15,8 @@ use std::time::{Duration, Instant};
 
 mod procs;
 use procs::{bin, spawn, Proc};
+#[path = "exec/mixed.rs"]
+mod mixed;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
