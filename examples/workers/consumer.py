@@ -79,8 +79,8 @@ class AgentLog:
         self.after = position
 
     def read(self, max_records):
-        """The next messages, as (position, payload); waits up to 200 ms for one."""
-        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=200")
+        """The next messages, as (position, payload); waits up to 500 ms for one."""
+        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=500")
         if status != 200:
             time.sleep(0.2)
             return []
@@ -140,8 +140,17 @@ def main():
         log = AgentLog(position)
     else:
         sys.exit("usage: consumer.py file:DIR | agent")
-    stopping = []  # from here SIGTERM (release) ends the loop after one last commit
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    stopping, committing = [], []
+
+    def released(*_):
+        """SIGTERM (release): end the loop after one last commit; during a commit that waits
+        on a slow store, exit at once (the node books that commit whatever we do, and the
+        next owner resumes from what landed)."""
+        if committing:
+            sys.exit(0)
+        stopping.append(True)
+
+    signal.signal(signal.SIGTERM, released)
     if call("POST", "/ready")[0] != 200:
         sys.exit("the agent refused or did not answer POST /ready")
     print(f"{CHANNEL}: consuming after position {position!r} (count {count})", flush=True)
@@ -149,12 +158,14 @@ def main():
     committed, pending, last_commit, paused = position, 0, time.monotonic(), False
     last_state_check = 0.0
 
-    def commit():
+    def commit(timeout=120):
         body = {"position": position, "state": {
             "count": count, "max_seq": max_seq, "digest": f"{digest:016x}"}}
         # The node answers once the commit landed or was refused; while etcd is away that can
         # take long, and giving up early would only make the next commit reconcile.
-        status, answer = call("POST", "/commit", body, timeout=120)
+        committing.append(True)
+        status, answer = call("POST", "/commit", body, timeout=timeout)
+        committing.clear()
         if status in (409, 401, 403):  # fenced: someone else owns the channel now
             print(f"{CHANNEL}: commit refused ({status}: {answer.get('error')}); exiting", flush=True)
             sys.exit(0)
@@ -184,9 +195,10 @@ def main():
             last_commit = now
         if not batch:
             time.sleep(0.05)
-    # Released (SIGTERM): one last commit, so that the next owner re-reads less.
+    # Released (SIGTERM): one last commit, so that the next owner re-reads less; briefly (the
+    # node waits for us before the next owner may start).
     if position != committed and not paused:
-        commit()
+        commit(timeout=2)
 
 
 if __name__ == "__main__":
