@@ -79,8 +79,8 @@ class AgentLog:
         self.after = position
 
     def read(self, max_records):
-        """The next messages, as (position, payload); waits up to 500 ms for one."""
-        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=500")
+        """The next messages, as (position, payload); waits up to 1 s for one."""
+        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=1000")
         if status != 200:
             time.sleep(0.2)
             return []
@@ -173,7 +173,7 @@ def main():
 
     while not stopping:
         now = time.monotonic()
-        if paused or now - last_state_check > 0.5:  # the node pauses when it cannot reach etcd
+        if paused or now - last_state_check > 1:  # the node pauses when it cannot reach etcd
             status, answer = call("GET", "/state")
             if status == 200:  # no answer: keep what we knew (commits are fenced anyway)
                 paused = answer.get("state") == "paused"

@@ -77,7 +77,17 @@ pub fn python_nodes(nodes: usize) -> usize {
 /// the agent (`GET /read` of the node's `--log`).
 fn python_worker() -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/workers/consumer.py");
-    format!("exec python3 '{}' agent", script.display())
+    // The interpreter itself, not a version manager's shim on the PATH (pyenv's runs a shell
+    // and a few processes per start: 100 workers starting at once took seconds of CPU).
+    let python = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "python3".to_owned());
+    format!("exec '{python}' '{}' agent", script.display())
 }
 
 fn unix_ms() -> u64 {
