@@ -87,7 +87,9 @@ fn python_worker() -> String {
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "python3".to_owned());
-    format!("exec '{python}' '{}' agent", script.display())
+    // At a lower CPU priority than the node, etcd and nats-server: on 2 cores, 100 workers
+    // starting at once (a failover onto a Python node) starved the nodes' keepalives.
+    format!("exec nice -n 5 '{python}' '{}' agent", script.display())
 }
 
 fn unix_ms() -> u64 {
