@@ -16,14 +16,13 @@ File log format (crates/chanwatch-stream/src/file.rs): `DIR/CHANNEL.log` is a se
 records `len: u32 LE, crc: u32 LE, payload`, crc = CRC-32 (IEEE, zlib.crc32) over the length
 bytes and the payload; a message's position is its record's 1-based index in the file.
 """
+import http.client
 import json
 import os
 import signal
 import struct
 import sys
 import time
-import urllib.error
-import urllib.request
 import zlib
 
 AGENT = os.environ["CHANWATCH_AGENT_URL"]
@@ -33,16 +32,37 @@ COMMIT_EVERY, COMMIT_INTERVAL = 100, 0.2
 MASK = (1 << 64) - 1
 
 
-def call(method, path, body=None):
-    """One agent request: (status, JSON answer)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(AGENT + path, data=data, method=method, headers={
-        "Authorization": "Bearer " + TOKEN, "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+class Agent:
+    """The node's agent API over one keep-alive HTTP connection, made again after an error."""
+
+    def __init__(self, url, token):
+        self.host, port = url[len("http://"):].rsplit(":", 1)
+        self.port, self.conn = int(port), None
+        self.headers = {"Authorization": "Bearer " + token, "Content-Type": "application/json"}
+
+    def call(self, method, path, body=None, timeout=10.0):
+        """One request: (status, JSON answer); (None, {"error"}) when the agent did not answer
+        (the node is gone or stalled: nothing is known to have happened)."""
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in (1, 2):  # a kept-alive connection may have been closed while idle
+            try:
+                if self.conn is None:
+                    self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+                    self.conn.connect()
+                self.conn.sock.settimeout(timeout)
+                self.conn.request(method, path, body=data, headers=self.headers)
+                r = self.conn.getresponse()
+                return r.status, json.loads(r.read() or b"{}")
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                if self.conn is not None:
+                    self.conn.close()
+                self.conn = None
+                if attempt == 2 or isinstance(e, TimeoutError):
+                    return None, {"error": f"the agent did not answer: {e!r}"}
+
+
+agent = Agent(AGENT, TOKEN)
+call = agent.call
 
 
 def fnv1a(payload):
@@ -59,8 +79,8 @@ class AgentLog:
         self.after = position
 
     def read(self, max_records):
-        """The next messages, as (position, payload); waits up to 200 ms for one."""
-        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=200")
+        """The next messages, as (position, payload); waits up to 1 s for one."""
+        status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=1000")
         if status != 200:
             time.sleep(0.2)
             return []
@@ -120,18 +140,32 @@ def main():
         log = AgentLog(position)
     else:
         sys.exit("usage: consumer.py file:DIR | agent")
-    stopping = []  # from here SIGTERM (release) ends the loop after one last commit
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    call("POST", "/ready")
+    stopping, committing = [], []
+
+    def released(*_):
+        """SIGTERM (release): end the loop after one last commit; during a commit that waits
+        on a slow store, exit at once (the node books that commit whatever we do, and the
+        next owner resumes from what landed)."""
+        if committing:
+            sys.exit(0)
+        stopping.append(True)
+
+    signal.signal(signal.SIGTERM, released)
+    if call("POST", "/ready")[0] != 200:
+        sys.exit("the agent refused or did not answer POST /ready")
     print(f"{CHANNEL}: consuming after position {position!r} (count {count})", flush=True)
 
     committed, pending, last_commit, paused = position, 0, time.monotonic(), False
     last_state_check = 0.0
 
-    def commit():
+    def commit(timeout=120):
         body = {"position": position, "state": {
             "count": count, "max_seq": max_seq, "digest": f"{digest:016x}"}}
-        status, answer = call("POST", "/commit", body)
+        # The node answers once the commit landed or was refused; while etcd is away that can
+        # take long, and giving up early would only make the next commit reconcile.
+        committing.append(True)
+        status, answer = call("POST", "/commit", body, timeout=timeout)
+        committing.clear()
         if status in (409, 401, 403):  # fenced: someone else owns the channel now
             print(f"{CHANNEL}: commit refused ({status}: {answer.get('error')}); exiting", flush=True)
             sys.exit(0)
@@ -139,11 +173,13 @@ def main():
 
     while not stopping:
         now = time.monotonic()
-        if paused or now - last_state_check > 0.5:  # the node pauses when it cannot reach etcd
-            paused = call("GET", "/state")[1].get("state") == "paused"
+        if paused or now - last_state_check > 1:  # the node pauses when it cannot reach etcd
+            status, answer = call("GET", "/state")
+            if status == 200:  # no answer: keep what we knew (commits are fenced anyway)
+                paused = answer.get("state") == "paused"
             last_state_check = now
             if paused:
-                time.sleep(0.1)
+                time.sleep(0.25)
                 continue
         batch = log.read(1000)
         for position, payload in batch:
@@ -159,9 +195,10 @@ def main():
             last_commit = now
         if not batch:
             time.sleep(0.05)
-    # Released (SIGTERM): one last commit, so that the next owner re-reads less.
+    # Released (SIGTERM): one last commit, so that the next owner re-reads less; briefly (the
+    # node waits for us before the next owner may start).
     if position != committed and not paused:
-        commit()
+        commit(timeout=2)
 
 
 if __name__ == "__main__":

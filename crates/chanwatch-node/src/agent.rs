@@ -266,7 +266,18 @@ async fn commit(
             "the node is paused (it cannot reach the store): nothing committed; stop external effects and commit again once GET /state says running",
         );
     }
-    match c.ctx.commit(position, state).await {
+    // On a task of its own: a worker that hangs up (its timeout, a broken connection) makes
+    // hyper drop this handler, and a commit dropped half way could land without the run
+    // booking its revision — its next commit would then be refused as fenced.
+    let ctx = c.ctx.clone();
+    let landed = tokio::spawn(async move { ctx.commit(position, state).await }).await;
+    let Ok(landed) = landed else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the commit task ended without an answer (the node is stopping): commit again later",
+        );
+    };
+    match landed {
         Ok(()) => ok(),
         Err(e @ CommitError::Fenced(_)) => error(StatusCode::CONFLICT, e.to_string()),
         Err(e @ CommitError::Unavailable(_)) => {

@@ -284,6 +284,17 @@ impl Committer {
         }
     }
 
+    /// Whether the session's writer takes no more commits (the session fenced itself): every
+    /// commit of this run is refused from now on.
+    pub(crate) fn session_closed(&self) -> bool {
+        self.shared.tx.is_closed()
+    }
+
+    /// Returns once the session's writer takes no more commits.
+    pub(crate) async fn until_session_closed(&self) {
+        self.shared.tx.closed().await;
+    }
+
     /// Counts one commit's latency.
     pub(crate) fn observe(&self, took: Duration) {
         self.shared

@@ -262,6 +262,13 @@ impl Session {
                     }
                 }
                 () = self.fence.cancelled() => {
+                    // Nothing of this session can land any more: every commit, queued or to
+                    // come, is answered fenced at once (a run's last commit on release would
+                    // otherwise wait for the end of `stop_all`, which waits for the run), and
+                    // the closed channel tells the exec handler to kill its workers at once.
+                    self.commits_rx.close();
+                    while self.commits_rx.try_recv().is_ok() {}
+                    self.commit_queue.clear();
                     self.stop_all().await;
                     return SessionEnd::Fenced(if lost.is_cancelled() {
                         "the store says our lease is gone".into()

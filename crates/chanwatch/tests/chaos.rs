@@ -10,7 +10,11 @@
 //! restart of nats-server (`kill -9`, down 3-8 s, started again on its store dir).
 //!
 //! The data plane (`chaos/data.rs`; `CHANWATCH_CHAOS_DATA=0` leaves it out and the nodes run
-//! the timer load): the nodes run the stream consumer on a `nats-server -js`, `chanwatch
+//! the timer load): the nodes run the stream consumer on a `nats-server -js` — 2 of the 5
+//! live nodes the Python worker `examples/workers/consumer.py` through `--exec` instead of the
+//! Rust consumer (a node runs it when fewer than 2 live nodes would without it; the first
+//! node, in the network namespace, is one; `CHANWATCH_CHAOS_WORKERS=rust|python` makes all
+//! of them one kind) —, `chanwatch
 //! produce --all` appends at a steady rate for the whole fault phase, and at the end
 //! `chanwatch audit` must find every channel exact (0 lost, 0 duplicated, 0 behind); then a
 //! planted loss and duplicate (two checkpoints rewritten as a broken consumer would commit
@@ -93,6 +97,8 @@ struct Proc {
     admin: String,
     /// Runs in the network namespace.
     in_netns: bool,
+    /// A node whose channels run the Python worker (`--exec`, see `chaos/data.rs`).
+    python: bool,
 }
 
 impl Drop for Proc {
@@ -103,6 +109,15 @@ impl Drop for Proc {
 }
 
 impl Proc {
+    /// " (python)" for a node running the Python worker, for the fault lines.
+    fn worker(&self) -> &'static str {
+        if self.python {
+            " (python)"
+        } else {
+            ""
+        }
+    }
+
     fn signal(&self, sig: &str) {
         let _ = Command::new("kill")
             .args([sig, &self.child.id().to_string()])
@@ -125,8 +140,12 @@ struct Chaos {
     killed: Vec<(PathBuf, u64)>,
     /// (log file, from, to) of processes stopped with SIGSTOP.
     frozen: Vec<(PathBuf, u64, u64)>,
-    /// The stream consumer's flags for nodes outside and inside the namespace (data plane).
-    data_args: Option<(Vec<String>, Vec<String>)>,
+    /// The data plane's node flags by (in the namespace, runs the Python worker).
+    data_args: Option<BTreeMap<(bool, bool), Vec<String>>>,
+    /// How many live nodes run the Python worker (`CHANWATCH_CHAOS_WORKERS`).
+    python_nodes: usize,
+    /// Handler logs of every node that ran the Python worker (also killed ones).
+    python_logs: Vec<PathBuf>,
     rng: u64,
 }
 
@@ -167,6 +186,7 @@ impl Chaos {
             out: out_path,
             admin: String::new(),
             in_netns: in_netns && self.netns.is_some(),
+            python: false,
         }
     }
 
@@ -244,18 +264,27 @@ impl Chaos {
             "--load-delay=200ms",
             "--progress-interval=1s",
         ];
-        if let Some((outside, inside)) = &self.data_args {
-            let data = if in_netns && self.netns.is_some() {
-                inside
-            } else {
-                outside
-            };
-            args.extend(data.iter().map(String::as_str));
+        // The rule for workers: a node runs the Python worker when, without it, fewer than
+        // `python_nodes` live nodes would; so the first nodes started (the one in the
+        // namespace among them) are Python ones, and a replacement takes the place of the
+        // node it replaces.
+        let python = self.data_args.is_some()
+            && self.nodes.iter().filter(|p| p.python).count() < self.python_nodes;
+        if let Some(data) = &self.data_args {
+            args.extend(
+                data[&(in_netns && self.netns.is_some(), python)]
+                    .iter()
+                    .map(String::as_str),
+            );
         }
         let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut p = self.spawn(&args, Some(log), in_netns);
         p.admin = admin;
+        p.python = python;
+        if python {
+            self.python_logs.extend(p.log.clone());
+        }
         self.nodes.push(p);
     }
 
@@ -503,6 +532,8 @@ async fn chaos_against_real_etcd() {
         killed: Vec::new(),
         frozen: Vec::new(),
         data_args: None,
+        python_nodes: 0,
+        python_logs: Vec::new(),
         rng: seed | 1,
     };
     // The data plane (default; `CHANWATCH_CHAOS_DATA=0` runs the nodes' timer load instead).
@@ -518,9 +549,21 @@ async fn chaos_against_real_etcd() {
             .await,
         ),
     };
-    c.data_args = data
-        .as_ref()
-        .map(|d| (d.node_args(false), d.node_args(true)));
+    c.data_args = data.as_ref().map(|d| {
+        [(false, false), (false, true), (true, false), (true, true)]
+            .into_iter()
+            .map(|(inside, python)| ((inside, python), d.node_args(inside, python)))
+            .collect()
+    });
+    if data.is_some() {
+        c.python_nodes = data::python_nodes(NODES);
+        println!(
+            "chaos: {} of {NODES} nodes run the Python worker (examples/workers/consumer.py \
+             through --exec; CHANWATCH_CHAOS_WORKERS=mixed|rust|python), the others the Rust \
+             consumer",
+            c.python_nodes
+        );
+    }
     println!(
         "chaos: seed {seed}, {secs} s, logs in {}",
         c.dir.path().display()
@@ -615,7 +658,7 @@ async fn chaos_against_real_etcd() {
                 let i = c.pick_node().await;
                 if let Some(id) = c.node_id(&c.nodes[i]).await {
                     after = After::NodeGone(id);
-                    what = format!("node {id}");
+                    what = format!("node {id}{}", c.nodes[i].worker());
                 }
                 let mut p = c.nodes.remove(i);
                 let _ = p.child.kill();
@@ -642,7 +685,7 @@ async fn chaos_against_real_etcd() {
                 let from = unix_ms();
                 if let Some(id) = c.node_id(&c.nodes[i]).await {
                     after = After::NodeGone(id);
-                    what = format!("node {id}");
+                    what = format!("node {id}{}", c.nodes[i].worker());
                 }
                 c.nodes[i].signal("-STOP");
                 tokio::time::sleep(Duration::from_secs(TTL_SECS + 2)).await;
@@ -695,6 +738,7 @@ async fn chaos_against_real_etcd() {
                     after = After::NodeGone(id);
                 }
                 let mut p = c.nodes.remove(i);
+                let worker = p.worker();
                 let _ = p.child.kill();
                 let _ = p.child.wait();
                 c.killed.push((p.log.clone().expect("node log"), unix_ms()));
@@ -708,7 +752,7 @@ async fn chaos_against_real_etcd() {
                 }
                 t0 = Instant::now();
                 what = format!(
-                    "{} MiB in {:.2} s, held {:.1} s, node {} ({most} ch) killed",
+                    "{} MiB in {:.2} s, held {:.1} s, node {}{worker} ({most} ch) killed",
                     bytes >> 20,
                     fill.as_secs_f64(),
                     hold.as_secs_f64(),
@@ -720,6 +764,7 @@ async fn chaos_against_real_etcd() {
                 // Wait (up to 2 TTLs) until the node in the namespace has a session: cutting
                 // off a node that is still registering tests little.
                 let mut id = None;
+                let mut worker = "";
                 let waited = Instant::now();
                 while id.is_none() && waited.elapsed() < Duration::from_secs(2 * TTL_SECS) {
                     let p = c
@@ -727,6 +772,7 @@ async fn chaos_against_real_etcd() {
                         .iter()
                         .find(|p| p.in_netns)
                         .expect("a node in the namespace");
+                    worker = p.worker();
                     id = c.node_id(p).await;
                     if id.is_none() {
                         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -756,7 +802,7 @@ async fn chaos_against_real_etcd() {
                     .heal()
                     .expect("iptables heals the namespace");
                 what = format!(
-                    "node {} ({load} ch) cut {:.1} s, {}",
+                    "node {}{worker} ({load} ch) cut {:.1} s, {}",
                     id.map_or("?".to_owned(), |i| i.to_string()),
                     cut.as_secs_f64(),
                     if during.is_ok() {
@@ -906,7 +952,7 @@ async fn chaos_against_real_etcd() {
         println!("chaos: {n:>3} × a node fenced itself: {reason}");
     }
     if let Some(d) = &data {
-        violations.extend(d.report());
+        violations.extend(d.report(&audit::nodes_in(&c.python_logs)));
         let audit = d.audit(&c.bin, &c.endpoints, &*c.store, CHANNELS).await;
         violations.extend(audit);
     }

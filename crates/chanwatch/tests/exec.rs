@@ -2,6 +2,10 @@
 //! nodes as processes and their workers as real child processes, judged from outside — `ctl
 //! --json`, `etcdctl`, the nodes' logs, the workers' own files and `/proc`.
 //!
+//! The Rust consumer and the Python worker resuming each other's checkpoints: `exec/mixed.rs`;
+//! a node that fences itself killing its workers at once: `exec/fence.rs`; the Python worker
+//! exiting at once on SIGTERM while its commit hangs: `exec/sigterm.rs`.
+//!
 //! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
 //! `tests/exec/` module when it grows again.
@@ -13,6 +17,12 @@ use std::time::{Duration, Instant};
 
 mod procs;
 use procs::{bin, spawn, Proc};
+#[path = "exec/fence.rs"]
+mod fence;
+#[path = "exec/mixed.rs"]
+mod mixed;
+#[path = "exec/sigterm.rs"]
+mod sigterm;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -492,7 +502,7 @@ async fn a_worker_removed_before_it_is_ready_is_killed_at_once_without_the_grace
         || format!("killed at once: {}", node.output()),
         || {
             node.output()
-                .contains("released while paused or loading")
+                .contains("released while paused, loading or fenced")
                 .then_some(())
         },
     );

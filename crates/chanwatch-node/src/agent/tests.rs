@@ -228,3 +228,90 @@ fn tokens_are_random_and_long() {
     assert_eq!(a.len(), 32);
     assert_ne!(a, b);
 }
+
+/// A context whose commits go to the returned receiver (the test answers them as the node's
+/// group commit would), its checkpoint read from an empty embedded store.
+fn committing_context(
+    channel: &str,
+) -> (
+    ChannelContext,
+    mpsc::UnboundedReceiver<crate::checkpoint::CommitRequest>,
+) {
+    use crate::checkpoint::{CommitShared, Committer};
+    let (tx, commits) = mpsc::unbounded_channel();
+    let shared = Arc::new(CommitShared {
+        store: Arc::new(chanwatch_store::EmbeddedStore::new()),
+        tx,
+        keys: chanwatch_core::Keys::default(),
+        node: NodeId(1),
+        clock: chanwatch_store::Clock::system(),
+        metrics: Arc::new(crate::metrics::NodeMetrics::new()),
+        planted_bug: None,
+    });
+    let (mut ctx, _events) = context(channel);
+    ctx.committer = Some(Committer::new(
+        shared,
+        ChannelName::new(channel).expect("valid"),
+        Epoch(3),
+        1,
+    ));
+    (ctx, commits)
+}
+
+/// A worker whose `/commit` times out, or whose connection breaks, must not cancel the node's
+/// commit half way (hyper drops a handler whose client hung up): landed yet not booked, the
+/// run's next commit would be refused as fenced (409), and the worker would exit.
+#[tokio::test]
+async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_one() {
+    use tokio::io::AsyncWriteExt;
+    let agent = agent().await;
+    let (ctx, mut commits) = committing_context("a");
+    let key = chanwatch_core::Keys::default().checkpoint(&ctx.info.channel);
+    let _reg = agent.register("tok-a".into(), Arc::new(AgentChild::new(ctx)));
+    let addr = agent.url().trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let body = "{\"position\":\"1\"}";
+    let req = format!(
+        "POST /commit HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer tok-a\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let first = tokio::time::timeout(std::time::Duration::from_secs(5), commits.recv())
+        .await
+        .expect("the commit reaches the writer")
+        .expect("open");
+    // The worker hangs up before the answer; the write lands anyway.
+    drop(s);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        first.reply.send(Ok(7)).is_ok(),
+        "the commit was dropped with the worker's connection: its outcome is lost"
+    );
+    let second = tokio::spawn({
+        let agent = agent.clone();
+        async move {
+            call(
+                &agent,
+                "POST",
+                "/commit",
+                Some("tok-a"),
+                "{\"position\":\"2\"}",
+            )
+            .await
+        }
+    });
+    let req = tokio::time::timeout(std::time::Duration::from_secs(5), commits.recv())
+        .await
+        .expect("the second commit reaches the writer")
+        .expect("open");
+    assert!(
+        req.compares
+            .contains(&chanwatch_store::Compare::mod_revision(&key, 7)),
+        "the second commit is not guarded by the first one's revision: {:?}",
+        req.compares
+    );
+    req.reply.send(Ok(8)).expect("answered");
+    assert_eq!(second.await.expect("joined").0, 200);
+}

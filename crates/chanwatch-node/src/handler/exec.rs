@@ -25,7 +25,9 @@
 //!   `/commit` answers 503 meanwhile); a pause that ends in a stop (the lease was lost) is a
 //!   release without grace: `SIGKILL` at once, since a paused worker can commit nothing and a
 //!   node fencing itself must be done before its margin runs out. The same for a worker
-//!   released before its load completed (a cancelled load, or one a pause caught).
+//!   released before its load completed (a cancelled load, or one a pause caught), and for
+//!   every worker of a session that fenced itself without a pause first (the store said its
+//!   lease is gone: another node may start the channel any moment, and no commit can land).
 //! - **the node's death**, even by `kill -9`: each child is spawned with `PR_SET_PDEATHSIG =
 //!   SIGKILL` from spawner threads that live as long as the process, so the kernel kills the
 //!   direct child when the node dies. Processes the child forked itself are killed with the
@@ -212,17 +214,36 @@ impl ExecHandler {
         // A paused worker can commit nothing (503), so a grace buys it nothing, and a node
         // that fences itself must not wait out its margin here: SIGKILL at once. So is a
         // worker whose load did not complete (cancelled, or caught by a pause, which the
-        // handler is not told of during a load).
-        let paused = run.child.paused.load(Ordering::SeqCst) || !run.loaded.load(Ordering::SeqCst);
+        // handler is not told of during a load). The same when the session fenced itself
+        // (its lease is gone: another node may start the channel any moment, and no commit
+        // can land), also when that happens during the grace of an orderly release (the
+        // coordinator moved the channel off a session that had just ended).
+        let committer = run.child.ctx.committer.clone();
+        let fenced = committer
+            .as_ref()
+            .is_some_and(crate::checkpoint::Committer::session_closed);
+        let paused =
+            run.child.paused.load(Ordering::SeqCst) || !run.loaded.load(Ordering::SeqCst) || fenced;
+        let session_closed = async {
+            match &committer {
+                Some(c) => c.until_session_closed().await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut fenced_in_grace = false;
         let stopped = !paused && {
             sys::signal_group(run.pgid, libc::SIGTERM);
             tokio::select! {
                 r = exited.wait_for(Option::is_some) => r.is_ok(),
                 () = clock.sleep(grace) => false,
+                () = session_closed => {
+                    fenced_in_grace = true;
+                    false
+                }
             }
         };
-        if paused {
-            info!(%channel, pid = run.pgid, "exec: released while paused or loading; SIGKILL to the worker's process group");
+        if paused || fenced_in_grace {
+            info!(%channel, pid = run.pgid, fenced = fenced || fenced_in_grace, "exec: released while paused, loading or fenced; SIGKILL to the worker's process group");
             sys::signal_group(run.pgid, libc::SIGKILL);
             let _ = exited.wait_for(Option::is_some).await;
         } else if !stopped {

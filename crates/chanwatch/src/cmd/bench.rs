@@ -64,6 +64,10 @@ pub enum What {
     /// `--exec` workers: time to start a child per channel, node memory per child, agent
     /// commits/s against the in-process handler's (embedded store, one node).
     Exec(BenchExecArgs),
+    /// The compiled worker `bench exec` runs per channel (hidden): `POST /ready`, then commits
+    /// 1, 2, 3, … through the agent for `--seconds` on one keep-alive connection, then idles.
+    #[command(hide = true)]
+    ExecWorker(BenchExecWorkerArgs),
     /// A settled cluster that nothing changes: etcd's requests/s and bytes/s by method (from
     /// its `/metrics`) and the process's CPU over an idle window, at each size.
     Idle(BenchIdleArgs),
@@ -229,6 +233,17 @@ pub struct BenchExecArgs {
     #[arg(long, env = "CHANWATCH_BENCH_COMMIT_CHANNELS", default_value_t = 16)]
     pub commit_channels: usize,
     /// How long each committer commits.
+    #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
+    pub seconds: u64,
+    /// Repetitions of the commits/s figures; medians are reported.
+    #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
+    pub runs: usize,
+}
+
+/// Flags of the hidden `bench exec-worker` (the compiled child `bench exec` spawns).
+#[derive(Debug, ClapArgs)]
+pub struct BenchExecWorkerArgs {
+    /// How long it commits.
     #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
     pub seconds: u64,
 }
@@ -421,6 +436,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Consume(args) => consume::run(&args).await,
         What::DataFailover(args) => data_failover::run(&args).await,
         What::Exec(args) => exec::run(&args).await,
+        What::ExecWorker(args) => exec::worker(&args).await,
         What::Idle(args) => idle::run(&args).await,
         What::RollingRestart(args) => rolling_restart::run(&args).await,
         What::Register(args) => register::run(&args).await,

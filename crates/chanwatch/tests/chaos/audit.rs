@@ -60,6 +60,18 @@ pub fn intervals(logs: &[PathBuf], killed: &[(PathBuf, u64)], end: u64) -> Vec<R
     out
 }
 
+/// The node IDs that ran any channel according to these handler logs.
+pub fn nodes_in(logs: &[PathBuf]) -> BTreeSet<u64> {
+    logs.iter()
+        .flat_map(|log| {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            text.lines()
+                .filter_map(|l| parse_line(l).map(|(_, node, _, _)| node))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// (node, channel, epoch) that run now according to these handler logs: started or resumed,
 /// and not stopped or paused since.
 pub fn running<'a>(logs: impl Iterator<Item = &'a Path>) -> BTreeSet<(u64, String, u64)> {

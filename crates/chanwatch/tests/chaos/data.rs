@@ -1,5 +1,7 @@
 //! The chaos run's data plane (issue 12 point 6): a `nats-server -js` the nodes consume from
-//! (`node --handler stream --log nats://…`), `chanwatch produce` as a process at a steady rate
+//! (`node --handler stream --log nats://…`, or on some nodes — [`python_nodes`], issue 14 —
+//! `node --exec 'exec python3 examples/workers/consumer.py agent' --log nats://…`, the Python
+//! worker reading through the agent), `chanwatch produce` as a process at a steady rate
 //! for the whole fault phase, the `nats-restart` fault, a watch on the store that times every
 //! checkpoint commit from outside, and `chanwatch audit` at the end (with a planted loss and a
 //! planted duplicate it must catch).
@@ -58,6 +60,37 @@ pub const RATE: u32 = 250;
 const COMMIT_INTERVAL: &str = "500ms";
 /// The JetStream stream `LogArgs` derives from the default root `chanwatch`.
 const STREAM: &str = "chanwatch";
+
+/// How many of `nodes` run the Python worker instead of the Rust consumer, from
+/// `CHANWATCH_CHAOS_WORKERS`: `mixed` (the default: 2 of 5), `rust` (none) or `python` (all).
+/// Channels move between the two kinds, so the audit judges both folds as one.
+pub fn python_nodes(nodes: usize) -> usize {
+    match std::env::var("CHANWATCH_CHAOS_WORKERS").as_deref() {
+        Ok("rust") => 0,
+        Ok("python") => nodes,
+        Ok("mixed") | Err(_) => 2.min(nodes),
+        Ok(other) => panic!("CHANWATCH_CHAOS_WORKERS={other}: want mixed, rust or python"),
+    }
+}
+
+/// The Python worker's command: `examples/workers/consumer.py` reading its channel through
+/// the agent (`GET /read` of the node's `--log`).
+fn python_worker() -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/workers/consumer.py");
+    // The interpreter itself, not a version manager's shim on the PATH (pyenv's runs a shell
+    // and a few processes per start: 100 workers starting at once took seconds of CPU).
+    let python = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "python3".to_owned());
+    // At a lower CPU priority than the node, etcd and nats-server: on 2 cores, 100 workers
+    // starting at once (a failover onto a Python node) starved the nodes' keepalives.
+    format!("exec nice -n 5 '{python}' '{}' agent", script.display())
+}
 
 fn unix_ms() -> u64 {
     std::time::SystemTime::now()
@@ -249,12 +282,21 @@ impl DataPlane {
         }
     }
 
-    /// The flags that make a node consume the stream (inside the namespace or not).
-    pub fn node_args(&self, in_netns: bool) -> Vec<String> {
+    /// The flags that make a node consume the stream (inside the namespace or not): with the
+    /// Rust consumer, or with a Python worker per channel (`--exec`) that reads through the
+    /// agent.
+    pub fn node_args(&self, in_netns: bool, python: bool) -> Vec<String> {
         let url = match (&self.url_netns, in_netns) {
             (Some(u), true) => u,
             _ => &self.url,
         };
+        if python {
+            return vec![
+                format!("--exec={}", python_worker()),
+                format!("--log={url}"),
+                "--stop-grace=5s".to_owned(),
+            ];
+        }
         vec![
             "--handler=stream".to_owned(),
             format!("--log={url}"),
@@ -529,11 +571,21 @@ impl DataPlane {
         Ok(path)
     }
 
-    /// The table of what each fault kind cost the data plane (see the module docs), and
-    /// violations: a committed count or position that went back.
-    pub fn report(&self) -> Vec<String> {
+    /// The table of what each fault kind cost the data plane (see the module docs), how
+    /// often a channel's commits passed between the Rust consumer and the Python worker
+    /// (`python`: the node IDs that ran the Python worker), and violations: a committed count
+    /// or position that went back.
+    pub fn report(&self, python: &std::collections::BTreeSet<u64>) -> Vec<String> {
         let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let mut violations = Vec::new();
+        // (old owner's worker, new owner's worker) → moves between two committing epochs.
+        let mut handovers: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+        let worker = |channel: &str, epoch: u64| match seen.owners.get(&(channel.to_owned(), epoch))
+        {
+            Some(n) if python.contains(n) => "python",
+            Some(_) => "rust",
+            None => "?",
+        };
         #[derive(Default)]
         struct Kind {
             faults: usize,
@@ -557,6 +609,11 @@ impl DataPlane {
             for w in cs.windows(2) {
                 let (a, b) = (w[0], w[1]);
                 let gap = b.ms.saturating_sub(a.ms);
+                if a.epoch != b.epoch {
+                    *handovers
+                        .entry((worker(channel, a.epoch), worker(channel, b.epoch)))
+                        .or_default() += 1;
+                }
                 if b.count < a.count || b.position < a.position {
                     violations.push(format!(
                         "{channel}: the committed state went back: count {} at {} (epoch {}) \
@@ -664,6 +721,15 @@ impl DataPlane {
             pct(&mut spacing, 0.5),
             seen.rewatches,
             seen.relists
+        );
+        println!(
+            "chaos data: a channel's commits passed from one owner's worker to the next's \
+             (both folds resume each other's state): {}",
+            handovers
+                .iter()
+                .map(|((a, b), n)| format!("{a} -> {b} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         violations.truncate(20);
         violations

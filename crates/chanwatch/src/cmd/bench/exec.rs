@@ -7,8 +7,12 @@
 //! - **memory**: the node process's resident memory grown per child (this process's `VmRSS`
 //!   before and after; the children's own memory is theirs, and not counted).
 //! - **commits/s**: `--commit-channels` channels committing as fast as they can for
-//!   `--seconds`, through the agent API (a Python child per channel on one keep-alive HTTP
-//!   connection) and through the in-process handler's `ctx.commit` — the same group commit.
+//!   `--seconds`, through the agent API (a Python child per channel, and a compiled child per
+//!   channel — this binary's hidden `bench exec-worker` — each on one keep-alive HTTP
+//!   connection) and through the in-process handler's `ctx.commit` — the same group commit;
+//!   `--runs` times each, medians. Beside each: commits per store txn (the embedded store's
+//!   revisions: one per txn), and CPU per landed commit of the node's process and of the
+//!   children (`/proc/self/stat`, the children's once reaped), to tell where the time goes.
 //!
 //! Owns: these workloads. Must not: assert on timings.
 
@@ -139,6 +143,164 @@ while time.monotonic() < end:
 time.sleep(3600)
 "#;
 
+/// This process's CPU time and that of its reaped children, seconds (`/proc/self/stat`
+/// utime + stime and cutime + cstime, at the usual 100 ticks per second).
+fn cpu() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let f: Vec<f64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / 100.0;
+    (at(11) + at(12), at(13) + at(14))
+}
+
+/// The embedded store's revision: one per txn that wrote.
+async fn revision(store: &dyn MetaStore) -> Result<i64> {
+    Ok(store.range("\u{0}").await?.revision)
+}
+
+/// Who commits, and how it reaches its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// A Python child per channel (`http.client`, one keep-alive connection) through the agent.
+    Python,
+    /// A compiled child per channel (this binary's hidden `bench exec-worker`: reqwest, one
+    /// keep-alive connection) through the agent.
+    Compiled,
+    /// A task per channel calling `ctx.commit` in the node's process.
+    InProcess,
+}
+
+impl Via {
+    fn name(self) -> &'static str {
+        match self {
+            Via::Python => "agent-python",
+            Via::Compiled => "agent-compiled",
+            Via::InProcess => "in-process",
+        }
+    }
+}
+
+/// One run's figures.
+#[derive(Debug, Clone, Copy, Default)]
+struct Figures {
+    commits_per_s: f64,
+    commits_per_txn: f64,
+    /// CPU of the node's process (agent, committer, group commit, the embedded store) per
+    /// landed commit, µs.
+    node_us: f64,
+    /// CPU of the children per landed commit, µs (0 in process).
+    client_us: f64,
+}
+
+/// The interpreter `python3` runs (not a version manager's shim, which costs a shell per
+/// start).
+fn python() -> String {
+    std::process::Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "python3".to_owned())
+}
+
+/// `channels` committers `via` for `secs` each, on a fresh cluster.
+async fn commit_run(via: Via, channels: usize, secs: Duration) -> Result<Figures> {
+    let handler: Arc<dyn ChannelHandler> = match via {
+        Via::Python => {
+            // The script holds no single quote: it goes to the shell as one quoted word.
+            let script = PYTHON.replace("SECS", &secs.as_secs().to_string());
+            Arc::new(
+                ExecHandler::bind(
+                    ExecOptions::new(format!("exec '{}' -c '{script}'", python())),
+                    "127.0.0.1:0",
+                )
+                .await?,
+            )
+        }
+        Via::Compiled => {
+            let exe = std::env::current_exe().context("this binary's path")?;
+            Arc::new(
+                ExecHandler::bind(
+                    ExecOptions::new(format!(
+                        "exec '{}' bench exec-worker --seconds {}",
+                        exe.display(),
+                        secs.as_secs()
+                    )),
+                    "127.0.0.1:0",
+                )
+                .await?,
+            )
+        }
+        Via::InProcess => Arc::new(Committer { secs }),
+    };
+    let (store, coord, node) = cluster(handler).await?;
+    let rev0 = revision(&*store).await?;
+    let (cpu0, children0) = cpu();
+    add_all(&coord, channels).await?;
+    // Every committer runs `secs` from its start; wait them out, plus a margin.
+    tokio::time::sleep(secs + Duration::from_secs(2)).await;
+    let total = committed(&*store).await?;
+    let rev1 = revision(&*store).await?;
+    let (cpu1, _) = cpu();
+    // Stopping the node reaps the children: their CPU is then in this process's cutime.
+    node.stop().await?;
+    coord.stop().await?;
+    let (_, children1) = cpu();
+    let landed = total.max(1) as f64;
+    Ok(Figures {
+        commits_per_s: total as f64 / secs.as_secs_f64(),
+        commits_per_txn: total as f64 / (rev1 - rev0).max(1) as f64,
+        node_us: (cpu1 - cpu0) * 1e6 / landed,
+        client_us: (children1 - children0) * 1e6 / landed,
+    })
+}
+
+/// The compiled child of `bench exec` (hidden `bench exec-worker`): see [`Via::Compiled`].
+///
+/// # Errors
+/// Not run by `bench exec` (no agent in the environment), or the agent gone.
+pub async fn worker(args: &super::BenchExecWorkerArgs) -> Result<()> {
+    let url = std::env::var("CHANWATCH_AGENT_URL")
+        .context("CHANWATCH_AGENT_URL is not set: `bench exec` runs this as its worker")?;
+    let token = std::env::var("CHANWATCH_AGENT_TOKEN")
+        .context("CHANWATCH_AGENT_TOKEN is not set: `bench exec` runs this as its worker")?;
+    let client = reqwest::Client::new();
+    let post = |path: &str, body: String| {
+        client
+            .post(format!("{url}{path}"))
+            .bearer_auth(&token)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .send()
+    };
+    post("/ready", "{}".into()).await?;
+    let end = Instant::now() + Duration::from_secs(args.seconds);
+    let mut n = 0u64;
+    while Instant::now() < end {
+        let r = post(
+            "/commit",
+            format!(r#"{{"position":"{}","state":{{}}}}"#, n + 1),
+        )
+        .await?;
+        let ok = r.status() == reqwest::StatusCode::OK;
+        // Read the answer to its end, so the connection is kept for the next request.
+        r.bytes().await?;
+        if ok {
+            n += 1;
+        }
+    }
+    // Idle until the node stops it.
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
 /// Runs `bench exec`.
 ///
 /// # Errors
@@ -177,49 +339,52 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
                "rss_per_child_bytes": per_child.round(), "stop_s": stop_secs})
     );
 
-    // Commits per second: agent (Python children) vs in process.
+    // Commits per second: the agent (Python children, compiled children) against the
+    // in-process handler, `runs` times each, interleaved; medians.
     let secs = Duration::from_secs(args.seconds.max(1));
-    // The script holds no single quote: it goes to the shell as one quoted word.
-    let script = PYTHON.replace("SECS", &secs.as_secs().to_string());
-    let exec = Arc::new(
-        ExecHandler::bind(
-            ExecOptions::new(format!("exec python3 -c '{script}'")),
-            "127.0.0.1:0",
-        )
-        .await?,
-    );
+    let vias = [Via::Python, Via::Compiled, Via::InProcess];
+    let mut all: Vec<Vec<Figures>> = vec![Vec::new(); vias.len()];
+    for run in 0..args.runs.max(1) {
+        for (i, via) in vias.iter().enumerate() {
+            let f = commit_run(*via, args.commit_channels, secs).await?;
+            tracing::info!(run, via = via.name(), ?f, "bench exec: commits");
+            all[i].push(f);
+        }
+    }
+    let med = |fs: &[Figures], f: fn(&Figures) -> f64| super::median(fs.iter().map(f).collect());
     let mut rates = Vec::new();
-    for (what, handler) in [
-        ("agent", exec as Arc<dyn ChannelHandler>),
-        (
-            "in-process",
-            Arc::new(Committer { secs }) as Arc<dyn ChannelHandler>,
-        ),
-    ] {
-        let (store, coord, node) = cluster(handler).await?;
-        add_all(&coord, args.commit_channels).await?;
-        // Every committer runs `secs` from its start; wait them out, plus a margin.
-        tokio::time::sleep(secs + Duration::from_secs(2)).await;
-        let total = committed(&*store).await?;
-        let rate = total as f64 / secs.as_secs_f64();
+    for (via, fs) in vias.iter().zip(&all) {
+        let rate = med(fs, |f| f.commits_per_s);
+        let runs: Vec<String> = fs
+            .iter()
+            .map(|f| format!("{:.0}", f.commits_per_s))
+            .collect();
+        let (per_txn, node_us, client_us) = (
+            med(fs, |f| f.commits_per_txn),
+            med(fs, |f| f.node_us),
+            med(fs, |f| f.client_us),
+        );
         eprintln!(
-            "exec commits ({what}): {} channels, {total} commits landed in {} s: {rate:.0}/s",
+            "exec commits ({}): {} channels, median {rate:.0}/s of runs [{}]; {per_txn:.1} commits per txn; CPU per commit: node {node_us:.0} µs, children {client_us:.0} µs",
+            via.name(),
             args.commit_channels,
-            secs.as_secs()
+            runs.join(", ")
         );
         println!(
             "{}",
-            json!({"bench": "exec-commits", "via": what, "channels": args.commit_channels,
-                   "commits": total, "commits_per_s": rate.round()})
+            json!({"bench": "exec-commits", "via": via.name(), "channels": args.commit_channels,
+                   "runs": fs.len(), "commits_per_s": rate.round(),
+                   "commits_per_txn": (per_txn * 10.0).round() / 10.0,
+                   "node_cpu_us_per_commit": node_us.round(),
+                   "child_cpu_us_per_commit": client_us.round()})
         );
         rates.push(rate);
-        node.stop().await?;
-        coord.stop().await?;
     }
-    if let [agent, inproc] = rates[..] {
+    if let [python, compiled, inproc] = rates[..] {
         eprintln!(
-            "agent / in-process commit throughput: {:.2}",
-            agent / inproc.max(1.0)
+            "agent / in-process commit throughput: {:.2} with Python children, {:.2} with compiled children",
+            python / inproc.max(1.0),
+            compiled / inproc.max(1.0)
         );
     }
     Ok(())
