@@ -238,6 +238,12 @@ pub struct BenchExecArgs {
     /// Repetitions of the commits/s figures; medians are reported.
     #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
+    /// Which store the coordinator and node run on: the embedded one (the floor is then an
+    /// in-memory commit) or etcd (`--endpoints`; each cluster under a root of its own).
+    #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 /// Flags of the hidden `bench exec-worker` (the compiled child `bench exec` spawns).

@@ -9,6 +9,8 @@ use super::*;
 fn data_node(w: &World, name: &str, log: &str, python: bool) -> Proc {
     let mut args = vec![
         "node".to_owned(),
+        // Port 0: two nodes share this machine (the default is 9871).
+        "--admin=127.0.0.1:0".into(),
         w.endpoint(),
         "--session-ttl=2s".into(),
         format!("--log={log}"),

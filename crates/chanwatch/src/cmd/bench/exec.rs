@@ -1,5 +1,6 @@
-//! `bench exec` (issue 14): the cost of `--exec` workers, in process on the embedded store
-//! with one coordinator and one node.
+//! `bench exec` (issue 14): the cost of `--exec` workers, in process with one coordinator and
+//! one node, on the embedded store or (`--store etcd`) on etcd, where a commit costs what it
+//! costs in production and the agent's overhead is measured against that.
 //!
 //! - **start**: `--channels` channels whose worker is a trivial child (`exec sleep`, load done
 //!   at spawn): time from the first registration to every channel `Watched` with its child
@@ -28,7 +29,7 @@ use chanwatch_node::{ChannelContext, ChannelHandler, ExecHandler, ExecOptions, N
 use chanwatch_store::{EmbeddedStore, MetaStore};
 use serde_json::json;
 
-use super::BenchExecArgs;
+use super::{BenchExecArgs, StoreKind};
 
 /// The node process's resident memory, bytes.
 fn rss() -> u64 {
@@ -43,18 +44,62 @@ fn rss() -> u64 {
         * 1024
 }
 
-/// A coordinator and one node running `handler`, on a fresh embedded store.
-async fn cluster(
-    handler: Arc<dyn ChannelHandler>,
-) -> Result<(Arc<dyn MetaStore>, chanwatch_coord::CoordHandle, NodeHandle)> {
-    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
-    let coord = chanwatch_coord::Coordinator::builder(store.clone()).spawn()?;
-    let mut ready = coord.watch_status();
-    tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
-    let node = Node::builder(store.clone()).handler(handler).spawn()?;
-    let mut status = node.watch_status();
-    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.id.is_some())).await??;
-    Ok((store, coord, node))
+/// Where a cluster of this bench runs: a fresh embedded store, or etcd under a fresh root.
+struct Site<'a> {
+    args: &'a BenchExecArgs,
+}
+
+/// A started cluster: its store, its keys, the coordinator and the one node.
+struct Started {
+    store: Arc<dyn MetaStore>,
+    keys: Keys,
+    coord: chanwatch_coord::CoordHandle,
+    node: NodeHandle,
+}
+
+impl Site<'_> {
+    /// A coordinator and one node running `handler`, on a fresh embedded store or, on etcd,
+    /// under a root of their own (`bench-exec-{pid}-{n}`), each on its own connection.
+    async fn cluster(&self, handler: Arc<dyn ChannelHandler>) -> Result<Started> {
+        static CLUSTERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CLUSTERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (keys, store, node_store): (Keys, Arc<dyn MetaStore>, Arc<dyn MetaStore>) =
+            match self.args.store {
+                StoreKind::Embedded => {
+                    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+                    (Keys::default(), store.clone(), store)
+                }
+                StoreKind::Etcd => (
+                    Keys::new(format!("bench-exec-{}-{n}", std::process::id()))?,
+                    self.args.etcd.connect().await?,
+                    self.args.etcd.connect().await?,
+                ),
+            };
+        let coord = chanwatch_coord::Coordinator::builder(store.clone())
+            .config(chanwatch_coord::CoordinatorConfig {
+                keys: keys.clone(),
+                ..chanwatch_coord::CoordinatorConfig::default()
+            })
+            .spawn()?;
+        let mut ready = coord.watch_status();
+        tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|s| s.ready)).await??;
+        let node = Node::builder(node_store)
+            .handler(handler)
+            .config(chanwatch_node::NodeConfig {
+                keys: keys.clone(),
+                ..chanwatch_node::NodeConfig::default()
+            })
+            .spawn()?;
+        let mut status = node.watch_status();
+        tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.id.is_some()))
+            .await??;
+        Ok(Started {
+            store,
+            keys,
+            coord,
+            node,
+        })
+    }
 }
 
 /// Registers `n` channels `x-00000…` and waits until all are `Watched`.
@@ -87,8 +132,8 @@ async fn add_all(coord: &chanwatch_coord::CoordHandle, n: usize) -> Result<()> {
 }
 
 /// The sum of every checkpoint's position: each committer commits 1, 2, 3, …
-async fn committed(store: &dyn MetaStore) -> Result<u64> {
-    let prefix = Keys::default().checkpoints_prefix();
+async fn committed(store: &dyn MetaStore, keys: &Keys) -> Result<u64> {
+    let prefix = keys.checkpoints_prefix();
     let mut sum = 0;
     for kv in store.range(&prefix).await?.kvs {
         let cp = Checkpoint::decode(&kv.value).context("checkpoint decodes")?;
@@ -158,7 +203,7 @@ fn cpu() -> (f64, f64) {
     (at(11) + at(12), at(13) + at(14))
 }
 
-/// The embedded store's revision: one per txn that wrote.
+/// The store's revision: one per txn that wrote.
 async fn revision(store: &dyn MetaStore) -> Result<i64> {
     Ok(store.range("\u{0}").await?.revision)
 }
@@ -211,7 +256,7 @@ fn python() -> String {
 }
 
 /// `channels` committers `via` for `secs` each, on a fresh cluster.
-async fn commit_run(via: Via, channels: usize, secs: Duration) -> Result<Figures> {
+async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) -> Result<Figures> {
     let handler: Arc<dyn ChannelHandler> = match via {
         Via::Python => {
             // The script holds no single quote: it goes to the shell as one quoted word.
@@ -240,13 +285,18 @@ async fn commit_run(via: Via, channels: usize, secs: Duration) -> Result<Figures
         }
         Via::InProcess => Arc::new(Committer { secs }),
     };
-    let (store, coord, node) = cluster(handler).await?;
+    let Started {
+        store,
+        keys,
+        coord,
+        node,
+    } = site.cluster(handler).await?;
     let rev0 = revision(&*store).await?;
     let (cpu0, children0) = cpu();
     add_all(&coord, channels).await?;
     // Every committer runs `secs` from its start; wait them out, plus a margin.
     tokio::time::sleep(secs + Duration::from_secs(2)).await;
-    let total = committed(&*store).await?;
+    let total = committed(&*store, &keys).await?;
     let rev1 = revision(&*store).await?;
     let (cpu1, _) = cpu();
     // Stopping the node reaps the children: their CPU is then in this process's cutime.
@@ -317,7 +367,8 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
         )
         .await?,
     );
-    let (_store, coord, node) = cluster(exec.clone()).await?;
+    let site = Site { args };
+    let Started { coord, node, .. } = site.cluster(exec.clone()).await?;
     let before = rss();
     let started = Instant::now();
     add_all(&coord, args.channels).await?;
@@ -346,7 +397,7 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
     let mut all: Vec<Vec<Figures>> = vec![Vec::new(); vias.len()];
     for run in 0..args.runs.max(1) {
         for (i, via) in vias.iter().enumerate() {
-            let f = commit_run(*via, args.commit_channels, secs).await?;
+            let f = commit_run(&site, *via, args.commit_channels, secs).await?;
             tracing::info!(run, via = via.name(), ?f, "bench exec: commits");
             all[i].push(f);
         }
