@@ -45,5 +45,6 @@ pub use error::{DecodeError, KeyError, NameError};
 pub use keys::{ChannelKey, ChannelOwner, Keys};
 pub use types::{
     ChannelInfo, ChannelName, ChannelState, Checkpoint, CoordSession, Epoch, NodeId, NodeSession,
-    Progress, VChannelInfo, CHANNEL_INFO_VERSION, MAX_VCHANNEL_BYTES,
+    Progress, VChannelInfo, CHANNEL_INFO_VERSION, COORDINATOR_FIELDS, MAX_CHANNEL_EXTRA_BYTES,
+    MAX_VCHANNEL_BYTES,
 };

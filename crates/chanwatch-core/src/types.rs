@@ -26,6 +26,22 @@ pub const MAX_VCHANNEL_BYTES: usize = 64 * 1024;
 /// Longest allowed channel name in bytes.
 pub const MAX_CHANNEL_NAME_BYTES: usize = 255;
 
+/// Fields of a [`ChannelInfo`] the coordinator sets; a registration (one channel or a bulk
+/// list) may not give them.
+pub const COORDINATOR_FIELDS: [&str; 7] = [
+    "v",
+    "channel",
+    "state",
+    "epoch",
+    "start_time_ms",
+    "reason",
+    "progress",
+];
+
+/// Most bytes, encoded, of a registered channel's fields besides `name` and `vchannel`
+/// (`weight`, `group`, and fields this build does not know, kept verbatim).
+pub const MAX_CHANNEL_EXTRA_BYTES: usize = 4 * 1024;
+
 /// A node's identity. Handed out once from the `{root}/id/node` counter and never reused, so a
 /// restarted node always starts with an empty prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

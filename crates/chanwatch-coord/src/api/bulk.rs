@@ -10,6 +10,7 @@
 //! newer coordinators know (and this build does not) flow through.
 //! Must not: write: the leader does, through [`CoordHandle::add_channels`].
 
+use chanwatch_core::{COORDINATOR_FIELDS, MAX_CHANNEL_EXTRA_BYTES};
 use std::collections::HashMap;
 
 use axum::body::Bytes;
@@ -26,20 +27,6 @@ use crate::{BulkError, CoordHandle, MAX_BULK_CHANNELS};
 /// Largest bulk request body: 10,000 entries with room for small vchannels (a list of big
 /// ones is split by the client; `ctl add-channels` sends at most 8 MiB a call).
 pub const MAX_BULK_BODY_BYTES: usize = 32 * 1024 * 1024;
-
-/// Most bytes of an entry's fields besides `name` and `vchannel`, encoded.
-const MAX_EXTRA_BYTES: usize = 4 * 1024;
-
-/// Fields of the stored value the coordinator sets; an entry may not.
-const RESERVED: [&str; 7] = [
-    "v",
-    "channel",
-    "state",
-    "epoch",
-    "start_time_ms",
-    "reason",
-    "progress",
-];
 
 /// Whether a request may carry a list (the guard's body check and size limit).
 pub(super) fn takes_lists(method: &Method, path: &str) -> bool {
@@ -179,16 +166,16 @@ fn entry_info(entry: Value) -> Result<ChannelInfo, String> {
             v
         }
     };
-    if let Some(k) = RESERVED.iter().find(|k| fields.contains_key(**k)) {
+    if let Some(k) = COORDINATOR_FIELDS.iter().find(|k| fields.contains_key(**k)) {
         return Err(format!(
             "channel {name}: field {k:?} is set by the coordinator; leave it out"
         ));
     }
     let extra_len = serde_json::to_vec(&fields).map_or(usize::MAX, |v| v.len());
-    if extra_len > MAX_EXTRA_BYTES {
+    if extra_len > MAX_CHANNEL_EXTRA_BYTES {
         return Err(format!(
             "channel {name}: its fields besides name and vchannel take {extra_len} bytes; the \
-             limit is {MAX_EXTRA_BYTES}"
+             limit is {MAX_CHANNEL_EXTRA_BYTES}"
         ));
     }
     let info = ChannelInfo::new(name.clone(), Epoch(1), 0, vchannel);

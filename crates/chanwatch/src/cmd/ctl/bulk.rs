@@ -8,6 +8,7 @@
 //! files and the summary.
 //! Must not: write to etcd (the leader does) or print the channel table.
 
+use chanwatch_core::{COORDINATOR_FIELDS, MAX_CHANNEL_EXTRA_BYTES};
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::time::Instant;
@@ -22,20 +23,6 @@ use super::leader::{Leader, Refused};
 
 /// Most bytes of JSON in one call (the API takes up to 32 MiB).
 pub const MAX_LIST_BYTES: usize = 8 * 1024 * 1024;
-
-/// Most bytes of a line's fields besides `name` and `vchannel` (the API's limit).
-const MAX_EXTRA_BYTES: usize = 4 * 1024;
-
-/// Fields the coordinator sets, which a line may not.
-const RESERVED: [&str; 7] = [
-    "v",
-    "channel",
-    "state",
-    "epoch",
-    "start_time_ms",
-    "reason",
-    "progress",
-];
 
 /// One channel of the file, ready to send.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,7 +141,7 @@ fn parse_line(line: &str) -> Result<(ChannelName, Value), String> {
         v.check_size()
             .map_err(|e| format!("value too large: channel {name}: {e}"))?;
     }
-    if let Some(k) = RESERVED.iter().find(|k| fields.contains_key(**k)) {
+    if let Some(k) = COORDINATOR_FIELDS.iter().find(|k| fields.contains_key(**k)) {
         return Err(format!(
             "channel {name}: field {k:?} is set by the coordinator; leave it out"
         ));
@@ -165,10 +152,10 @@ fn parse_line(line: &str) -> Result<(ChannelName, Value), String> {
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let extra_len = serde_json::to_vec(&extra).map_or(usize::MAX, |v| v.len());
-    if extra_len > MAX_EXTRA_BYTES {
+    if extra_len > MAX_CHANNEL_EXTRA_BYTES {
         return Err(format!(
             "value too large: channel {name}: fields besides name and vchannel take \
-             {extra_len} bytes; the limit is {MAX_EXTRA_BYTES}"
+             {extra_len} bytes; the limit is {MAX_CHANNEL_EXTRA_BYTES}"
         ));
     }
     fields.insert("name".into(), Value::String(name.to_string()));

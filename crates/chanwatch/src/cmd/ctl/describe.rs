@@ -347,19 +347,7 @@ pub fn describe_channel(d: &ChannelDetail, now: u64) -> String {
         ),
         None => field(&mut out, "Checkpoint", "none"),
     }
-    out += &format!(
-        "Transitions (last {}; history since this leader, {}, took over at {}):\n",
-        d.history.len(),
-        d.history_info.leader,
-        time(d.history_info.since_ms)
-    );
-    if d.history.is_empty() {
-        out += "  none since then\n";
-    }
-    for e in &d.history {
-        out += "  ";
-        out += &event_line(e);
-    }
+    out += &history("Transitions", &d.history, &d.history_info);
     out
 }
 
@@ -405,16 +393,22 @@ pub fn describe_node(d: &NodeDetail, now: u64) -> String {
             out += &format!("  {line}\n");
         }
     }
-    out += &format!(
-        "Events (last {}; history since this leader, {}, took over at {}):\n",
-        d.history.len(),
-        d.history_info.leader,
-        time(d.history_info.since_ms)
+    out += &history("Events", &d.history, &d.history_info);
+    out
+}
+
+/// The last events of one object, under a title that says whose history it is.
+fn history(title: &str, events: &[Event], info: &HistoryInfo) -> String {
+    let mut out = format!(
+        "{title} (last {}; history since this leader, {}, took over at {}):\n",
+        events.len(),
+        info.leader,
+        time(info.since_ms)
     );
-    if d.history.is_empty() {
+    if events.is_empty() {
         out += "  none since then\n";
     }
-    for e in &d.history {
+    for e in events {
         out += "  ";
         out += &event_line(e);
     }
