@@ -49,6 +49,7 @@ pub mod etcd;
 mod etcd_error;
 #[cfg(any(test, feature = "testing"))]
 pub mod faults;
+pub mod layer;
 mod lease;
 pub mod listwatch;
 pub mod types;
@@ -67,6 +68,7 @@ pub use etcd::{EtcdConfig, EtcdStore, MemberStatus, TlsFiles};
 /// Test fixtures (feature `testing`): a store wrapper that injects faults.
 #[cfg(any(test, feature = "testing"))]
 pub use faults::{CommitHook, Faults, FaultyStore};
+pub use layer::{Layer, Layered};
 pub use lease::{fence_margin, keep_lease, Renewal, UnreachedRenewals};
 pub use listwatch::{ListWatch, Update};
 pub use types::{

@@ -9,8 +9,9 @@ use anyhow::{bail, ensure, Context, Result};
 use chanwatch_coord::CoordStatus;
 use chanwatch_core::{ChannelName, CoordSession, VChannelInfo};
 use chanwatch_store::{
-    EmbeddedStore, EventKind, FaultyStore, KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore,
-    RangeResponse, Revision, StoreError, StoreResult, Txn, TxnOp, TxnResponse, WatchStream,
+    EmbeddedStore, EventKind, FaultyStore, KeyRange, KeyValue, Layer, Layered, Lease, LeaseId,
+    MetaStore, RangeResponse, Revision, StoreError, StoreResult, Txn, TxnOp, TxnResponse,
+    WatchStream,
 };
 use futures_util::StreamExt;
 
@@ -146,20 +147,23 @@ pub async fn a_leader_key_with_no_lease_is_deleted_and_never_blocks_an_election(
 /// fails every call but keepalives as etcd does after its auth token died (renewals need
 /// none). Everything else passes through.
 pub(crate) struct FailingGrants {
-    inner: Arc<dyn MetaStore>,
     fail: AtomicU32,
     error: fn() -> StoreError,
     expired: AtomicBool,
 }
 
 impl FailingGrants {
-    pub(crate) fn new(inner: Arc<dyn MetaStore>, fail: u32, error: fn() -> StoreError) -> Self {
-        FailingGrants {
-            inner,
+    pub(crate) fn new(
+        inner: Arc<dyn MetaStore>,
+        fail: u32,
+        error: fn() -> StoreError,
+    ) -> Layered<Self> {
+        let layer = FailingGrants {
             fail: AtomicU32::new(fail),
             error,
             expired: AtomicBool::new(false),
-        }
+        };
+        Layered::new(inner, layer)
     }
 
     fn token(&self) -> StoreResult<()> {
@@ -171,46 +175,46 @@ impl FailingGrants {
 }
 
 #[async_trait::async_trait]
-impl MetaStore for FailingGrants {
-    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+impl Layer for FailingGrants {
+    async fn get(&self, inner: &dyn MetaStore, key: &str) -> StoreResult<Option<KeyValue>> {
         self.token()?;
-        self.inner.get(key).await
+        inner.get(key).await
     }
-    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
+    async fn range_keys(
+        &self,
+        inner: &dyn MetaStore,
+        keys: &KeyRange,
+    ) -> StoreResult<RangeResponse> {
         self.token()?;
-        self.inner.range_keys(keys).await
+        inner.range_keys(keys).await
     }
-    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+    async fn txn(&self, inner: &dyn MetaStore, txn: Txn) -> StoreResult<TxnResponse> {
         self.token()?;
-        self.inner.txn(txn).await
+        inner.txn(txn).await
     }
-    async fn watch_keys(&self, keys: &KeyRange, from: Revision) -> StoreResult<WatchStream> {
+    async fn watch_keys(
+        &self,
+        inner: &dyn MetaStore,
+        keys: &KeyRange,
+        from: Revision,
+    ) -> StoreResult<WatchStream> {
         self.token()?;
-        self.inner.watch_keys(keys, from).await
+        inner.watch_keys(keys, from).await
     }
-    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
+    async fn grant(&self, inner: &dyn MetaStore, ttl: Duration) -> StoreResult<Lease> {
         self.token()?;
         let left = self.fail.load(Ordering::SeqCst);
         if left > 0 {
             self.fail.store(left - 1, Ordering::SeqCst);
             return Err((self.error)());
         }
-        self.inner.grant(ttl).await
+        inner.grant(ttl).await
     }
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<chanwatch_store::Revision> {
-        self.inner.keepalive(lease).await
-    }
-    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
+    async fn revoke(&self, inner: &dyn MetaStore, lease: LeaseId) -> StoreResult<()> {
         self.token()?;
-        self.inner.revoke(lease).await
+        inner.revoke(lease).await
     }
-    async fn compact(&self, revision: Revision) -> StoreResult<()> {
-        self.inner.compact(revision).await
-    }
-    fn limits(&self) -> &Limits {
-        self.inner.limits()
-    }
-    fn describe(&self) -> String {
+    fn describe(&self, _inner: &dyn MetaStore) -> String {
         "failing grants".into()
     }
 }
@@ -262,7 +266,7 @@ pub async fn a_leader_that_cannot_list_resigns_so_a_standby_leads() -> Result<()
     c.wait_node_id(&n).await?;
     // etcd restarts with auth on: every token dies and every watch breaks. The leader's
     // renewals still pass; nothing else does.
-    sick.expired.store(true, Ordering::SeqCst);
+    sick.layer().expired.store(true, Ordering::SeqCst);
     inner.break_watches();
     // It resigns after a TTL of blindness; its key goes with its lease one TTL later at most.
     let mut status = b.proc.status.clone();

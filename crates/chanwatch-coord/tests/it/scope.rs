@@ -8,8 +8,8 @@ use std::time::Duration;
 use anyhow::{ensure, Result};
 use chanwatch_core::{ChannelName, Keys};
 use chanwatch_store::{
-    KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision, StoreResult,
-    Txn, TxnOp, TxnResponse, WatchStream,
+    KeyRange, Layer, Layered, MetaStore, RangeResponse, Revision, StoreResult, Txn, TxnOp,
+    WatchStream,
 };
 use futures_util::StreamExt;
 
@@ -18,7 +18,6 @@ use crate::cluster::Cluster;
 /// Passes everything through; counts the keys its watches and lists hand over, split into
 /// checkpoints and the rest.
 struct CountingReads {
-    inner: Arc<dyn MetaStore>,
     keys: Keys,
     checkpoints: Arc<AtomicU64>,
     others: Arc<AtomicU64>,
@@ -37,22 +36,25 @@ impl CountingReads {
 }
 
 #[async_trait::async_trait]
-impl MetaStore for CountingReads {
-    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
-        self.inner.get(key).await
-    }
-    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
-        let list = self.inner.range_keys(keys).await?;
+impl Layer for CountingReads {
+    async fn range_keys(
+        &self,
+        inner: &dyn MetaStore,
+        keys: &KeyRange,
+    ) -> StoreResult<RangeResponse> {
+        let list = inner.range_keys(keys).await?;
         for kv in &list.kvs {
             self.count(&kv.key);
         }
         Ok(list)
     }
-    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
-        self.inner.txn(txn).await
-    }
-    async fn watch_keys(&self, keys: &KeyRange, from: Revision) -> StoreResult<WatchStream> {
-        let stream = self.inner.watch_keys(keys, from).await?;
+    async fn watch_keys(
+        &self,
+        inner: &dyn MetaStore,
+        keys: &KeyRange,
+        from: Revision,
+    ) -> StoreResult<WatchStream> {
+        let stream = inner.watch_keys(keys, from).await?;
         let (k, checkpoints, others) = (
             self.keys.clone(),
             self.checkpoints.clone(),
@@ -72,35 +74,20 @@ impl MetaStore for CountingReads {
             batch
         })))
     }
-    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
-        self.inner.grant(ttl).await
-    }
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
-        self.inner.keepalive(lease).await
-    }
-    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
-        self.inner.revoke(lease).await
-    }
-    async fn compact(&self, revision: Revision) -> StoreResult<()> {
-        self.inner.compact(revision).await
-    }
-    fn limits(&self) -> &Limits {
-        self.inner.limits()
-    }
-    fn describe(&self) -> String {
-        format!("counting {}", self.inner.describe())
+    fn describe(&self, inner: &dyn MetaStore) -> String {
+        format!("counting {}", inner.describe())
     }
 }
 
 pub async fn checkpoint_commits_never_reach_the_coordinators_watch(c: Cluster) -> Result<()> {
     let checkpoints = Arc::new(AtomicU64::new(0));
     let others = Arc::new(AtomicU64::new(0));
-    let store = Arc::new(CountingReads {
-        inner: c.store.clone(),
+    let counting = CountingReads {
         keys: c.keys.clone(),
         checkpoints: checkpoints.clone(),
         others: others.clone(),
-    });
+    };
+    let store = Arc::new(Layered::new(c.store.clone(), counting));
     // Checkpoints already there when it lists, and more while it watches.
     let put = |i: usize| {
         let name = ChannelName::new(format!("cp{i:03}")).expect("name");

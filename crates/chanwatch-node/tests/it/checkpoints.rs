@@ -12,8 +12,7 @@ use chanwatch_coord::Coordinator;
 use chanwatch_core::{ChannelInfo, ChannelName, Checkpoint, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{ChannelContext, ChannelHandler, CommitError, Node};
 use chanwatch_store::{
-    EmbeddedStore, KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision,
-    StoreError, StoreResult, Txn, TxnResponse, WatchStream,
+    EmbeddedStore, KeyValue, Layer, Layered, MetaStore, StoreError, StoreResult, Txn, TxnResponse,
 };
 use serde_json::json;
 
@@ -190,7 +189,6 @@ async fn a_state_over_64_kib_is_refused_before_it_is_sent() -> Result<()> {
 /// and then answered with `Unavailable` (etcd killed after it applied a txn, before it
 /// answered: the client cannot tell whether it landed).
 struct LosesOneAnswer {
-    inner: EmbeddedStore,
     armed: std::sync::atomic::AtomicBool,
     /// Gets to fail (`Unavailable`) after the lost answer: etcd going down meanwhile.
     failing_gets: std::sync::atomic::AtomicUsize,
@@ -198,8 +196,8 @@ struct LosesOneAnswer {
 }
 
 #[async_trait]
-impl MetaStore for LosesOneAnswer {
-    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+impl Layer for LosesOneAnswer {
+    async fn get(&self, inner: &dyn MetaStore, key: &str) -> StoreResult<Option<KeyValue>> {
         let fail = self
             .failing_gets
             .fetch_update(
@@ -214,14 +212,11 @@ impl MetaStore for LosesOneAnswer {
                 message: "down".into(),
             });
         }
-        self.inner.get(key).await
+        inner.get(key).await
     }
-    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
-        self.inner.range_keys(keys).await
-    }
-    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+    async fn txn(&self, inner: &dyn MetaStore, txn: Txn) -> StoreResult<TxnResponse> {
         let batch = txn.then.len() >= 2;
-        let answer = self.inner.txn(txn).await;
+        let answer = inner.txn(txn).await;
         if batch && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
             self.failing_gets
                 .store(self.gets_to_fail, std::sync::atomic::Ordering::SeqCst);
@@ -232,25 +227,7 @@ impl MetaStore for LosesOneAnswer {
         }
         answer
     }
-    async fn watch_keys(&self, keys: &KeyRange, from: Revision) -> StoreResult<WatchStream> {
-        self.inner.watch_keys(keys, from).await
-    }
-    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
-        self.inner.grant(ttl).await
-    }
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
-        self.inner.keepalive(lease).await
-    }
-    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
-        self.inner.revoke(lease).await
-    }
-    async fn compact(&self, revision: Revision) -> StoreResult<()> {
-        self.inner.compact(revision).await
-    }
-    fn limits(&self) -> &Limits {
-        self.inner.limits()
-    }
-    fn describe(&self) -> String {
+    fn describe(&self, _inner: &dyn MetaStore) -> String {
         "embedded, loses one answer".into()
     }
 }
@@ -275,13 +252,14 @@ async fn a_group_commit_that_landed_without_an_answer_is_unknown_while_the_store
 }
 
 async fn landed_without_answer(gets_to_fail: usize) -> Result<()> {
-    let inner = Arc::new(LosesOneAnswer {
-        inner: EmbeddedStore::new(),
+    let layer = LosesOneAnswer {
         armed: false.into(),
         failing_gets: 0.into(),
         gets_to_fail,
-    });
-    let store: Arc<dyn MetaStore> = inner.clone();
+    };
+    let layered = Arc::new(Layered::new(Arc::new(EmbeddedStore::new()), layer));
+    let inner = layered.layer();
+    let store: Arc<dyn MetaStore> = layered.clone();
     let keeper = Arc::new(Keeper::default());
     let coordinator = Coordinator::builder(store.clone()).spawn()?;
     let node = Node::builder(store.clone())

@@ -10,66 +10,28 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chanwatch_store::{
-    Alarm, KeyRange, KeyValue, Lease, LeaseId, Limits, MetaStore, RangeResponse, Revision,
-    StoreResult, Txn, TxnResponse, WatchStream,
-};
+use chanwatch_store::{Layer, Layered, MetaStore, StoreResult, Txn, TxnResponse};
 use serde_json::{json, Value};
 
 /// A store that counts the txns sent through it (whatever their outcome) and passes every
 /// call on unchanged: the embedded store has no txn counter of its own, and on etcd it
 /// tells the nodes' txns apart from the coordinator's.
 pub(crate) struct CountingStore {
-    inner: Arc<dyn MetaStore>,
     txns: Arc<AtomicU64>,
 }
 
 impl CountingStore {
     /// Counts `inner`'s txns into `txns` (shared by every wrapper of one measurement).
     pub(crate) fn wrap(inner: Arc<dyn MetaStore>, txns: Arc<AtomicU64>) -> Arc<dyn MetaStore> {
-        Arc::new(CountingStore { inner, txns })
+        Arc::new(Layered::new(inner, CountingStore { txns }))
     }
 }
 
 #[async_trait]
-impl MetaStore for CountingStore {
-    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
-        self.inner.get(key).await
-    }
-    async fn range_keys(&self, keys: &KeyRange) -> StoreResult<RangeResponse> {
-        self.inner.range_keys(keys).await
-    }
-    async fn txn(&self, txn: Txn) -> StoreResult<TxnResponse> {
+impl Layer for CountingStore {
+    async fn txn(&self, inner: &dyn MetaStore, txn: Txn) -> StoreResult<TxnResponse> {
         self.txns.fetch_add(1, Ordering::Relaxed);
-        self.inner.txn(txn).await
-    }
-    async fn watch_keys(
-        &self,
-        keys: &KeyRange,
-        from_revision: Revision,
-    ) -> StoreResult<WatchStream> {
-        self.inner.watch_keys(keys, from_revision).await
-    }
-    async fn grant(&self, ttl: Duration) -> StoreResult<Lease> {
-        self.inner.grant(ttl).await
-    }
-    async fn keepalive(&self, lease: LeaseId) -> StoreResult<Revision> {
-        self.inner.keepalive(lease).await
-    }
-    async fn revoke(&self, lease: LeaseId) -> StoreResult<()> {
-        self.inner.revoke(lease).await
-    }
-    async fn compact(&self, revision: Revision) -> StoreResult<()> {
-        self.inner.compact(revision).await
-    }
-    async fn alarms(&self) -> StoreResult<Vec<Alarm>> {
-        self.inner.alarms().await
-    }
-    fn limits(&self) -> &Limits {
-        self.inner.limits()
-    }
-    fn describe(&self) -> String {
-        self.inner.describe()
+        inner.txn(txn).await
     }
 }
 
