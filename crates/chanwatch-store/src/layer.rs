@@ -172,18 +172,19 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_layer_takes_over_the_calls_it_overrides_and_forwards_the_rest() {
+    async fn a_layer_takes_over_the_calls_it_overrides_and_forwards_the_rest() -> StoreResult<()> {
         let below: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
         let store = Layered::new(below.clone(), CountsTxnsRefusesGrants::default());
         store
             .txn(Txn::new().and_then([crate::TxnOp::put("k", "v")]))
-            .await
-            .unwrap();
+            .await?;
         assert_eq!(store.layer().0.load(Ordering::SeqCst), 1);
         assert!(store.grant(Duration::from_secs(5)).await.is_err());
         // Forwarded: the read sees what the txn wrote below, and the description is the store's.
-        assert_eq!(store.get("k").await.unwrap().unwrap().value, b"v".to_vec());
+        let read = store.get("k").await?.map(|kv| kv.value);
+        assert_eq!(read, Some(b"v".to_vec()));
         assert_eq!(store.describe(), below.describe());
         assert!(below.grant(Duration::from_secs(5)).await.is_ok());
+        Ok(())
     }
 }
