@@ -14,9 +14,8 @@ use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, Txn, TxnOp};
 use chanwatch_testkit::EtcdFixture;
 use serde_json::Value;
 
-fn bin() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
-}
+mod procs;
+use procs::bin;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -94,13 +93,7 @@ async fn seeded() -> EtcdFixture {
 }
 
 fn ctl(fixture: &EtcdFixture, args: &[&str]) -> Output {
-    Command::new(bin())
-        .arg("ctl")
-        .arg(format!("--endpoints={}", fixture.endpoint()))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ctl")
+    procs::ctl(fixture.endpoint(), args)
 }
 
 fn ok(out: &Output) -> String {

@@ -6,8 +6,8 @@
 //! The golden files of `get channel -o json|yaml` are in `tests/golden/`
 //! (`CHANWATCH_GOLDEN_UPDATE=1` rewrites them).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use chanwatch_core::{
@@ -18,8 +18,8 @@ use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, Txn, TxnOp};
 use chanwatch_testkit::EtcdFixture;
 use serde_json::Value;
 
-#[allow(dead_code)] // only `bin` is needed here
 mod procs;
+use procs::Proc;
 
 /// One cluster at a time: the machine is small and the waits are timings.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -33,45 +33,6 @@ fn free_addr() -> String {
 }
 
 /// A process of the binary, its output in a file; killed on drop.
-struct Proc {
-    child: Child,
-    out: PathBuf,
-}
-
-impl Proc {
-    fn start(dir: &Path, name: &str, args: &[String]) -> Proc {
-        let out = dir.join(format!("{name}.out"));
-        let file = std::fs::File::create(&out).expect("output file");
-        let child = Command::new(procs::bin())
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().expect("dup"))
-            .stderr(file)
-            .spawn()
-            .expect("spawn chanwatch");
-        Proc { child, out }
-    }
-
-    fn output(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-
-    fn signal(&self, sig: &str) {
-        let _ = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.signal("-CONT");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 struct World {
     dir: tempfile::TempDir,
     etcd: EtcdFixture,
@@ -98,7 +59,7 @@ impl World {
             format!("--session-ttl={TTL}s"),
             "--balance-quiet=300s".to_owned(),
         ];
-        (Proc::start(self.dir.path(), id, &args), admin)
+        (procs::spawn(self.dir.path(), id, &args), admin)
     }
 
     fn node(&self, name: &str) -> Proc {
@@ -108,7 +69,7 @@ impl World {
             "--admin=127.0.0.1:0".to_owned(),
             format!("--session-ttl={TTL}s"),
         ];
-        Proc::start(self.dir.path(), name, &args)
+        procs::spawn(self.dir.path(), name, &args)
     }
 
     fn ctl_raw(&self, args: &[&str]) -> Output {
@@ -279,7 +240,7 @@ async fn events_follow_sees_a_killed_nodes_channels_fail_over() {
     let _one = SERIAL.lock().await;
     let w = World::new().await;
     let (_coord, _admin, mut nodes, _ids) = w.cluster(4).await;
-    let follow = Proc::start(
+    let follow = procs::spawn(
         w.dir.path(),
         "follow",
         &[
@@ -349,7 +310,7 @@ async fn ctl_waits_through_a_leader_failover_and_a_frozen_leader_then_succeeds()
     let (second, _) = w.coord("coord-2");
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Frozen: the leader key stays until its lease runs out; requests get no answer.
-    first.signal("-STOP");
+    first.signal("STOP");
     let started = Instant::now();
     let out = w.ctl_raw(&["--timeout=15s", "describe", "channel", "orders-0"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -407,7 +368,7 @@ async fn ctl_admin_reads_a_standalone_which_has_no_etcd() {
     let _one = SERIAL.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let admin = free_addr();
-    let standalone = Proc::start(
+    let standalone = procs::spawn(
         dir.path(),
         "standalone",
         &[
@@ -606,7 +567,7 @@ async fn events_follow_reconnects_to_the_new_leader_after_a_failover() {
     let w = World::new().await;
     let (first, _admin, _nodes, ids) = w.cluster(2).await;
     let (_second, _) = w.coord("coord-2");
-    let follow = Proc::start(
+    let follow = procs::spawn(
         w.dir.path(),
         "follow",
         &[

@@ -6,31 +6,17 @@
 
 mod procs;
 
-use std::net::TcpListener;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use chanwatch_testkit::{EtcdFixture, EtcdOptions};
-use procs::{bin, spawn};
+use procs::{free_port, spawn};
 use serde_json::Value;
 
 const QUOTA: u64 = 32 * 1024 * 1024;
 
 fn ctl(fixture: &EtcdFixture, args: &[&str]) -> Output {
-    Command::new(bin())
-        .arg("ctl")
-        .arg(format!("--endpoints={}", fixture.endpoint()))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ctl")
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
+    procs::ctl(fixture.endpoint(), args)
 }
 
 /// Retries `f` every 200 ms until it returns `Some`, for up to `limit`.

@@ -8,14 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod procs;
-use procs::{bin, spawn};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
+use procs::{bin, free_port, spawn};
 
 /// `curl` the standalone's admin API; the body, or `None` on failure.
 fn curl(args: &[&str]) -> Option<String> {

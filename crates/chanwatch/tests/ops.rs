@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use chanwatch_testkit::EtcdFixture;
 
 mod procs;
-use procs::{bin, spawn};
+use procs::{bin, free_port, spawn};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -136,13 +136,6 @@ async fn get(client: &reqwest::Client, url: &str) -> Option<(u16, String)> {
     let resp = client.get(url).send().await.ok()?;
     let code = resp.status().as_u16();
     Some((code, resp.text().await.ok()?))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

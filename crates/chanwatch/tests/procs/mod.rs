@@ -1,8 +1,9 @@
 //! Helpers shared by the integration tests that run the real binary: a child process whose
-//! stdout and stderr go to a file, killed when dropped.
+//! stdout and stderr go to a file, killed when dropped; `ctl` against an etcd; a free port.
+#![allow(dead_code)] // each test binary uses some of these helpers
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 /// A process of the binary, killed on drop.
 pub struct Proc {
@@ -17,7 +18,6 @@ impl Proc {
     }
 
     /// Sends it `signal` (e.g. `TERM`) with `kill`.
-    #[allow(dead_code)] // not every test binary signals
     pub fn signal(&self, signal: &str) {
         let ok = Command::new("kill")
             .arg(format!("-{signal}"))
@@ -28,7 +28,6 @@ impl Proc {
     }
 
     /// Its exit code once it has exited (`Some(-1)`: killed by a signal).
-    #[allow(dead_code)] // not every test binary reads it
     pub fn exit_code(&mut self) -> Option<i32> {
         match self.child.try_wait() {
             Ok(Some(status)) => Some(status.code().unwrap_or(-1)),
@@ -44,6 +43,12 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // A stopped process (a test's SIGSTOP) dies of SIGKILL too, but resume it first so
+        // that nothing of it lingers stopped.
+        let _ = Command::new("kill")
+            .arg("-CONT")
+            .arg(self.child.id().to_string())
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -67,4 +72,23 @@ pub fn spawn(dir: &Path, name: &str, args: &[String]) -> Proc {
         .spawn()
         .expect("spawn chanwatch");
     Proc { child, out }
+}
+
+/// Runs `chanwatch ctl --endpoints=ENDPOINT ARGS` and returns what it did.
+pub fn ctl(endpoint: &str, args: &[&str]) -> Output {
+    Command::new(bin())
+        .arg("ctl")
+        .arg(format!("--endpoints={endpoint}"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ctl")
+}
+
+/// A loopback port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
 }
