@@ -320,10 +320,17 @@ async fn big_page(channels: usize, nodes: usize, shot: &str) -> Result<Render> {
         dom.matches("class=\"ch Watched").count() == 50,
         "not one page of 50 rows:\n{dom}"
     );
+    // The first node drained: the summary marks it, and (the screenshot's) page shows its
+    // channels on their way elsewhere.
+    let first = c.wait_node_id(&procs[0]).await?;
+    retry_not_ready(|| coord.handle.drain(first)).await?;
+    let s = retry_not_ready(|| coord.handle.summary()).await?;
+    let tile = s.nodes.iter().find(|n| n.id == first.0);
+    ensure!(
+        tile.is_some_and(|n| n.draining && !n.leaving && !n.fenced),
+        "the summary does not mark node {first} draining: {tile:?}"
+    );
     if let Some(dir) = std::env::var_os("CHANWATCH_SCREENSHOT_DIR") {
-        // Something to see: the first node drained, its channels on their way elsewhere.
-        let first = c.wait_node_id(&procs[0]).await?;
-        retry_not_ready(|| coord.handle.drain(first)).await?;
         tokio::time::sleep(Duration::from_millis(600)).await;
         let shot = format!("--screenshot={}", PathBuf::from(dir).join(shot).display());
         let url = url.clone();

@@ -11,11 +11,14 @@ use serde_json::{json, Value};
 
 /// A leader on an embedded store with no nodes, its API on 127.0.0.1, and `n` channels
 /// `c-0`…`c-{n-1}` registered (all parked under `remaining`).
-async fn leader_with(n: usize, token: Option<&str>) -> Result<(String, CoordHandle)> {
+async fn leader_with(
+    n: usize,
+    token: Option<&str>,
+) -> Result<(String, CoordHandle, Arc<dyn MetaStore>)> {
     let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?.to_string();
-    let handle = Coordinator::builder(store)
+    let handle = Coordinator::builder(store.clone())
         .id("sum-1")
         .admin_addr(addr.clone())
         .session_ttl(Duration::from_secs(3))
@@ -49,7 +52,7 @@ async fn leader_with(n: usize, token: Option<&str>) -> Result<(String, CoordHand
         let resp = req.send().await?;
         ensure!(resp.status() == 201, "bulk add: {}", resp.text().await?);
     }
-    Ok((format!("http://{addr}"), handle))
+    Ok((format!("http://{addr}"), handle, store))
 }
 
 async fn get(url: &str) -> Result<(u16, Value)> {
@@ -76,7 +79,7 @@ fn names(page: &Value) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channels_page_by_filter_in_natural_order_and_the_plain_list_stays_as_it_was() -> Result<()>
 {
-    let (base, _h) = leader_with(25, None).await?;
+    let (base, _h, _) = leader_with(25, None).await?;
     let (code, plain) = get(&format!("{base}/api/v1/channels")).await?;
     ensure!(
         code == 200 && plain.as_array().is_some_and(|a| a.len() == 25),
@@ -146,7 +149,20 @@ async fn channels_page_by_filter_in_natural_order_and_the_plain_list_stays_as_it
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_summary_counts_every_channel_and_names_the_first_parked_ones() -> Result<()> {
-    let (base, h) = leader_with(30, None).await?;
+    let (base, h, store) = leader_with(30, None).await?;
+    let standby = Coordinator::builder(store)
+        .id("sum-2")
+        .admin_addr("127.0.0.1:1")
+        .session_ttl(Duration::from_secs(3))
+        .spawn()?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while h.summary().await?.standbys.is_empty() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the standby never showed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (code, s) = get(&format!("{base}/api/v1/summary")).await?;
     ensure!(code == 200, "{code} {s}");
     ensure!(s["channels"]["total"] == json!(30), "{s}");
@@ -165,6 +181,18 @@ async fn the_summary_counts_every_channel_and_names_the_first_parked_ones() -> R
     );
     ensure!(s["nodes"] == json!([]), "{s}");
     ensure!(s["leader"]["id"] == json!("sum-1"), "{s}");
+    ensure!(
+        s["standbys"]
+            == json!([{"id": "sum-2", "admin_addr": "127.0.0.1:1", "since_ms": s["standbys"][0]["since_ms"], "term": 0}]),
+        "{s}"
+    );
+    ensure!(
+        matches!(
+            standby.summary().await,
+            Err(chanwatch_coord::ApiError::NotLeader { .. })
+        ),
+        "a standby answers a summary"
+    );
     ensure!(s["leader"]["term"].as_i64().is_some_and(|t| t > 0), "{s}");
     ensure!(
         s["store"]["reachable"] == json!(true) && s["store"]["alarms"] == json!([]),
@@ -179,7 +207,7 @@ async fn the_summary_counts_every_channel_and_names_the_first_parked_ones() -> R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pages_action_buttons_need_the_token_and_its_reads_do_not() -> Result<()> {
-    let (base, _h) = leader_with(1, Some("s3cret")).await?;
+    let (base, _h, _) = leader_with(1, Some("s3cret")).await?;
     let client = reqwest::Client::new();
     let actions = [
         ("/api/v1/channels/c-0/pin", "{}"),
