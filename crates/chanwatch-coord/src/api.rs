@@ -25,6 +25,7 @@ use crate::handle::{ApiError, CoordHandle};
 mod bulk;
 mod events;
 mod guard;
+mod summary;
 
 pub use bulk::MAX_BULK_BODY_BYTES;
 
@@ -167,6 +168,7 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .route("/api/v1/events", get(events::events))
         .route("/api/v1/channels/{name}/pin", post(pin))
         .route("/api/v1/channels/{name}/unpin", post(unpin))
+        .route("/api/v1/summary", get(summary::summary))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
@@ -276,14 +278,26 @@ struct ChannelsQuery {
     /// `1` / `true`: add each channel's `checkpoint`.
     #[serde(default)]
     checkpoints: Option<String>,
+    /// Paging and filters (`api/summary.rs`): any of them makes the answer one page.
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    node: Option<String>,
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    offset: Option<String>,
+    #[serde(default)]
+    limit: Option<String>,
 }
 
 /// The channel rows; with `?checkpoints=1` each also carries its `checkpoint` (`{position,
 /// epoch, updated_at_ms, age_ms}` or `null`), read from the store with one range of the
 /// checkpoint prefix for the request — the coordinator's view does not hold checkpoints. The
 /// status page asks for them on every fifth poll only.
+/// With any of `name`, `node`, `state`, `offset`, `limit` the answer is one page
+/// `{total, offset, limit, rows}` in natural order (`api/summary.rs`).
 async fn list_channels(State(h): State<CoordHandle>, Query(q): Query<ChannelsQuery>) -> HttpResult {
-    let rows = h.channels().await?;
     let with = match q.checkpoints.as_deref() {
         None | Some("0" | "false") => false,
         Some("" | "1" | "true") => true,
@@ -293,6 +307,17 @@ async fn list_channels(State(h): State<CoordHandle>, Query(q): Query<ChannelsQue
             )))
         }
     };
+    let paged = summary::PageQuery {
+        name: q.name.as_deref(),
+        node: q.node.as_deref(),
+        state: q.state.as_deref(),
+        offset: q.offset.as_deref(),
+        limit: q.limit.as_deref(),
+    };
+    if paged.given() {
+        return summary::page(&h, &paged, with).await;
+    }
+    let rows = h.channels().await?;
     if !with {
         return Ok(Json(rows).into_response());
     }

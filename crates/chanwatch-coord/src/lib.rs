@@ -81,6 +81,7 @@ pub mod events;
 mod execute;
 mod handle;
 pub mod metrics;
+pub mod summary;
 mod term;
 mod upkeep;
 mod watch_health;

@@ -13,6 +13,7 @@ mod library;
 mod placement;
 mod scenarios;
 mod scope;
+mod summary;
 mod upkeep;
 
 /// One test per case on one backend; each calls `$module::$case(cluster)`.

@@ -1,0 +1,489 @@
+//! What the status page polls, kept small at 10,000 channels / 100 nodes: the cluster
+//! [`Summary`] (counts by state, each node's load, the leader and standbys, the store's health
+//! as the leader sees it, the parked and unsettled channels, capped) and one filtered,
+//! naturally sorted [`ChannelPage`] of channel rows.
+//!
+//! Owns: those reads — the leader's view (through the term, like `detail.rs`), one range of
+//! `{root}/coord/` (leader, standbys, compaction record, fences) and the store's alarms per
+//! summary — and the natural order of channel names. Must not: write anything, or hold the
+//! term's loop longer than one pass over the view (sorting and paging happen after it).
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+use chanwatch_core::planner::{ChannelRow, Entry, Planner};
+use chanwatch_core::{ChannelOwner, ChannelState, CoordSession};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use crate::detail::ViewFn;
+use crate::events::HistoryInfo;
+use crate::handle::{ApiError, CoordHandle, Request};
+
+/// How many parked and how many unsettled channels a summary names (it counts them all).
+pub const SUMMARY_LIST: usize = 20;
+
+/// Most rows one [`ChannelPage`] carries.
+pub const MAX_PAGE: usize = 500;
+
+/// `GET /api/v1/summary`: the cluster at a glance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// When the leader answered (Unix ms, its clock).
+    pub time_ms: u64,
+    /// The leader as `{root}/coord/leader` says (`null`: the store did not answer).
+    pub leader: Option<CoordInfo>,
+    /// The other live coordinators (`{root}/coord/member/`).
+    pub standbys: Vec<CoordInfo>,
+    /// The store as the leader sees it.
+    pub store: StoreHealth,
+    /// Channels by state.
+    pub channels: Counts,
+    /// Every live node, by ID.
+    pub nodes: Vec<NodeLoad>,
+    /// Channels parked under `remaining` (no node has room, or none is live).
+    pub remaining: Capped,
+    /// Channels under a node but not `Watched`: loading, failed, releasing, moving.
+    pub unsettled: Capped,
+    /// The leader's event history (what `GET /api/v1/events?since=` counts in).
+    pub history: HistoryInfo,
+}
+
+/// A coordinator: the leader or a standby.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordInfo {
+    /// Its `--id`.
+    pub id: String,
+    /// Its admin API.
+    pub admin_addr: String,
+    /// When it started (Unix ms).
+    pub since_ms: u64,
+    /// For the leader: the create revision of its leader key, which names its term (every
+    /// write of the term is guarded by it). 0 for a standby.
+    pub term: i64,
+}
+
+/// The store's health as the leader sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreHealth {
+    /// Whether this summary's reads of the store succeeded.
+    pub reachable: bool,
+    /// Why not, when they did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The store's revision at the read (0: not read).
+    pub revision: i64,
+    /// Bytes of the database as last read by the leader's upkeep (0: not known — the embedded
+    /// store has no file, or not read yet). Its quota is etcd's, not known here: `ctl status`
+    /// shows it.
+    pub db_bytes: i64,
+    /// The revision last compacted to (`{root}/coord/compact`; 0: never).
+    pub compacted_to: i64,
+    /// The store revision at which that compaction was recorded.
+    pub compacted_at_revision: i64,
+    /// Alarms the store raised (`NOSPACE on member 8e9e…`).
+    pub alarms: Vec<String>,
+    /// Keys under the root that do not decode (left alone, reported).
+    pub corrupt: usize,
+}
+
+/// Channels counted by state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counts {
+    /// All channels (keys; a duplicate awaiting clean-up counts twice).
+    pub total: usize,
+    /// Per state name (`Watched`, `ToWatch`, …), every state present.
+    pub by_state: BTreeMap<String, usize>,
+    /// Under `remaining` (also counted under their state).
+    pub remaining: usize,
+    /// Moves in flight.
+    pub moving: usize,
+}
+
+/// One node's load.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeLoad {
+    /// Node ID.
+    pub id: u64,
+    /// Its `--name` (empty when it gave none).
+    pub name: String,
+    /// Channels it holds.
+    pub channels: usize,
+    /// Sum of their weights.
+    pub weight: u64,
+    /// Its capacity.
+    pub capacity: u32,
+    /// `weight / capacity`.
+    pub load: f64,
+    /// It carries a drain mark.
+    pub draining: bool,
+    /// It announced it is leaving (a planned restart).
+    pub leaving: bool,
+    /// The leader is fencing it (revoking its session).
+    pub fenced: bool,
+}
+
+/// A count and the first few in natural order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capped {
+    /// How many there are.
+    pub count: usize,
+    /// The first [`SUMMARY_LIST`] of them.
+    pub first: Vec<Brief>,
+}
+
+/// A channel named in a summary list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Brief {
+    /// The channel.
+    pub channel: String,
+    /// Its node (`null`: `remaining`).
+    pub node: Option<u64>,
+    /// Its state.
+    pub state: ChannelState,
+    /// Why, when recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Which channels a page shows (every field optional: all channels).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChannelFilter {
+    /// Part of the name, without case.
+    pub name: Option<String>,
+    /// The owner: a node, or `remaining`.
+    pub owner: Option<ChannelOwner>,
+    /// The state.
+    pub state: Option<ChannelState>,
+}
+
+/// `GET /api/v1/channels?…&offset=&limit=`: one page of the matching rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChannelPage {
+    /// How many channels match the filter.
+    pub total: usize,
+    /// Rows skipped before this page.
+    pub offset: usize,
+    /// Most rows asked for.
+    pub limit: usize,
+    /// The rows, in natural order of channel, then node.
+    pub rows: Vec<ChannelRow>,
+}
+
+/// Natural order: runs of digits compare as numbers, so `orders-2` < `orders-10`; equal
+/// numbers with different leading zeros, and otherwise equal names, fall back to byte order.
+/// (The same order as `ctl`'s.)
+pub fn natural(a: &str, b: &str) -> Ordering {
+    fn digits(s: &[u8]) -> (&[u8], &[u8]) {
+        let end = s
+            .iter()
+            .position(|c| !c.is_ascii_digit())
+            .unwrap_or(s.len());
+        s.split_at(end)
+    }
+    fn trim(s: &[u8]) -> &[u8] {
+        let start = s.iter().position(|&c| c != b'0').unwrap_or(s.len());
+        &s[start..]
+    }
+    let (mut x, mut y) = (a.as_bytes(), b.as_bytes());
+    loop {
+        match (x.first(), y.first()) {
+            (None, None) => return a.cmp(b),
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(c), Some(d)) if c.is_ascii_digit() && d.is_ascii_digit() => {
+                let ((n, rx), (m, ry)) = (digits(x), digits(y));
+                let (n, m) = (trim(n), trim(m));
+                let by_number = n.len().cmp(&m.len()).then_with(|| n.cmp(m));
+                if by_number != Ordering::Equal {
+                    return by_number;
+                }
+                (x, y) = (rx, ry);
+            }
+            (Some(c), Some(d)) => {
+                if c != d {
+                    return c.cmp(d);
+                }
+                (x, y) = (&x[1..], &y[1..]);
+            }
+        }
+    }
+}
+
+fn row(e: &Entry) -> ChannelRow {
+    ChannelRow {
+        channel: e.info.channel.clone(),
+        node: match e.owner {
+            ChannelOwner::Node(n) => Some(n.0),
+            ChannelOwner::Remaining => None,
+        },
+        state: e.info.state,
+        epoch: e.info.epoch.0,
+        start_time_ms: e.info.start_time_ms,
+        reason: e.info.reason.clone(),
+        progress: e.info.progress.as_ref().map(|p| p.percent),
+        weight: e.info.weight.max(1),
+        group: e.info.group.clone(),
+        pinned: e.info.pinned,
+    }
+}
+
+fn brief(e: &Entry) -> Brief {
+    Brief {
+        channel: e.info.channel.to_string(),
+        node: match e.owner {
+            ChannelOwner::Node(n) => Some(n.0),
+            ChannelOwner::Remaining => None,
+        },
+        state: e.info.state,
+        reason: e.info.reason.clone(),
+    }
+}
+
+fn capped(mut all: Vec<Brief>) -> Capped {
+    let count = all.len();
+    all.sort_by(|a, b| natural(&a.channel, &b.channel));
+    all.truncate(SUMMARY_LIST);
+    Capped { count, first: all }
+}
+
+/// What one pass over the leader's view gathers for a summary.
+struct ViewPart {
+    counts: Counts,
+    nodes: Vec<NodeLoad>,
+    remaining: Vec<Brief>,
+    unsettled: Vec<Brief>,
+    corrupt: usize,
+}
+
+fn view_part(p: &Planner) -> ViewPart {
+    let census = p.census();
+    let by_state = ChannelState::ALL
+        .iter()
+        .zip(census.by_state)
+        .map(|(s, n)| (s.as_str().to_owned(), n))
+        .collect::<BTreeMap<_, _>>();
+    let total: usize = census.by_state.iter().sum();
+    let not_watched = total - by_state.get("Watched").copied().unwrap_or(0);
+    let (mut remaining, mut unsettled) = (Vec::new(), Vec::new());
+    // Most of the time every channel is Watched under a node: no pass over them at all.
+    if census.remaining > 0 || not_watched > 0 {
+        for e in p.entries() {
+            if e.owner == ChannelOwner::Remaining {
+                remaining.push(brief(e));
+            } else if e.info.state != ChannelState::Watched {
+                unsettled.push(brief(e));
+            }
+        }
+    }
+    let fenced: std::collections::BTreeSet<u64> = p.fencing().map(|n| n.0).collect();
+    let nodes = p
+        .node_rows()
+        .into_iter()
+        .map(|r| {
+            let id = chanwatch_core::NodeId(r.id);
+            NodeLoad {
+                draining: p.draining().contains(&id),
+                leaving: p.nodes().get(&id).is_some_and(|s| s.leaving()),
+                fenced: fenced.contains(&r.id),
+                id: r.id,
+                name: r.name,
+                channels: r.channels,
+                weight: r.weight,
+                capacity: r.capacity,
+                load: r.load,
+            }
+        })
+        .collect();
+    ViewPart {
+        counts: Counts {
+            total,
+            by_state,
+            remaining: census.remaining,
+            moving: p.moves_in_flight(),
+        },
+        nodes,
+        remaining,
+        unsettled,
+        corrupt: p.corrupt().len(),
+    }
+}
+
+impl CoordHandle {
+    async fn read_view<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&Planner) -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        self.ask_with(|reply: oneshot::Sender<Result<T, ApiError>>| {
+            Request::View(ViewFn(Box::new(move |view| {
+                drop(reply.send(view.map(read)));
+            })))
+        })
+        .await
+    }
+
+    /// The cluster at a glance, for the status page: one pass over the leader's view, one
+    /// range of `{root}/coord/` and the store's alarms. A store that does not answer is a
+    /// finding (`store.reachable: false`), not an error.
+    ///
+    /// # Errors
+    /// [`ApiError::NotLeader`] on a standby.
+    pub async fn summary(&self) -> Result<Summary, ApiError> {
+        let part = self.read_view(view_part).await?;
+        let r = self.reads();
+        let mut store = StoreHealth {
+            reachable: true,
+            error: None,
+            revision: 0,
+            db_bytes: self.metrics().db_bytes(),
+            compacted_to: 0,
+            compacted_at_revision: 0,
+            alarms: Vec::new(),
+            corrupt: part.corrupt,
+        };
+        let (mut leader, mut standbys) = (None, Vec::new());
+        let coord_prefix = format!("{}/coord/", r.keys.root());
+        let (leader_key, members, compact) = (
+            r.keys.leader(),
+            r.keys.coord_members_prefix(),
+            r.keys.compact(),
+        );
+        match r.store.range(&coord_prefix).await {
+            Ok(list) => {
+                store.revision = list.revision;
+                for kv in &list.kvs {
+                    if kv.key == leader_key {
+                        leader = CoordSession::decode(&kv.value)
+                            .ok()
+                            .map(|s| coord_info(s, kv.create_revision));
+                    } else if kv.key.starts_with(&members) {
+                        if let Ok(s) = CoordSession::decode(&kv.value) {
+                            standbys.push(coord_info(s, 0));
+                        }
+                    } else if kv.key == compact {
+                        store.compacted_to = std::str::from_utf8(&kv.value)
+                            .ok()
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        store.compacted_at_revision = kv.mod_revision;
+                    }
+                }
+            }
+            Err(e) => {
+                store.reachable = false;
+                store.error = Some(e.to_string());
+            }
+        }
+        if let Some(l) = &leader {
+            standbys.retain(|s| s.id != l.id);
+        }
+        if store.reachable {
+            match r.store.alarms().await {
+                Ok(a) => {
+                    store.alarms = a
+                        .iter()
+                        .map(|a| format!("{} on member {:x}", a.kind, a.member))
+                        .collect();
+                }
+                Err(e) => {
+                    store.reachable = false;
+                    store.error = Some(format!("cannot read alarms: {e}"));
+                }
+            }
+        }
+        Ok(Summary {
+            time_ms: r.clock.unix_ms(),
+            leader,
+            standbys,
+            store,
+            channels: part.counts,
+            nodes: part.nodes,
+            remaining: capped(part.remaining),
+            unsettled: capped(part.unsettled),
+            history: self.events().info(),
+        })
+    }
+
+    /// The channels `filter` lets through, in natural order, `limit` (at most [`MAX_PAGE`])
+    /// from `offset`. The leader's loop only picks the rows; sorting happens here.
+    ///
+    /// # Errors
+    /// [`ApiError::NotLeader`] on a standby.
+    pub async fn channel_page(
+        &self,
+        filter: ChannelFilter,
+        offset: usize,
+        limit: usize,
+    ) -> Result<ChannelPage, ApiError> {
+        let needle = filter.name.as_ref().map(|n| n.to_ascii_lowercase());
+        let (owner, state) = (filter.owner, filter.state);
+        let mut rows = self
+            .read_view(move |p| {
+                p.entries()
+                    .filter(|e| owner.map_or(true, |o| e.owner == o))
+                    .filter(|e| state.map_or(true, |s| e.info.state == s))
+                    .filter(|e| {
+                        needle.as_ref().map_or(true, |n| {
+                            e.info
+                                .channel
+                                .as_str()
+                                .to_ascii_lowercase()
+                                .contains(n.as_str())
+                        })
+                    })
+                    .map(row)
+                    .collect::<Vec<_>>()
+            })
+            .await?;
+        rows.sort_by(|a, b| {
+            natural(a.channel.as_str(), b.channel.as_str()).then(a.node.cmp(&b.node))
+        });
+        let total = rows.len();
+        let limit = limit.min(MAX_PAGE);
+        let rows = rows.into_iter().skip(offset).take(limit).collect();
+        Ok(ChannelPage {
+            total,
+            offset,
+            limit,
+            rows,
+        })
+    }
+}
+
+fn coord_info(s: CoordSession, term: i64) -> CoordInfo {
+    CoordInfo {
+        id: s.id,
+        admin_addr: s.admin_addr,
+        since_ms: s.started_at_ms,
+        term,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_inside_names_sort_as_numbers() {
+        let mut names = vec![
+            "orders-10",
+            "orders-2",
+            "orders-1",
+            "b",
+            "orders-02",
+            "a-100x",
+        ];
+        names.sort_by(|a, b| natural(a, b));
+        assert_eq!(
+            names,
+            [
+                "a-100x",
+                "b",
+                "orders-1",
+                "orders-02",
+                "orders-2",
+                "orders-10"
+            ]
+        );
+    }
+}
