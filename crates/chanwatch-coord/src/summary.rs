@@ -8,7 +8,6 @@
 //! summary — and the natural order of channel names. Must not: write anything, or hold the
 //! term's loop longer than one pass over the view (sorting and paging happen after it).
 
-use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 use chanwatch_core::planner::{ChannelRow, Entry, Planner};
@@ -170,45 +169,7 @@ pub struct ChannelPage {
     pub rows: Vec<ChannelRow>,
 }
 
-/// Natural order: runs of digits compare as numbers, so `orders-2` < `orders-10`; equal
-/// numbers with different leading zeros, and otherwise equal names, fall back to byte order.
-/// (The same order as `ctl`'s.)
-pub fn natural(a: &str, b: &str) -> Ordering {
-    fn digits(s: &[u8]) -> (&[u8], &[u8]) {
-        let end = s
-            .iter()
-            .position(|c| !c.is_ascii_digit())
-            .unwrap_or(s.len());
-        s.split_at(end)
-    }
-    fn trim(s: &[u8]) -> &[u8] {
-        let start = s.iter().position(|&c| c != b'0').unwrap_or(s.len());
-        &s[start..]
-    }
-    let (mut x, mut y) = (a.as_bytes(), b.as_bytes());
-    loop {
-        match (x.first(), y.first()) {
-            (None, None) => return a.cmp(b),
-            (None, Some(_)) => return Ordering::Less,
-            (Some(_), None) => return Ordering::Greater,
-            (Some(c), Some(d)) if c.is_ascii_digit() && d.is_ascii_digit() => {
-                let ((n, rx), (m, ry)) = (digits(x), digits(y));
-                let (n, m) = (trim(n), trim(m));
-                let by_number = n.len().cmp(&m.len()).then_with(|| n.cmp(m));
-                if by_number != Ordering::Equal {
-                    return by_number;
-                }
-                (x, y) = (rx, ry);
-            }
-            (Some(c), Some(d)) => {
-                if c != d {
-                    return c.cmp(d);
-                }
-                (x, y) = (&x[1..], &y[1..]);
-            }
-        }
-    }
-}
+pub use chanwatch_core::natural;
 
 fn row(e: &Entry) -> ChannelRow {
     ChannelRow {
@@ -456,34 +417,5 @@ fn coord_info(s: CoordSession, term: i64) -> CoordInfo {
         admin_addr: s.admin_addr,
         since_ms: s.started_at_ms,
         term,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numbers_inside_names_sort_as_numbers() {
-        let mut names = vec![
-            "orders-10",
-            "orders-2",
-            "orders-1",
-            "b",
-            "orders-02",
-            "a-100x",
-        ];
-        names.sort_by(|a, b| natural(a, b));
-        assert_eq!(
-            names,
-            [
-                "a-100x",
-                "b",
-                "orders-1",
-                "orders-02",
-                "orders-2",
-                "orders-10"
-            ]
-        );
     }
 }

@@ -37,12 +37,14 @@
 
 pub mod error;
 pub mod keys;
+pub mod natural;
 pub mod node;
 pub mod planner;
 pub mod types;
 
 pub use error::{DecodeError, KeyError, NameError};
 pub use keys::{ChannelKey, ChannelOwner, Keys};
+pub use natural::natural;
 pub use types::{
     ChannelInfo, ChannelName, ChannelState, Checkpoint, CoordSession, Epoch, NodeId, NodeSession,
     Progress, VChannelInfo, CHANNEL_INFO_VERSION, COORDINATOR_FIELDS, MAX_CHANNEL_EXTRA_BYTES,
