@@ -392,3 +392,65 @@ fn the_dockerfile_is_multi_stage_on_debian_and_runs_unprivileged() {
         "the build context must leave target/ out"
     );
 }
+
+/// `standalone` exports what `coord` and `node` do on its one `/metrics`: its build and
+/// process metrics, the coordinator's gauges, and node series labelled with their node (they
+/// had no `node` label, and there was no `chanwatch_build_info` or `process_*`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_exports_build_and_process_metrics_and_labels_its_node_series() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut standalone = spawn(
+        dir.path(),
+        "standalone",
+        &[
+            "standalone".into(),
+            format!("--admin={admin}"),
+            "--nodes=2".into(),
+            "--channels=2".into(),
+        ],
+    );
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("client");
+    let start = Instant::now();
+    let text = loop {
+        if let Some((200, text)) = get(&client, &format!("http://{admin}/metrics")).await {
+            if text
+                .lines()
+                .any(|l| l.starts_with("chanwatch_node_channels_running{") && l.ends_with(" 2"))
+            {
+                break text;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no node metrics with 2 channels running:\n{}",
+            standalone.output()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(
+        text.lines().any(|l| l.starts_with("chanwatch_build_info{")),
+        "{text}"
+    );
+    let have = exported(&text);
+    for want in [
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "chanwatch_leader",
+        "chanwatch_nodes_alive",
+    ] {
+        assert!(have.contains(want), "no {want} in\n{text}");
+    }
+    let node_series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("chanwatch_node_"))
+        .collect();
+    assert!(node_series.len() > 10, "{text}");
+    for line in node_series {
+        assert!(line.contains("node=\""), "no node label: {line}");
+    }
+    assert!(standalone.running(), "{}", standalone.output());
+}
