@@ -241,7 +241,7 @@ mod tests {
         let mut t = 0;
         // Rounds every 100 ms for `ms`, nodes answering as they do; moves (owner changes)
         // counted per channel into `moved`.
-        let mut rounds =
+        let rounds =
             |w: &mut World, t: &mut u64, ms: u64, moved: &mut BTreeMap<String, usize>| {
                 let end = *t + ms;
                 while *t < end {
