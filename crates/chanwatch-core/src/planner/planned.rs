@@ -241,19 +241,18 @@ mod tests {
         let mut t = 0;
         // Rounds every 100 ms for `ms`, nodes answering as they do; moves (owner changes)
         // counted per channel into `moved`.
-        let rounds =
-            |w: &mut World, t: &mut u64, ms: u64, moved: &mut BTreeMap<String, usize>| {
-                let end = *t + ms;
-                while *t < end {
-                    for tr in transitions(&w.settle(*t)) {
-                        if tr.from != tr.to && matches!(tr.to, Some(ChannelOwner::Node(_))) {
-                            *moved.entry(tr.channel.to_string()).or_default() += 1;
-                        }
+        let rounds = |w: &mut World, t: &mut u64, ms: u64, moved: &mut BTreeMap<String, usize>| {
+            let end = *t + ms;
+            while *t < end {
+                for tr in transitions(&w.settle(*t)) {
+                    if tr.from != tr.to && matches!(tr.to, Some(ChannelOwner::Node(_))) {
+                        *moved.entry(tr.channel.to_string()).or_default() += 1;
                     }
-                    w.answer();
-                    *t += 100;
                 }
-            };
+                w.answer();
+                *t += 100;
+            }
+        };
         let mut total = 0;
         let mut worst = 0;
         for k in 0..5 {
