@@ -44,6 +44,9 @@ pub struct CoordinatorConfig {
     pub admin_addr: String,
     /// Where the coordinator's metrics go.
     pub metrics: Arc<crate::metrics::CoordMetrics>,
+    /// etcd's `--quota-backend-bytes`, exported as `chanwatch_etcd_quota_bytes` when etcd does
+    /// not say its own (before 3.6). Default: etcd's default, 2 GiB.
+    pub quota_backend_bytes: u64,
 }
 
 impl Default for CoordinatorConfig {
@@ -59,6 +62,7 @@ impl Default for CoordinatorConfig {
             id: format!("coord-{}", std::process::id()),
             admin_addr: String::new(),
             metrics: Arc::new(crate::metrics::CoordMetrics::new()),
+            quota_backend_bytes: crate::upkeep::DEFAULT_QUOTA,
         }
     }
 }

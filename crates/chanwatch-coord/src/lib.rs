@@ -91,3 +91,4 @@ pub use coordinator::{Coordinator, CoordinatorBuilder, CoordinatorConfig};
 pub use election::CoordError;
 pub use handle::{ApiError, CoordHandle, CoordStatus};
 pub use metrics::CoordMetrics;
+pub use upkeep::DEFAULT_QUOTA as DEFAULT_QUOTA_BACKEND_BYTES;

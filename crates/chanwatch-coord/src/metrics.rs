@@ -40,12 +40,14 @@ struct ClusterGauges {
     /// The store's database size (etcd's `db_size`); not exported while 0 (unknown, or a
     /// store without a database file).
     db_bytes: IntGauge,
+    /// Its quota (etcd's, or the configured one); shown with `db_bytes`.
+    quota_bytes: IntGauge,
     /// Set by the first observation of a term, cleared when the term ends.
     shown: Arc<AtomicBool>,
 }
 
 impl ClusterGauges {
-    fn collectors(&self) -> [&dyn Collector; 7] {
+    fn collectors(&self) -> [&dyn Collector; 8] {
         [
             &self.channels,
             &self.nodes_alive,
@@ -54,6 +56,7 @@ impl ClusterGauges {
             &self.moves_in_flight,
             &self.corrupt,
             &self.db_bytes,
+            &self.quota_bytes,
         ]
     }
 
@@ -68,6 +71,7 @@ impl ClusterGauges {
             &self.moves_in_flight,
             &self.corrupt,
             &self.db_bytes,
+            &self.quota_bytes,
         ] {
             g.set(0);
         }
@@ -90,7 +94,13 @@ impl Collector for ClusterGauges {
         self.collectors()
             .into_iter()
             .flat_map(|c| c.collect())
-            .filter(|f| !(unknown_size && f.name() == "chanwatch_etcd_db_bytes"))
+            .filter(|f| {
+                !(unknown_size
+                    && matches!(
+                        f.name(),
+                        "chanwatch_etcd_db_bytes" | "chanwatch_etcd_quota_bytes"
+                    ))
+            })
             .collect()
     }
 }
@@ -162,6 +172,10 @@ impl CoordMetrics {
             db_bytes: must(IntGauge::new(
                 "chanwatch_etcd_db_bytes",
                 "Size of etcd's database file in bytes (what --quota-backend-bytes limits), read by the leader every 5 s.",
+            )),
+            quota_bytes: must(IntGauge::new(
+                "chanwatch_etcd_quota_bytes",
+                "etcd's --quota-backend-bytes: what it says (3.6+), else coord --quota-backend-bytes; shown with chanwatch_etcd_db_bytes.",
             )),
             shown: Arc::default(),
         };
@@ -276,6 +290,11 @@ impl CoordMetrics {
         self.cluster.db_bytes.set(bytes);
     }
 
+    /// Sets `chanwatch_etcd_quota_bytes` (exported with `chanwatch_etcd_db_bytes`).
+    pub fn set_quota_bytes(&self, bytes: i64) {
+        self.cluster.quota_bytes.set(bytes);
+    }
+
     /// The last `chanwatch_etcd_db_bytes` read (0: unknown, or not leading).
     pub fn db_bytes(&self) -> i64 {
         self.cluster.db_bytes.get()
@@ -367,12 +386,17 @@ mod tests {
             "unknown size shown"
         );
         m.set_db_bytes(4096);
+        m.set_quota_bytes(1 << 25);
         assert!(render(&r)
             .lines()
             .any(|l| l == "chanwatch_etcd_db_bytes 4096"));
+        assert!(render(&r)
+            .lines()
+            .any(|l| l == "chanwatch_etcd_quota_bytes 33554432"));
         m.set_leader(false);
         assert!(
-            !render(&r).contains("chanwatch_etcd_db_bytes"),
+            !render(&r).contains("chanwatch_etcd_db_bytes")
+                && !render(&r).contains("chanwatch_etcd_quota_bytes"),
             "a standby shows it"
         );
     }

@@ -130,7 +130,8 @@ impl<'a> Term<'a> {
                 keys.clone(),
                 self.leader_rev,
                 self.config.metrics.clone(),
-            ),
+            )
+            .assumed_quota(self.config.quota_backend_bytes),
             self.config.compact_interval,
         );
         let mut tick = tokio::time::interval(self.config.tick);

@@ -1,5 +1,6 @@
 //! Upkeep of the store by the leader (DESIGN.md §8): compaction every `compact_interval`, and
-//! the database size for `chanwatch_etcd_db_bytes`.
+//! the database size and quota for `chanwatch_etcd_db_bytes` / `chanwatch_etcd_quota_bytes`
+//! (the quota etcd says, or the one configured when it does not: etcd before 3.6).
 //!
 //! Every `compact_interval` the leader compacts the store to the revision it saw one interval
 //! earlier. Before it compacts it writes that revision into `{root}/coord/compact` by a
@@ -22,6 +23,9 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use crate::metrics::CoordMetrics;
+
+/// etcd's default `--quota-backend-bytes` (2 GiB).
+pub const DEFAULT_QUOTA: u64 = 2 * 1024 * 1024 * 1024;
 
 /// How often the leader reads the database size (etcd's maintenance `status`).
 pub(crate) const STATUS_EVERY: Duration = Duration::from_secs(5);
@@ -91,6 +95,8 @@ pub(crate) struct Upkeep {
     metrics: Arc<CoordMetrics>,
     /// The revision seen at the end of the last round.
     seen: Option<Revision>,
+    /// The quota exported when the store does not say its own.
+    assumed_quota: u64,
 }
 
 impl Upkeep {
@@ -109,7 +115,14 @@ impl Upkeep {
             leader_rev,
             metrics,
             seen: Some(leader_rev),
+            assumed_quota: DEFAULT_QUOTA,
         }
+    }
+
+    /// The quota to export when the store does not say its own (etcd before 3.6).
+    pub(crate) fn assumed_quota(mut self, bytes: u64) -> Self {
+        self.assumed_quota = bytes;
+        self
     }
 
     /// One round: read the key, decide, CAS, compact.
@@ -186,12 +199,14 @@ impl Upkeep {
         }
     }
 
-    /// Reads the database size into `chanwatch_etcd_db_bytes`. `false` when the store has
-    /// no database size (the embedded store): no need to ask again.
+    /// Reads the database size into `chanwatch_etcd_db_bytes`, and its quota (the store's, or
+    /// the assumed one) into `chanwatch_etcd_quota_bytes`. `false` when the store has no
+    /// database size (the embedded store): no need to ask again.
     async fn read_size(&self) -> bool {
         match self.store.status().await {
             Ok(Some(s)) => {
                 self.metrics.set_db_bytes(s.db_size);
+                self.metrics.set_quota_bytes(quota(&s, self.assumed_quota));
                 true
             }
             Ok(None) => false,
@@ -200,6 +215,15 @@ impl Upkeep {
                 true
             }
         }
+    }
+}
+
+/// The quota the store says, else `assumed`.
+fn quota(s: &chanwatch_store::StoreStatus, assumed: u64) -> i64 {
+    if s.db_size_quota > 0 {
+        s.db_size_quota
+    } else {
+        i64::try_from(assumed).unwrap_or(i64::MAX)
     }
 }
 
@@ -236,6 +260,20 @@ mod tests {
     use super::*;
     use chanwatch_store::EmbeddedStore;
     use futures_util::StreamExt;
+
+    /// `chanwatch_etcd_quota_bytes`: what etcd says (3.6+), else `--quota-backend-bytes`.
+    #[test]
+    fn the_exported_quota_is_etcds_own_else_the_configured_one() {
+        let status = |q| chanwatch_store::StoreStatus {
+            db_size: 1 << 20,
+            db_size_in_use: 0,
+            revision: 7,
+            db_size_quota: q,
+        };
+        assert_eq!(quota(&status(0), 32 << 20), 32 << 20);
+        assert_eq!(quota(&status(8 << 30), 32 << 20), 8 << 30);
+        assert_eq!(quota(&status(0), u64::MAX), i64::MAX);
+    }
 
     #[test]
     fn a_round_compacts_to_the_revision_seen_one_interval_ago_unless_someone_did_meanwhile() {

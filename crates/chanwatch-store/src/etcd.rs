@@ -636,6 +636,7 @@ impl MetaStore for EtcdStore {
                 db_size: s.db_size(),
                 db_size_in_use: s.raft_used_db_size(),
                 revision: s.header().map_or(0, |h| h.revision()),
+                db_size_quota: s.db_size_quota(),
             })),
             Err(e) => Err(self.err(e, "").await),
         }

@@ -479,6 +479,9 @@ pub struct StoreStatus {
     pub db_size_in_use: i64,
     /// The store's revision when it answered.
     pub revision: Revision,
+    /// The member's backend quota in bytes (`--quota-backend-bytes`), when it says (etcd 3.6
+    /// and later; 0 before).
+    pub db_size_quota: i64,
 }
 
 /// An alarm the store has raised (etcd's `alarm list`).

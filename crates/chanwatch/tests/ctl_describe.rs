@@ -194,8 +194,14 @@ async fn a_manual_move_shows_in_describe_and_events_with_cause_manual() {
     let (_coord, _admin, _nodes, ids) = w.cluster(1).await;
     let on = w.channels()[0].1.expect("assigned");
     let other = ids.iter().copied().find(|&i| i != on).expect("two nodes");
-    w.ctl(&["move", "orders-0", "--to", &other.to_string()])
+    // It says where the channel goes (it printed `node A -> A (ToRelease)`: the release).
+    let said = w
+        .ctl(&["move", "orders-0", "--to", &other.to_string()])
         .expect("move");
+    assert!(
+        said.starts_with(&format!("orders-0: node {on} -> node {other} (")),
+        "{said}"
+    );
     w.wait(20, "orders-0 Watched on the other node", |c| {
         c[0].1 == Some(other) && c[0].2 == "Watched"
     })
@@ -613,4 +619,76 @@ async fn events_follow_reconnects_to_the_new_leader_after_a_failover() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// `ctl --admin` given a standby's address: the standby answers 503 naming the leader, and
+/// ctl asks the leader instead, with one line on stderr (before, it waited out `--timeout`
+/// against the standby). Reads and writes; no etcd reachable from ctl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctl_admin_pointed_at_a_standby_follows_the_leader() {
+    let _one = SERIAL.lock().await;
+    let w = World::new().await;
+    let (leader, leader_admin) = w.coord("coord-a");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while w.ctl(&["--admin", &leader_admin, "nodes"]).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "coord-a never led: {}",
+            leader.output()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (standby, standby_admin) = w.coord("coord-b");
+    let client = reqwest::Client::new();
+    // The standby serves its API (and refuses, naming the leader).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = client
+            .get(format!("http://{standby_admin}/api/v1/nodes"))
+            .send()
+            .await;
+        if let Ok(r) = r {
+            let code = r.status().as_u16();
+            let body: Value = r.json().await.unwrap_or(Value::Null);
+            if code == 503 && body["leader"] == leader_admin.as_str() {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the standby never named the leader: {}",
+            standby.output()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ctl = |args: &[&str]| {
+        let out = Command::new(procs::bin())
+            .arg("ctl")
+            // Nothing listens here: ctl must not need etcd.
+            .arg("--endpoints=127.0.0.1:1")
+            .args(["--admin", &standby_admin, "--timeout=3s"])
+            .args(args)
+            .output()
+            .expect("run ctl");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let note = format!(
+        "http://{standby_admin} is a standby coordinator; asking the leader at http://{leader_admin}\n"
+    );
+    let (ok, out, err) = ctl(&["add-channel", "orders-9"]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(err, note, "one line on stderr");
+    assert!(out.contains("orders-9"), "{out}");
+    let (ok, out, err) = ctl(&["channels", "-o", "json"]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(err, note);
+    let rows: Vec<Value> = serde_json::from_str(&out).expect("json");
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0]["channel"], "orders-9");
+    let (ok, out, err) = ctl(&["events", "-o", "json"]);
+    assert!(ok && out.contains("orders-9"), "{out}{err}");
 }

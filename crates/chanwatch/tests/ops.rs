@@ -1,8 +1,9 @@
 //! What a platform team deploys, checked against the real thing: the Prometheus alert rules
 //! (`promtool check rules`, and each alert's unit test with `promtool test rules`), the
 //! Grafana dashboard and the rules querying only metrics a real coordinator and node export,
-//! the systemd units (`systemd-analyze verify`), every YAML manifest under `deploy/`, and
-//! `tools/protoc` finding protoc where it is.
+//! the systemd units (`systemd-analyze verify`), every YAML manifest under `deploy/`,
+//! `tools/protoc` finding protoc where it is, the Dockerfile as far as it can be judged without
+//! a container daemon, and `standalone`'s `/metrics`.
 //!
 //! promtool comes with Debian's `prometheus` package, systemd-analyze with `systemd`; a
 //! missing tool fails its test with how to install it.
@@ -384,4 +385,265 @@ fn the_dockerfile_is_multi_stage_on_debian_and_runs_unprivileged() {
         ignore.lines().any(|l| l == "target/"),
         "the build context must leave target/ out"
     );
+}
+
+/// `standalone` exports what `coord` and `node` do on its one `/metrics`: its build and
+/// process metrics, the coordinator's gauges, and node series labelled with their node (they
+/// had no `node` label, and there was no `chanwatch_build_info` or `process_*`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_exports_build_and_process_metrics_and_labels_its_node_series() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut standalone = spawn(
+        dir.path(),
+        "standalone",
+        &[
+            "standalone".into(),
+            format!("--admin={admin}"),
+            "--nodes=2".into(),
+            "--channels=2".into(),
+        ],
+    );
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("client");
+    let start = Instant::now();
+    let text = loop {
+        if let Some((200, text)) = get(&client, &format!("http://{admin}/metrics")).await {
+            if text
+                .lines()
+                .any(|l| l.starts_with("chanwatch_node_channels_running{") && l.ends_with(" 2"))
+            {
+                break text;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no node metrics with 2 channels running:\n{}",
+            standalone.output()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(
+        text.lines().any(|l| l.starts_with("chanwatch_build_info{")),
+        "{text}"
+    );
+    let have = exported(&text);
+    for want in [
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "chanwatch_leader",
+        "chanwatch_nodes_alive",
+    ] {
+        assert!(have.contains(want), "no {want} in\n{text}");
+    }
+    let node_series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("chanwatch_node_"))
+        .collect();
+    assert!(node_series.len() > 10, "{text}");
+    for line in node_series {
+        assert!(line.contains("node=\""), "no node label: {line}");
+    }
+    assert!(standalone.running(), "{}", standalone.output());
+}
+
+/// The Dockerfile's instructions, continuation lines joined, comments left out.
+fn dockerfile_instructions(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if cur.is_empty() && (t.is_empty() || t.starts_with('#')) {
+            continue;
+        }
+        match t.strip_suffix('\\') {
+            Some(head) => {
+                cur.push_str(head);
+                cur.push(' ');
+            }
+            None => {
+                cur.push_str(t);
+                out.push(std::mem::take(&mut cur));
+            }
+        }
+    }
+    out
+}
+
+/// Whether a `.dockerignore` pattern (the simple forms: `dir/`, `**/dir/`, a path) leaves
+/// `path` (relative to the context, `/`-separated) out of the build context.
+fn docker_ignores(patterns: &[&str], path: &str) -> bool {
+    patterns.iter().any(|p| {
+        let p = p.trim_end_matches('/');
+        match p.strip_prefix("**/") {
+            Some(tail) => path.split('/').any(|c| c == tail),
+            None => path == p || path.starts_with(&format!("{p}/")),
+        }
+    })
+}
+
+/// No container daemon here: what can be judged without one. Every `COPY` source exists in
+/// the build context (the repository, as the header's `docker build … .` says) and is not
+/// dockerignored, nor is anything `cargo build --locked` reads; the binary copied out of the
+/// build stage is the one `cargo build -p` makes (its name from `cargo metadata`) and is what
+/// the entry point runs; protoc (the etcd-client build runs it) is installed where `PROTOC`
+/// points; `RUN --mount` has the syntax line BuildKit's cache mounts need (it had none).
+#[test]
+fn the_dockerfile_copies_what_exists_and_ships_the_binary_cargo_builds() {
+    let root = repo();
+    let text = std::fs::read_to_string(root.join("deploy/Dockerfile")).expect("Dockerfile");
+    let ignore_text = std::fs::read_to_string(root.join(".dockerignore")).expect(".dockerignore");
+    let ignored: Vec<&str> = ignore_text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let steps = dockerfile_instructions(&text);
+    // BuildKit's cache mounts.
+    if steps.iter().any(|s| s.starts_with("RUN --mount")) {
+        assert!(
+            text.lines()
+                .next()
+                .is_some_and(|l| l.starts_with("# syntax=docker/dockerfile:1")),
+            "RUN --mount needs `# syntax=docker/dockerfile:1` as the first line"
+        );
+    }
+    // What the build reads is in the context.
+    for needed in [
+        "Cargo.toml",
+        "Cargo.lock",
+        ".cargo/config.toml",
+        "crates/chanwatch/Cargo.toml",
+        "crates/chanwatch-coord/src/status.html",
+    ] {
+        assert!(root.join(needed).exists(), "{needed} is missing");
+        assert!(
+            !docker_ignores(&ignored, needed),
+            ".dockerignore leaves {needed} out of the build context"
+        );
+    }
+    // Every COPY from the context names something there.
+    let mut copies = 0;
+    for step in steps.iter().filter(|s| s.starts_with("COPY ")) {
+        let words: Vec<&str> = step.split_whitespace().skip(1).collect();
+        if words.iter().any(|w| w.starts_with("--from=")) {
+            continue;
+        }
+        let args: Vec<&str> = words
+            .iter()
+            .copied()
+            .filter(|w| !w.starts_with("--"))
+            .collect();
+        assert!(args.len() >= 2, "{step}");
+        for src in &args[..args.len() - 1] {
+            let src = src.trim_start_matches("./");
+            if src == "." {
+                continue;
+            }
+            assert!(root.join(src).exists(), "COPY {src}: not in the repository");
+            assert!(!docker_ignores(&ignored, src), "COPY {src}: dockerignored");
+        }
+        copies += 1;
+    }
+    assert!(copies >= 1, "no COPY from the context: {steps:?}");
+    // The package built and its binary's name, as cargo sees them.
+    let build = steps
+        .iter()
+        .find(|s| s.contains("cargo build"))
+        .expect("a cargo build step");
+    let package = build
+        .split_whitespace()
+        .skip_while(|w| *w != "-p")
+        .nth(1)
+        .expect("cargo build -p PACKAGE");
+    assert!(build.contains("--release"), "{build}");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "metadata",
+            "--no-deps",
+            "--offline",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(&root)
+        .output()
+        .expect("cargo metadata");
+    assert!(out.status.success(), "{out:?}");
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata JSON");
+    let pkg = meta["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .find(|p| p["name"] == package)
+        .unwrap_or_else(|| panic!("cargo build -p {package}: no such workspace package"));
+    let bins: Vec<&str> = pkg["targets"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .filter(|t| {
+            t["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k == "bin"))
+        })
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert_eq!(bins.len(), 1, "{bins:?}");
+    let built = format!("target/release/{}", bins[0]);
+    // The build stage copies that binary out; the runtime stage takes it from there; the
+    // entry point runs it.
+    let cp_to = build
+        .split("&&")
+        .map(str::trim)
+        .find_map(|c| c.strip_prefix(&format!("cp {built} ")))
+        .unwrap_or_else(|| panic!("the build step does not copy {built} out: {build}"))
+        .trim()
+        .to_owned();
+    let from_build = steps
+        .iter()
+        .find(|s| s.starts_with("COPY --from=build "))
+        .expect("COPY --from=build");
+    let words: Vec<&str> = from_build.split_whitespace().collect();
+    assert_eq!(words[2], cp_to, "{from_build}");
+    let installed = words[3];
+    let entry = steps
+        .iter()
+        .rfind(|s| s.starts_with("ENTRYPOINT "))
+        .expect("ENTRYPOINT");
+    assert!(entry.contains(&format!("\"{installed}\"")), "{entry}");
+    // protoc for etcd-client's build script, where PROTOC says.
+    let lock = std::fs::read_to_string(root.join("Cargo.lock")).expect("Cargo.lock");
+    if lock.contains("name = \"etcd-client\"") {
+        let build_stage: Vec<&String> = steps
+            .iter()
+            .take_while(|s| !s.starts_with("FROM debian"))
+            .collect();
+        assert!(
+            build_stage
+                .iter()
+                .any(|s| s.contains("apt-get install") && s.contains("protobuf-compiler")),
+            "the build stage does not install protoc"
+        );
+        assert!(
+            build_stage
+                .iter()
+                .any(|s| s.starts_with("ENV ") && s.contains("PROTOC=/usr/bin/protoc")),
+            "PROTOC does not point at Debian's protoc"
+        );
+    }
+    // tini, which the entry point starts, is installed in the runtime stage.
+    let runtime: Vec<&String> = steps
+        .iter()
+        .skip_while(|s| !s.starts_with("FROM debian"))
+        .collect();
+    if entry.contains("/usr/bin/tini") {
+        assert!(
+            runtime
+                .iter()
+                .any(|s| s.contains("apt-get install") && s.contains(" tini")),
+            "ENTRYPOINT runs tini, which the runtime stage does not install"
+        );
+    }
 }

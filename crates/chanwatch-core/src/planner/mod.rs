@@ -155,6 +155,9 @@ pub struct Planner {
     timeouts_after_ms: u64,
     /// The cold-start gate (see `planned`).
     startup: planned::Startup,
+    /// The last round that saw a node leaving on purpose (see `planned`): balance holds
+    /// off for `move_cooldown_ms` after it.
+    planned_at_ms: Option<u64>,
 }
 
 impl Planner {
@@ -184,6 +187,7 @@ impl Planner {
             next_prune_ms: 0,
             timeouts_after_ms: 0,
             startup: planned::Startup::Unknown,
+            planned_at_ms: None,
         }
     }
 

@@ -389,6 +389,10 @@ pub struct BenchRollingRestartArgs {
     pub runs: usize,
     #[command(flatten)]
     pub etcd: EtcdArgs,
+    /// The coordinator's --move-cooldown; after the last restart the bench waits this long
+    /// (and then some) for balance to even out the replacements.
+    #[arg(long, env = "CHANWATCH_BENCH_MOVE_COOLDOWN", value_parser = crate::flags::humantime_secs, default_value = "60s")]
+    pub move_cooldown: std::time::Duration,
 }
 
 /// Which backend a benchmark measures.

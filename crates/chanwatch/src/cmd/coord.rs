@@ -81,6 +81,10 @@ pub struct Args {
     /// Balance runs on its own (`--auto-balance=false`: only when asked by `ctl balance`).
     #[arg(long, env = "CHANWATCH_AUTO_BALANCE", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub auto_balance: bool,
+    /// etcd's --quota-backend-bytes, in bytes, exported as chanwatch_etcd_quota_bytes (for
+    /// the db-near-quota alert) when etcd does not say its own (before 3.6).
+    #[arg(long, env = "CHANWATCH_QUOTA_BACKEND_BYTES", default_value_t = chanwatch_coord::DEFAULT_QUOTA_BACKEND_BYTES)]
+    pub quota_backend_bytes: u64,
 }
 
 /// `--max-load`: a positive number (e.g. `2`, `1.5`).
@@ -148,6 +152,7 @@ pub async fn run(args: Args) -> Result<()> {
         resync_interval: args.resync_interval,
         compact_interval: args.compact_interval,
         admin_addr: admin_addr.clone(),
+        quota_backend_bytes: args.quota_backend_bytes,
         ..CoordinatorConfig::default()
     };
     info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");

@@ -356,7 +356,7 @@ pub async fn run(args: Args) -> Result<()> {
             })
         }
         Checked::Remove { name } => transitions(format, &leader.remove_channel(&name).await?)?,
-        Checked::Move { name, to } => transitions(format, &leader.move_channel(&name, to).await?)?,
+        Checked::Move { name, to } => move_started(format, &name, to, &leader.move_channel(&name, to).await?)?,
         Checked::Drain { node } => {
             leader.drain(node).await?;
             machine(format, &serde_json::json!({ "draining": node.0 }))?.unwrap_or_else(|| {
@@ -442,6 +442,58 @@ fn transitions(format: Format, transitions: &[Transition]) -> Result<String> {
             )
         })
         .collect())
+}
+
+/// A started move: `X: node A -> node B` (A is the owner before, B the target asked for; the
+/// transition written first is the release on A, which names A twice), then where it
+/// stands. `-o json|yaml`: `{channel, from, to, transitions}`.
+fn move_started(
+    format: Format,
+    name: &ChannelName,
+    to: NodeId,
+    written: &[Transition],
+) -> Result<String> {
+    let from = written
+        .iter()
+        .find(|t| &t.channel == name)
+        .and_then(|t| t.from);
+    let owner = |o: Option<ChannelOwner>| match o {
+        Some(ChannelOwner::Node(n)) => format!("node {n}"),
+        Some(ChannelOwner::Remaining) => "remaining".to_owned(),
+        None => "-".to_owned(),
+    };
+    let from_json = match from {
+        Some(ChannelOwner::Node(n)) => serde_json::json!(n.0),
+        Some(ChannelOwner::Remaining) => serde_json::json!(chanwatch_core::keys::REMAINING),
+        None => serde_json::Value::Null,
+    };
+    let doc = serde_json::json!({
+        "channel": name,
+        "from": from_json,
+        "to": to.0,
+        "transitions": written,
+    });
+    if let Some(text) = machine(format, &doc)? {
+        return Ok(text);
+    }
+    let how = match written.iter().find(|t| &t.channel == name) {
+        Some(t) if t.state == Some(ChannelState::ToRelease) => format!(
+            "started: {} releases it first (epoch {}), then node {to} takes it",
+            owner(t.from),
+            t.epoch
+        ),
+        Some(t) => format!(
+            "{}, epoch {}",
+            t.state.map_or("deleted", ChannelState::as_str),
+            t.epoch
+        ),
+        None => "nothing written".to_owned(),
+    };
+    Ok(format!(
+        "{name}: {} -> {} ({how})\n",
+        owner(from),
+        owner(Some(ChannelOwner::Node(to)))
+    ))
 }
 
 fn balance_table(plan: &BalancePlan) -> String {
@@ -564,6 +616,37 @@ mod tests {
         assert_eq!(json[0]["to"], 3);
         let yaml: serde_json::Value = serde_yaml_ng::from_str(&transitions(Format::Yaml, &t)?)?;
         assert_eq!(yaml, json);
+        Ok(())
+    }
+
+    /// The leader answers a move with the release it wrote first (node 2 -> 2, ToRelease):
+    /// ctl says where the channel goes, not that release (it printed `node 2 -> 2`).
+    #[test]
+    fn a_move_prints_from_the_old_node_to_the_target() -> Result<()> {
+        let release: Vec<Transition> = serde_json::from_str(
+            r#"[{"channel":"orders-2","cause":"manual","from":2,"to":2,"state":"ToRelease","epoch":4}]"#,
+        )?;
+        let name = ChannelName::new("orders-2")?;
+        assert_eq!(
+            move_started(Format::Table, &name, NodeId(3), &release)?,
+            "orders-2: node 2 -> node 3 (started: node 2 releases it first (epoch 4), then node 3 takes it)\n"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&move_started(Format::Json, &name, NodeId(3), &release)?)?;
+        assert_eq!(
+            (&json["from"], &json["to"]),
+            (&serde_json::json!(2), &serde_json::json!(3))
+        );
+        assert_eq!(json["channel"], "orders-2");
+        assert_eq!(json["transitions"][0]["state"], "ToRelease");
+        // A parked channel moves at once.
+        let parked: Vec<Transition> = serde_json::from_str(
+            r#"[{"channel":"orders-2","cause":"manual","from":"remaining","to":3,"state":"ToWatch","epoch":5}]"#,
+        )?;
+        assert_eq!(
+            move_started(Format::Table, &name, NodeId(3), &parked)?,
+            "orders-2: remaining -> node 3 (ToWatch, epoch 5)\n"
+        );
         Ok(())
     }
 

@@ -119,6 +119,23 @@ pub fn register_process_metrics(registry: &prometheus::Registry) -> Result<()> {
     Ok(())
 }
 
+/// Another registry's metrics, gathered into this one with that registry's labels applied:
+/// how `standalone` serves its nodes' metrics (labelled `node`) beside its coordinator's on one
+/// `/metrics`, as a `node` process labels its own.
+pub struct Gathered(pub prometheus::Registry);
+
+impl prometheus::core::Collector for Gathered {
+    /// None: the inner registry checked its own descriptors when they were registered (only
+    /// one `Gathered` may be registered in a registry).
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        Vec::new()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.0.gather()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,8 @@
 //! `chanwatch standalone`: a coordinator and nodes in one process on the embedded store, with
 //! the admin API, until Ctrl-C or SIGTERM.
 //!
-//! Owns: its flags (`Args`), wiring the in-process cluster to the admin API, and the
+//! Owns: its flags (`Args`), wiring the in-process cluster to the admin API and one
+//! `/metrics` (the nodes' labelled `node`, build and process metrics as `coord` has), and the
 //! read-only `GET /api/v1/checkpoints` it serves beside it (the embedded store's checkpoints,
 //! for `audit --admin`).
 //! Must not: hold control-plane logic, or flags other subcommands share (those are in
@@ -82,9 +83,7 @@ pub async fn run(args: Args) -> Result<()> {
     let token = args.access.token_for(listener.local_addr()?)?;
     let cluster = crate::inproc::InProc::start(timings, handler, admin_addr.clone())?;
     let stop = shared_shutdown();
-    // The coordinator's registry, with the nodes' metrics added: one /metrics for both.
-    let registry = cluster.handle.registry().clone();
-    cluster.node_metrics.register(&registry)?;
+    let registry = metrics_registry(&cluster)?;
     let api = chanwatch_coord::api::router(
         cluster.handle.clone(),
         chanwatch_coord::api::ApiOptions {
@@ -128,6 +127,22 @@ pub async fn run(args: Args) -> Result<()> {
     server.await??;
     info!("standalone stopped");
     Ok(())
+}
+
+/// One `/metrics` for the whole process, as `coord` and `node` export theirs: the
+/// coordinator's registry with `chanwatch_build_info` and `process_*`, and the nodes' metrics
+/// (one set for every in-process node) labelled `node` with the host name, the name a `node`
+/// process has by default (`standalone` when there is none).
+fn metrics_registry(cluster: &crate::inproc::InProc) -> Result<prometheus::Registry> {
+    let registry = cluster.handle.registry().clone();
+    super::lifecycle::register_process_metrics(&registry)?;
+    let name = Some(super::node::host_name())
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "standalone".to_owned());
+    let nodes = super::node::labelled_registry(&name)?;
+    cluster.node_metrics.register(&nodes)?;
+    registry.register(Box::new(super::lifecycle::Gathered(nodes)))?;
+    Ok(registry)
 }
 
 /// `GET /api/v1/checkpoints`: `{channel: checkpoint}` for every checkpoint in the embedded

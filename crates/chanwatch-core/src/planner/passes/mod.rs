@@ -33,6 +33,7 @@ impl Planner {
             self.quiet_since_ms = now_ms;
         }
         self.prune(now_ms);
+        self.note_planned(now_ms);
         let mut changes = Vec::new();
         // Drain marks of nodes that are gone.
         for node in self.draining.iter().filter(|n| !self.nodes.contains_key(n)) {

@@ -87,6 +87,9 @@ impl Planner {
         {
             return; // something just changed: let the cluster settle first
         }
+        if self.planned_hold(now_ms) && !self.balance_asked {
+            return; // a planned restart: the next leaving node's drain fills the replacement
+        }
         let mut loads = self.loads();
         loads.retain(|n| self.takes_new(n));
         let unit = self.heaviest_weight();

@@ -2,7 +2,10 @@
 //! etcd — one coordinator and N `chanwatch node --handler-log` processes of this binary;
 //! each node in turn gets SIGTERM, the bench waits for it to exit, starts a replacement
 //! (a fresh ID) and waits until every channel is `Watched` and balance has stopped moving
-//! (channels within their move cool-down stay put; the spread left is reported).
+//! (channels within their move cool-down stay put; the spread left is reported). After the
+//! last restart it waits up to `--move-cooldown` (the coordinator's) and then some for balance
+//! to close the spread (it holds off that long after a node left on purpose) and reports the
+//! spread then, and the moves of that final balance with the rest.
 //!
 //! Reports, from the handler logs: per moved channel the time it ran nowhere (stop on the
 //! old node → start on the new one; p50/p99/max), how many times a channel moved within one
@@ -96,6 +99,11 @@ struct RunResult {
     total_s: f64,
     /// Max − min channels per node after the last restart.
     spread: usize,
+    /// Max − min channels per node once balance is done (or `--move-cooldown` and then some
+    /// have passed).
+    spread_final: usize,
+    /// Seconds from the last restart's settle to `spread_final`.
+    final_s: f64,
 }
 
 /// `chanwatch bench rolling-restart`.
@@ -125,9 +133,9 @@ pub async fn run(args: &BenchRollingRestartArgs) -> Result<()> {
         let mut gaps = r.gaps_ms.clone();
         gaps.sort_by(f64::total_cmp);
         eprintln!(
-            "  run {run}: {} moves; not running p50 {:.0} ms p99 {:.0} ms max {:.0} ms; max moves of one channel in one restart {}; node exit after SIGTERM median {:.2} s; failovers {}; drain {} balance {}; spread after {}; total {:.1} s",
-            r.moved, pct(&gaps, 50.0), pct(&gaps, 99.0), pct(&gaps, 100.0),
-            r.max_moves_per_restart, median(r.exits_s.clone()), r.failovers, r.drains, r.balances, r.spread, r.total_s
+            "  run {run}: {} moves ({:.2} per channel); not running p50 {:.0} ms p99 {:.0} ms max {:.0} ms; max moves of one channel in one restart {}; node exit after SIGTERM median {:.2} s; failovers {}; drain {} balance {}; spread after {}, {} after {:.1} s more; total {:.1} s",
+            r.moved, r.moved as f64 / args.channels.max(1) as f64, pct(&gaps, 50.0), pct(&gaps, 99.0), pct(&gaps, 100.0),
+            r.max_moves_per_restart, median(r.exits_s.clone()), r.failovers, r.drains, r.balances, r.spread, r.spread_final, r.final_s, r.total_s
         );
         println!(
             "{}",
@@ -138,6 +146,7 @@ pub async fn run(args: &BenchRollingRestartArgs) -> Result<()> {
                 "gap_max_ms": pct(&gaps, 100.0), "max_moves_per_channel_per_restart": r.max_moves_per_restart,
                 "exit_median_s": median(r.exits_s.clone()), "failovers": r.failovers,
                 "drain_moves": r.drains, "balance_moves": r.balances, "spread_after": r.spread, "total_s": r.total_s,
+                "spread_final": r.spread_final, "final_s": r.final_s, "move_cooldown_s": args.move_cooldown.as_secs_f64(),
             })
         );
         results.push((gaps, r));
@@ -178,6 +187,10 @@ async fn one_run(
     coord_args.push(format!(
         "--balance-quiet={}ms",
         args.balance_quiet.as_millis()
+    ));
+    coord_args.push(format!(
+        "--move-cooldown={}ms",
+        args.move_cooldown.as_millis()
     ));
     let _coord = spawn(dir.as_path(), "coord", &coord_args)?;
     let mut logs: Vec<PathBuf> = Vec::new();
@@ -285,6 +298,18 @@ async fn one_run(
         windows.push((from_ms, unix_ms()));
     }
     let total_s = t0.elapsed().as_secs_f64();
+    // The end: balance holds off for --move-cooldown after a node left on purpose, and
+    // leaves channels that moved alone as long; wait that long (and then some) for it.
+    let from_ms = unix_ms();
+    let t_end = Instant::now();
+    let until = t_end + args.move_cooldown + quiet + Duration::from_secs(10);
+    let mut spread_final = spreads.last().copied().unwrap_or(0);
+    while spread_final > 1 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        spread_final = settle(store, keys, args.channels, args.nodes, quiet).await?;
+    }
+    let final_s = t_end.elapsed().as_secs_f64();
+    windows.push((from_ms, unix_ms()));
     let after = scrape().await;
     let delta = |cause: &str| metric(&after, cause) - metric(&before, cause);
     // Handler logs: every stop → start of a channel on another node is one move.
@@ -336,6 +361,8 @@ async fn one_run(
         balances: delta("balance"),
         total_s,
         spread: spreads.last().copied().unwrap_or(0),
+        spread_final,
+        final_s,
     })
 }
 

@@ -101,6 +101,7 @@ pub async fn reach(
         keys: keys.clone(),
         token,
         timeout: reach.timeout,
+        followed: Default::default(),
     };
     Ok((leader, store))
 }

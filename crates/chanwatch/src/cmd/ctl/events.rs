@@ -73,11 +73,17 @@ pub async fn follow(leader: &Leader, since: u64, format: Format) -> Result<()> {
                 // A frozen leader takes the connection and never answers.
                 match tokio::time::timeout(SILENCE, req.send()).await {
                     Ok(Ok(r)) if r.status().is_success() => Ok(r),
+                    // A standby (with `--admin`) names the leader.
+                    Ok(Ok(r)) if r.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE => {
+                        Err(leader.unavailable(&r.bytes().await.unwrap_or_default()))
+                    }
                     Ok(Ok(r)) => Err(Failed::Retry(format!(
                         "the coordinator answered {}",
                         r.status()
                     ))),
-                    Ok(Err(e)) => Err(Failed::Retry(format!("the admin API does not answer: {e}"))),
+                    Ok(Err(e)) => {
+                        Err(leader.unreachable(format!("the admin API does not answer: {e}")))
+                    }
                     Err(_) => Err(Failed::Retry(format!(
                         "the leader did not answer within {} s",
                         SILENCE.as_secs()

@@ -2,7 +2,8 @@
 //! validated values (`ChannelName`, `VChannelInfo`, `NodeId`), answers are read once into the
 //! core types the API serializes (`Transition`, `PlannedMove`).
 //!
-//! Owns: finding the leader (`{root}/coord/leader`, or the `--admin` URL), the HTTP calls and
+//! Owns: finding the leader (`{root}/coord/leader`, or the `--admin` URL — when that is a
+//! standby, the leader its 503 names, with one line on stderr), the HTTP calls and
 //! their headers, waiting (up to `--timeout`) while no leader answers — one line on stderr
 //! says so — and turning a refusal into one line. Must not: print anything else (that is
 //! `ctl`'s presentation) or write to etcd.
@@ -42,6 +43,9 @@ pub struct Leader {
     pub token: Option<String>,
     /// How long to wait for a leader to answer (`--timeout`), one call included.
     pub timeout: Duration,
+    /// With `--admin`: the leader a standby there named (its 503 says where the leader is),
+    /// asked instead until it stops answering.
+    pub followed: std::sync::Mutex<Option<String>>,
 }
 
 /// One try's failure: worth another try (no leader now), or final.
@@ -50,6 +54,8 @@ pub enum Failed {
     Retry(String),
     /// Refused or broken: do not try again.
     Final(anyhow::Error),
+    /// A standby named the leader: try it now (nothing was done).
+    Redirect,
 }
 
 /// `--admin`'s value as a base URL: `http://` added when no scheme is given, no trailing `/`.
@@ -117,6 +123,9 @@ struct MoveTo {
 #[derive(Deserialize)]
 struct Refusal {
     error: String,
+    /// A standby's answer: the leader's admin address.
+    #[serde(default)]
+    leader: Option<String>,
     /// A list's refused entries.
     #[serde(default)]
     refused: Vec<RefusedEntry>,
@@ -256,7 +265,7 @@ impl Leader {
     /// decode.
     async fn base(&self) -> Result<String, Failed> {
         let store = match &self.source {
-            Source::Admin(url) => return Ok(url.clone()),
+            Source::Admin(url) => return Ok(self.followed().unwrap_or_else(|| url.clone())),
             Source::Etcd(store) => store,
         };
         let keys = &self.keys;
@@ -275,6 +284,52 @@ impl Leader {
         Ok(format!("http://{}", session.admin_addr))
     }
 
+    fn followed(&self) -> Option<String> {
+        self.followed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_followed(&self, to: Option<String>) {
+        *self
+            .followed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = to;
+    }
+
+    /// A 503's reason to try again. With `--admin`, when its body names the leader (a standby
+    /// answered), the next try goes there and one line on stderr says so.
+    pub fn unavailable(&self, body: &[u8]) -> Failed {
+        let refusal = serde_json::from_slice::<Refusal>(body).ok();
+        let msg = refusal
+            .as_ref()
+            .map_or_else(|| "no error message".to_owned(), |r| r.error.clone());
+        if let (Source::Admin(given), Some(addr)) = (
+            &self.source,
+            refusal.and_then(|r| r.leader).filter(|a| !a.is_empty()),
+        ) {
+            let to = admin_url(&addr);
+            let asked = self.followed().unwrap_or_else(|| given.clone());
+            if to != asked {
+                eprintln!("{asked} is a standby coordinator; asking the leader at {to}");
+                self.set_followed(Some(to));
+                // Straight to the leader: no pause, no waiting line.
+                return Failed::Redirect;
+            }
+        }
+        Failed::Retry(format!("the coordinator answered 503: {msg}"))
+    }
+
+    /// A followed leader that does not answer is forgotten: the next try asks `--admin`
+    /// again (it may lead now, or name the new leader).
+    pub fn unreachable(&self, why: String) -> Failed {
+        if self.followed().is_some() {
+            self.set_followed(None);
+        }
+        Failed::Retry(why)
+    }
+
     /// Runs `attempt` until it succeeds, fails for good, or `--timeout` has passed; the
     /// first time it must wait, one line on stderr says so.
     pub async fn patiently<T, F, Fut>(&self, mut attempt: F) -> Result<T>
@@ -288,6 +343,13 @@ impl Leader {
             match attempt(deadline).await {
                 Ok(v) => return Ok(v),
                 Err(Failed::Final(e)) => return Err(e),
+                // Two standbys naming each other would loop: still bounded by `--timeout`.
+                Err(Failed::Redirect) if Instant::now() < deadline => {}
+                Err(Failed::Redirect) => bail!(
+                    "no leader answered within {} s (--timeout): the standby named a leader \
+                     that did not answer as one",
+                    self.timeout.as_secs_f64()
+                ),
                 Err(Failed::Retry(why)) => {
                     if Instant::now() + RETRY_EVERY >= deadline {
                         bail!(
@@ -374,9 +436,9 @@ impl Leader {
             Ok(r) => r,
             // Nothing reached a server: safe to try again, a write too.
             Err(e) if e.is_connect() => {
-                return Err(Failed::Retry(format!("the admin API does not answer: {e}")))
+                return Err(self.unreachable(format!("the admin API does not answer: {e}")))
             }
-            Err(e) if read => return Err(Failed::Retry(format!("no answer: {e}"))),
+            Err(e) if read => return Err(self.unreachable(format!("no answer: {e}"))),
             Err(e) if e.is_timeout() => {
                 return Err(Failed::Final(anyhow!(
                     "the leader did not answer {method} {path} within {} s (--timeout); \
@@ -401,12 +463,9 @@ impl Leader {
             }
         };
         if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
-            // Not the leader (any more), still recovering, or the store failed the change.
-            let msg = serde_json::from_slice::<Refusal>(&bytes)
-                .map_or_else(|_| "no error message".to_owned(), |r| r.error);
-            return Err(Failed::Retry(format!(
-                "the coordinator answered 503: {msg}"
-            )));
+            // Not the leader (any more; then it names the leader), still recovering, or the
+            // store failed the change.
+            return Err(self.unavailable(&bytes));
         }
         if !status.is_success() {
             let r = serde_json::from_slice::<Refusal>(&bytes).ok();
@@ -466,6 +525,7 @@ mod tests {
             keys: Keys::default(),
             token: None,
             timeout: Duration::from_secs(10),
+            followed: Default::default(),
         };
         Ok((leader, handle))
     }
