@@ -37,7 +37,7 @@ impl Load {
     }
 
     /// This load with `w` more weight.
-    fn plus(self, w: u64) -> Load {
+    pub(super) fn plus(self, w: u64) -> Load {
         Load {
             weight: self.weight.saturating_add(w),
             capacity: self.capacity,
@@ -253,17 +253,17 @@ impl Loads {
     }
 
     /// The least loaded tracked node and its load, ties to the lowest ID.
-    fn lightest(&self) -> Option<(NodeId, Load)> {
+    pub(super) fn lightest(&self) -> Option<(NodeId, Load)> {
         self.iter().min_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)))
     }
 
     /// The busiest tracked node and its load, ties to the lowest ID.
-    fn busiest(&self) -> Option<(NodeId, Load)> {
+    pub(super) fn busiest(&self) -> Option<(NodeId, Load)> {
         self.iter().min_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)))
     }
 
     /// Tracked nodes from the busiest down, ties to the lowest ID.
-    fn by_load_desc(&self) -> Vec<(NodeId, Load)> {
+    pub(super) fn by_load_desc(&self) -> Vec<(NodeId, Load)> {
         let mut v: Vec<(NodeId, Load)> = self.iter().collect();
         v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         v
@@ -472,84 +472,8 @@ impl Planner {
     }
 }
 
-/// Up to `budget` balance moves (DESIGN §5): while the spread is over one channel's weight
-/// `unit` by the smallest capacity, a channel moves from the busiest node that has one it
-/// may move to the least loaded node (ties: lowest IDs). Of the source's channels it takes
-/// the one that leaves the two nodes closest to each other (then the heaviest, then the last
-/// by name), and only one the target has room for under `room` and whose move lowers
-/// Σ weight²/capacity, so balance ends. `loads` ends as it would after the moves.
-pub(super) fn pick_moves(
-    loads: &mut Loads,
-    movable: &mut BTreeMap<NodeId, Vec<Movable>>,
-    budget: usize,
-    unit: u64,
-    room: impl Fn(&Loads, NodeId, u64) -> bool,
-    allowed: impl Fn(&ChannelName, NodeId) -> bool,
-) -> Vec<PlannedMove> {
-    let mut out = Vec::new();
-    'moves: while out.len() < budget && !loads.balanced(unit) {
-        let Some((to, low)) = loads.lightest() else {
-            break;
-        };
-        for (from, high) in loads.by_load_desc() {
-            if high <= low {
-                break; // the rest are as light as the target
-            }
-            let Some(cs) = movable.get_mut(&from) else {
-                continue;
-            };
-            let (ca, cb) = (high.capacity, low.capacity);
-            // Only a move that lowers Σ weight²/capacity, so balance ends:
-            // 2 (a/ca − b/cb) > w/ca + w/cb, times ca·cb.
-            let lowers = |w: u64| {
-                let d = i128::from(high.weight) * i128::from(cb)
-                    - i128::from(low.weight) * i128::from(ca);
-                2 * d > i128::from(w) * (i128::from(ca) + i128::from(cb))
-            };
-            // |(a/ca - w/ca) - (b/cb + w/cb)| * ca * cb = |(a - w)*cb - (b + w)*ca|.
-            let gap = |w: u64| {
-                let l = i128::from(high.weight) - i128::from(w);
-                let r = i128::from(low.weight) + i128::from(w);
-                (l * i128::from(cb) - r * i128::from(ca)).abs()
-            };
-            let best = cs
-                .iter()
-                .enumerate()
-                .filter(|(_, m)| {
-                    lowers(m.weight) && room(loads, to, m.weight) && allowed(&m.channel, to)
-                })
-                .min_by(|(i, a), (j, b)| {
-                    gap(a.weight)
-                        .cmp(&gap(b.weight))
-                        .then(b.weight.cmp(&a.weight))
-                        .then(j.cmp(i))
-                })
-                .map(|(i, _)| i);
-            let Some(i) = best else {
-                // Everything on this node is mid-transition, pinned, cooling down or kept
-                // off the least loaded node: try the next busiest.
-                continue;
-            };
-            let m = cs.remove(i);
-            loads.remove(from, m.weight);
-            loads.add(
-                to,
-                Want {
-                    weight: m.weight,
-                    group: None,
-                },
-            );
-            out.push(PlannedMove {
-                channel: m.channel,
-                from,
-                to,
-            });
-            continue 'moves;
-        }
-        break;
-    }
-    out
-}
+mod pick;
+pub(super) use pick::pick_moves;
 
 #[cfg(test)]
 mod tests;
