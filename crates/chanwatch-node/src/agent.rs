@@ -25,7 +25,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -107,6 +106,12 @@ impl Agent {
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
         let app = router(table.clone());
+        // Answers go out at once, not after the worker's ACK of the previous one (Nagle).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "exec: cannot set TCP_NODELAY on an agent connection");
+            }
+        });
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "exec: the agent API stopped serving");
@@ -168,6 +173,21 @@ impl IntoResponse for Refused {
     }
 }
 
+/// The child the request's bearer token names (read from the request's headers in place,
+/// with no copy of them), or the answer that refuses it.
+struct Caller(Arc<AgentChild>);
+
+impl axum::extract::FromRequestParts<Arc<Table>> for Caller {
+    type Rejection = Refused;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        table: &Arc<Table>,
+    ) -> Result<Self, Refused> {
+        child(table, &parts.headers).map(Caller)
+    }
+}
+
 /// The child the request's bearer token names, or the answer that refuses it.
 fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused> {
     let Some(token) = headers
@@ -201,28 +221,23 @@ fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Refused> {
 }
 
 fn ok() -> Response {
-    Json(json!({ "ok": true })).into_response()
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        r#"{"ok":true}"#,
+    )
+        .into_response()
 }
 
-async fn ready(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
-    match child(&table, &headers) {
-        Ok(c) => {
-            c.ready.send_replace(true);
-            ok()
-        }
-        Err(r) => r.into_response(),
-    }
+// Every handler takes the body, even one it ignores: hyper closes a keep-alive connection
+// whose request body was not read by the time the answer went out, and a worker that sends
+// the headers and the body in two writes (Python's `http.client`) then finds its next
+// request on a closed connection (a broken pipe).
+async fn ready(Caller(c): Caller, _body: axum::body::Bytes) -> Response {
+    c.ready.send_replace(true);
+    ok()
 }
 
-async fn progress(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
+async fn progress(Caller(c): Caller, body: axum::body::Bytes) -> Response {
     let body = match object(&body) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
@@ -238,28 +253,40 @@ async fn progress(
     ok()
 }
 
-async fn commit(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
+/// The body of `POST /commit`; other fields are ignored.
+#[derive(serde::Deserialize)]
+struct CommitBody {
+    position: Option<Value>,
+    #[serde(default)]
+    state: Option<Value>,
+}
+
+/// The body of `POST /commit` as (position, state), or the answer that refuses it.
+fn commit_body(body: &[u8]) -> Result<(String, Option<Value>), Refused> {
+    const NOT_AN_OBJECT: Refused =
+        Refused(StatusCode::BAD_REQUEST, "the body must be a JSON object");
+    const BAD: Refused = Refused(
+        StatusCode::BAD_REQUEST,
+        "want {\"position\": \"...\" (a non-empty string), \"state\": {...} (optional)}",
+    );
+    let Some(start) = body.iter().position(|b| !b.is_ascii_whitespace()) else {
+        return Err(BAD);
     };
-    let mut body = match object(&body) {
+    if body[start] != b'{' {
+        return Err(NOT_AN_OBJECT);
+    }
+    let parsed: CommitBody = serde_json::from_slice(body).map_err(|_| NOT_AN_OBJECT)?;
+    match parsed.position {
+        Some(Value::String(p)) if !p.is_empty() => Ok((p, parsed.state.filter(|s| !s.is_null()))),
+        _ => Err(BAD),
+    }
+}
+
+async fn commit(Caller(c): Caller, body: axum::body::Bytes) -> Response {
+    let (position, state) = match commit_body(&body) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
     };
-    let position =
-        match body.remove("position") {
-            Some(Value::String(p)) if !p.is_empty() => p,
-            _ => return error(
-                StatusCode::BAD_REQUEST,
-                "want {\"position\": \"...\" (a non-empty string), \"state\": {...} (optional)}",
-            ),
-        };
-    let state = body.remove("state").filter(|s| !s.is_null());
     if c.paused.load(Ordering::SeqCst) {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -269,8 +296,7 @@ async fn commit(
     // On a task of its own: a worker that hangs up (its timeout, a broken connection) makes
     // hyper drop this handler, and a commit dropped half way could land without the run
     // booking its revision — its next commit would then be refused as fenced.
-    let ctx = c.ctx.clone();
-    let landed = tokio::spawn(async move { ctx.commit(position, state).await }).await;
+    let landed = tokio::spawn(async move { c.ctx.commit(position, state).await }).await;
     let Ok(landed) = landed else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -287,15 +313,7 @@ async fn commit(
     }
 }
 
-async fn fail(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
+async fn fail(Caller(c): Caller, body: axum::body::Bytes) -> Response {
     let body = match object(&body) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
@@ -308,35 +326,26 @@ async fn fail(
     ok()
 }
 
-async fn state(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
-    match child(&table, &headers) {
-        Ok(c) => {
-            let state = if c.paused.load(Ordering::SeqCst) {
-                "paused"
-            } else {
-                "running"
-            };
-            Json(json!({
-                "state": state,
-                "channel": c.ctx.info.channel.as_str(),
-                "epoch": c.ctx.info.epoch.0,
-            }))
-            .into_response()
-        }
-        Err(r) => r.into_response(),
-    }
+async fn state(Caller(c): Caller, _body: axum::body::Bytes) -> Response {
+    let state = if c.paused.load(Ordering::SeqCst) {
+        "paused"
+    } else {
+        "running"
+    };
+    Json(json!({
+        "state": state,
+        "channel": c.ctx.info.channel.as_str(),
+        "epoch": c.ctx.info.epoch.0,
+    }))
+    .into_response()
 }
 
 async fn read(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
+    Caller(c): Caller,
     axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+    _body: axum::body::Bytes,
 ) -> Response {
     use std::fmt::Write;
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
     let Some(log) = &c.log else {
         return error(
             StatusCode::NOT_FOUND,
