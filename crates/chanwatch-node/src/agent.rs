@@ -1,5 +1,6 @@
 //! The local agent API (issue 14, DESIGN §7): the HTTP endpoints an `--exec` worker process
-//! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler),
+//! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler)
+//! (TCP, and the same API on a Unix socket in a private directory: `CHANWATCH_AGENT_SOCKET`),
 //! one random bearer token per child.
 //!
 //! | request | answer |
@@ -17,7 +18,7 @@
 //! can act only as itself as long as it keeps its token to itself. Errors are
 //! `{"error": "..."}`; a body that is not the JSON object asked for is 400.
 //!
-//! Owns: the listener, the table token → child, and mapping each request onto the child's
+//! Owns: the listeners (and the Unix socket's directory), the table token → child, and mapping each request onto the child's
 //! [`ChannelContext`]. Must not: touch the store (commits go through the context), or start and
 //! stop processes (the exec handler does).
 
@@ -84,6 +85,22 @@ impl Table {
 pub struct Agent {
     table: Arc<Table>,
     url: String,
+    /// The same API on a Unix socket, when [`Agent::serve_unix`] made one.
+    socket: Option<Arc<SocketDir>>,
+}
+
+/// A private directory (mode 0700) holding the agent's Unix socket; removed with the last
+/// clone of its agent.
+#[derive(Debug)]
+struct SocketDir {
+    dir: std::path::PathBuf,
+    socket: std::path::PathBuf,
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// A child's place in the agent; dropping it revokes the token (its requests get 403).
@@ -120,7 +137,45 @@ impl Agent {
         Ok(Agent {
             table,
             url: format!("http://{addr}"),
+            socket: None,
         })
+    }
+
+    /// Serves the same API, to the same children, on a Unix socket too: `agent.sock` in a
+    /// fresh directory of `parent` only this user may enter (the token is checked all the
+    /// same). A local worker saves the TCP stack's work per request there.
+    ///
+    /// # Errors
+    /// The directory or the socket cannot be made.
+    pub fn serve_unix(&mut self, parent: &std::path::Path) -> std::io::Result<()> {
+        use std::os::unix::fs::DirBuilderExt;
+        static DIRS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = DIRS.fetch_add(1, Ordering::Relaxed);
+        let dir = parent.join(format!(
+            "chanwatch-agent-{}-{n}-{}",
+            std::process::id(),
+            &random_token()?[..8]
+        ));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        let socket = dir.join("agent.sock");
+        let made = SocketDir {
+            dir,
+            socket: socket.clone(),
+        };
+        let listener = tokio::net::UnixListener::bind(&socket)?;
+        let app = router(self.table.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "exec: the agent API's Unix socket stopped serving");
+            }
+        });
+        self.socket = Some(Arc::new(made));
+        Ok(())
+    }
+
+    /// The Unix socket children get as `CHANWATCH_AGENT_SOCKET`, when there is one.
+    pub fn socket(&self) -> Option<&std::path::Path> {
+        self.socket.as_deref().map(|s| s.socket.as_path())
     }
 
     /// The base URL children get as `CHANWATCH_AGENT_URL` (`http://127.0.0.1:PORT`).

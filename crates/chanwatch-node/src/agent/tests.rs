@@ -368,3 +368,34 @@ async fn a_request_whose_body_comes_apart_from_its_headers_keeps_the_connection(
     }
     assert!(*child.ready.borrow());
 }
+
+/// The API on the agent's Unix socket answers the same children by the same tokens, and its
+/// directory (only this user may enter it) goes with the agent.
+#[tokio::test]
+async fn the_unix_socket_serves_the_same_children_and_goes_with_the_agent() {
+    use std::os::unix::fs::PermissionsExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let parent = tempfile::tempdir().expect("tempdir");
+    let mut agent = agent().await;
+    agent.serve_unix(parent.path()).expect("unix socket");
+    let socket = agent.socket().expect("a socket").to_owned();
+    let dir = socket.parent().expect("its directory").to_owned();
+    let mode = std::fs::metadata(&dir).expect("dir").permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
+    let (ctx, _events) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child.clone());
+    for (token, want) in [("nope", "403"), ("tok-a", "200")] {
+        let mut s = tokio::net::UnixStream::connect(&socket)
+            .await
+            .expect("connect");
+        let req = format!("POST /ready HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer {token}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}");
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        assert_eq!(&out[9..12], want, "{token}: {out}");
+    }
+    assert!(*child.ready.borrow());
+    drop(agent);
+    assert!(!dir.exists(), "{} outlived its agent", dir.display());
+}

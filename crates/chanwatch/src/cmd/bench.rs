@@ -235,12 +235,13 @@ pub struct BenchExecArgs {
     /// How long the commits/s figures are measured, every committer running.
     #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
     pub seconds: u64,
-    /// Who commits: `python`, `compiled` (children through the agent), `in-process`.
+    /// Who commits: children through the agent — `python` (TCP), `compiled` (its Unix
+    /// socket), `compiled-tcp` — or `in-process`.
     #[arg(
         long,
         env = "CHANWATCH_BENCH_VIA",
         value_delimiter = ',',
-        default_value = "python,compiled,in-process"
+        default_value = "python,compiled,compiled-tcp,in-process"
     )]
     pub via: Vec<String>,
     /// Repetitions of the commits/s figures; medians are reported.
@@ -256,7 +257,11 @@ pub struct BenchExecArgs {
 
 /// Flags of the hidden `bench exec-worker` (the compiled child `bench exec` spawns).
 #[derive(Debug, ClapArgs)]
-pub struct BenchExecWorkerArgs {}
+pub struct BenchExecWorkerArgs {
+    /// Talk to the agent over TCP even when it has a Unix socket.
+    #[arg(long)]
+    pub tcp: bool,
+}
 
 /// Flags of `bench planner`.
 #[derive(Debug, ClapArgs)]

@@ -9,7 +9,8 @@
 //!   before and after; the children's own memory is theirs, and not counted).
 //! - **commits/s**: `--commit-channels` channels committing as fast as they can, through the
 //!   agent API (a Python child per channel, and a compiled child per channel — this binary's
-//!   hidden `bench exec-worker` — each on one keep-alive HTTP connection) and through the
+//!   hidden `bench exec-worker`, on the agent's Unix socket or over TCP — each on one
+//!   keep-alive HTTP connection) and through the
 //!   in-process handler's `ctx.commit` — the same group commit (`--via` picks). Every
 //!   committer commits from its start until it is stopped; once every channel is `Watched`
 //!   and a second of warm-up has passed, the commits that land in `--seconds` are counted;
@@ -183,7 +184,7 @@ headers = {"Authorization": "Bearer " + os.environ["CHANWATCH_AGENT_TOKEN"], "Co
 conn = http.client.HTTPConnection(host, int(port))
 conn.connect()
 # http.client writes the headers and the body apart: without this the body waits for the
-# agent's ACK of the headers (Nagle).
+# ACK from the agent for the headers (Nagle).
 conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 def post(path, body):
     conn.request("POST", path, body=json.dumps(body), headers=headers)
@@ -224,8 +225,10 @@ enum Via {
     /// A Python child per channel (`http.client`, one keep-alive connection) through the agent.
     Python,
     /// A compiled child per channel (this binary's hidden `bench exec-worker`: blocking
-    /// HTTP/1.1 on one keep-alive connection) through the agent.
+    /// HTTP/1.1 on one keep-alive connection) through the agent's Unix socket.
     Compiled,
+    /// The same over TCP (`CHANWATCH_AGENT_URL`).
+    CompiledTcp,
     /// A task per channel calling `ctx.commit` in the node's process.
     InProcess,
 }
@@ -235,6 +238,7 @@ impl Via {
         match self {
             Via::Python => "agent-python",
             Via::Compiled => "agent-compiled",
+            Via::CompiledTcp => "agent-compiled-tcp",
             Via::InProcess => "in-process",
         }
     }
@@ -297,6 +301,11 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
     let handler: Arc<dyn ChannelHandler> = match via {
         Via::Python => {
             // The script holds no single quote: it goes to the shell as one quoted word.
+            if PYTHON.contains('\'') {
+                bail!(
+                    "the bench's Python committer holds a single quote: the shell would split it"
+                );
+            }
             let h = Arc::new(
                 ExecHandler::bind(
                     ExecOptions::new(format!("exec '{}' -c '{PYTHON}'", python())),
@@ -307,11 +316,16 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
             exec = Some(h.clone());
             h
         }
-        Via::Compiled => {
+        Via::Compiled | Via::CompiledTcp => {
             let exe = std::env::current_exe().context("this binary's path")?;
+            let tcp = if via == Via::CompiledTcp {
+                " --tcp"
+            } else {
+                ""
+            };
             let h = Arc::new(
                 ExecHandler::bind(
-                    ExecOptions::new(format!("exec '{}' bench exec-worker", exe.display(),)),
+                    ExecOptions::new(format!("exec '{}' bench exec-worker{tcp}", exe.display())),
                     "127.0.0.1:0",
                 )
                 .await?,
@@ -364,12 +378,11 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
 
 /// One request on the keep-alive connection `(w, r)`: its status (the answer read to its end).
 fn call(
-    w: &mut std::net::TcpStream,
-    r: &mut std::io::BufReader<std::net::TcpStream>,
+    w: &mut impl std::io::Write,
+    r: &mut impl std::io::BufRead,
     head: &str,
     body: &str,
 ) -> Result<u16> {
-    use std::io::{BufRead, Read, Write};
     // Headers and body in one write: one segment, no wait on the agent's ACK (Nagle).
     let request = format!("{head}Content-Length: {}\r\n\r\n{body}", body.len());
     w.write_all(request.as_bytes())?;
@@ -398,39 +411,56 @@ fn call(
     Ok(status)
 }
 
-/// The compiled child of `bench exec` (hidden `bench exec-worker`): see [`Via::Compiled`].
-/// What a lean worker in a compiled language does: blocking HTTP/1.1 on one keep-alive
-/// connection with `TCP_NODELAY`, each request in one write; it commits 1, 2, 3, … until the
-/// agent says its run is over (403, 409) or the node stops it.
-///
-/// # Errors
-/// Not run by `bench exec` (no agent in the environment), or the agent gone.
-pub async fn worker(_args: &super::BenchExecWorkerArgs) -> Result<()> {
-    let url = std::env::var("CHANWATCH_AGENT_URL")
-        .context("CHANWATCH_AGENT_URL is not set: `bench exec` runs this as its worker")?;
-    let token = std::env::var("CHANWATCH_AGENT_TOKEN")
-        .context("CHANWATCH_AGENT_TOKEN is not set: `bench exec` runs this as its worker")?;
-    let addr = url
-        .strip_prefix("http://")
-        .context("CHANWATCH_AGENT_URL is not http://HOST:PORT")?;
-    let mut w = std::net::TcpStream::connect(addr)?;
-    w.set_nodelay(true)?;
-    let mut r = std::io::BufReader::new(w.try_clone()?);
+/// Commits 1, 2, 3, … on `(w, r)` after `/ready`, until the agent says the run is over.
+fn commit_loop(
+    w: &mut impl std::io::Write,
+    r: &mut impl std::io::BufRead,
+    host: &str,
+    token: &str,
+) -> Result<()> {
     let head = |path: &str| {
-        format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n")
+        format!("POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n")
     };
     let (ready, commit) = (head("/ready"), head("/commit"));
-    call(&mut w, &mut r, &ready, "{}")?;
+    call(w, r, &ready, "{}")?;
     let mut n = 0u64;
     loop {
         let body = format!(r#"{{"position":"{}","state":{{}}}}"#, n + 1);
-        match call(&mut w, &mut r, &commit, &body)? {
+        match call(w, r, &commit, &body)? {
             200 => n += 1,
             // The run is over (released, fenced): exit.
             403 | 409 => return Ok(()),
             _ => {}
         }
     }
+}
+
+/// The compiled child of `bench exec` (hidden `bench exec-worker`): see [`Via::Compiled`].
+/// What a lean worker in a compiled language does: blocking HTTP/1.1 on one keep-alive
+/// connection — to `CHANWATCH_AGENT_SOCKET` when the node gives one (`--tcp` or none: to
+/// `CHANWATCH_AGENT_URL`, with `TCP_NODELAY`), each request in one write; it commits 1, 2,
+/// 3, … until the agent says its run is over (403, 409) or the node stops it.
+///
+/// # Errors
+/// Not run by `bench exec` (no agent in the environment), or the agent gone.
+pub async fn worker(args: &super::BenchExecWorkerArgs) -> Result<()> {
+    let url = std::env::var("CHANWATCH_AGENT_URL")
+        .context("CHANWATCH_AGENT_URL is not set: `bench exec` runs this as its worker")?;
+    let token = std::env::var("CHANWATCH_AGENT_TOKEN")
+        .context("CHANWATCH_AGENT_TOKEN is not set: `bench exec` runs this as its worker")?;
+    let socket = std::env::var("CHANWATCH_AGENT_SOCKET").unwrap_or_default();
+    if !socket.is_empty() && !args.tcp {
+        let mut w = std::os::unix::net::UnixStream::connect(&socket)?;
+        let mut r = std::io::BufReader::new(w.try_clone()?);
+        return commit_loop(&mut w, &mut r, "agent", &token);
+    }
+    let addr = url
+        .strip_prefix("http://")
+        .context("CHANWATCH_AGENT_URL is not http://HOST:PORT")?;
+    let mut w = std::net::TcpStream::connect(addr)?;
+    w.set_nodelay(true)?;
+    let mut r = std::io::BufReader::new(w.try_clone()?);
+    commit_loop(&mut w, &mut r, addr, &token)
 }
 
 /// The start, memory and stop figures: `--channels` trivial children.
@@ -490,8 +520,9 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
         .map(|v| match v.as_str() {
             "python" => Ok(Via::Python),
             "compiled" => Ok(Via::Compiled),
+            "compiled-tcp" => Ok(Via::CompiledTcp),
             "in-process" => Ok(Via::InProcess),
-            other => bail!("--via {other}: want python, compiled or in-process"),
+            other => bail!("--via {other}: want python, compiled, compiled-tcp or in-process"),
         })
         .collect::<Result<_>>()?;
     let mut all: Vec<Vec<Figures>> = vec![Vec::new(); vias.len()];
