@@ -110,13 +110,30 @@ impl Site<'_> {
 /// Registers `n` channels `x-00000…` and waits until all are `Watched`.
 async fn add_all(coord: &chanwatch_coord::CoordHandle, n: usize) -> Result<()> {
     for i in 0..n {
-        coord
-            .add_channel(
-                ChannelName::new(format!("x-{i:05}"))?,
-                VChannelInfo::default(),
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("add channel {i}: {e}"))?;
+        // A loaded machine (a thousand Python children starting) can cost the coordinator
+        // its leadership for a moment: try again, up to a minute.
+        let mut tries = 0;
+        loop {
+            match coord
+                .add_channel(
+                    ChannelName::new(format!("x-{i:05}"))?,
+                    VChannelInfo::default(),
+                )
+                .await
+            {
+                // Landed by an earlier try whose answer was lost.
+                Ok(_)
+                | Err(chanwatch_coord::ApiError::Admin(
+                    chanwatch_core::planner::AdminError::AlreadyExists(_),
+                )) => break,
+                Err(e) if tries < 120 => {
+                    tries += 1;
+                    tracing::warn!(channel = i, error = %e, "bench exec: add channel failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => bail!("add channel {i}: {e}"),
+            }
+        }
     }
     tracing::info!(channels = n, "bench exec: all registered");
     let deadline = Instant::now() + Duration::from_secs(300);
