@@ -150,6 +150,7 @@ impl Agent {
     pub fn serve_unix(&mut self, parent: &std::path::Path) -> std::io::Result<()> {
         use std::os::unix::fs::DirBuilderExt;
         static DIRS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        sweep(parent);
         let n = DIRS.fetch_add(1, Ordering::Relaxed);
         let dir = parent.join(format!(
             "chanwatch-agent-{}-{n}-{}",
@@ -189,6 +190,29 @@ impl Agent {
         Registration {
             table: self.table.clone(),
             token,
+        }
+    }
+}
+
+/// Removes the socket directories in `parent` of nodes that are gone (`chanwatch-agent-PID-…`
+/// with no process `PID`): a node killed with `SIGKILL` cannot remove its own. A directory
+/// of a live process, or one this user may not remove, stays.
+fn sweep(parent: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("chanwatch-agent-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
         }
     }
 }

@@ -399,3 +399,24 @@ async fn the_unix_socket_serves_the_same_children_and_goes_with_the_agent() {
     drop(agent);
     assert!(!dir.exists(), "{} outlived its agent", dir.display());
 }
+
+/// A socket directory left by a node that is gone (killed with `SIGKILL`) is removed when the
+/// next agent makes its own; one of a live process stays.
+#[tokio::test]
+async fn a_dead_nodes_socket_directory_is_swept_and_a_live_ones_stays() {
+    let parent = tempfile::tempdir().expect("tempdir");
+    // No process has pid 0 in /proc; this one is alive.
+    let dead = parent.path().join("chanwatch-agent-0-0-deadbeef");
+    let live = parent.path().join(format!(
+        "chanwatch-agent-{}-99-cafecafe",
+        std::process::id()
+    ));
+    let other = parent.path().join("something-else");
+    for d in [&dead, &live, &other] {
+        std::fs::create_dir(d).expect("mkdir");
+    }
+    let mut agent = agent().await;
+    agent.serve_unix(parent.path()).expect("unix socket");
+    assert!(!dead.exists(), "a dead node's directory stayed");
+    assert!(live.exists() && other.exists());
+}
