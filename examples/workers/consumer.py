@@ -20,6 +20,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import struct
 import sys
 import time
@@ -49,6 +50,8 @@ class Agent:
                 if self.conn is None:
                     self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
                     self.conn.connect()
+                    # http.client writes headers and body apart: send each at once (Nagle).
+                    self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.conn.sock.settimeout(timeout)
                 self.conn.request(method, path, body=data, headers=self.headers)
                 r = self.conn.getresponse()

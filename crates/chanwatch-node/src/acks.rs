@@ -223,6 +223,18 @@ impl Session {
         self.send_acks();
     }
 
+    /// While the session stops every channel (a shutdown): answers the commits of a write
+    /// (acks are no longer booked: the node machine is done) and sends what queued.
+    pub(crate) fn commits_done_stopping(&mut self, outcomes: Vec<(What, AckOutcome)>) {
+        self.ack_in_flight = false;
+        for (what, outcome) in outcomes {
+            if let What::Commit(channel, reply) = what {
+                self.commit_done(&channel, reply, outcome);
+            }
+        }
+        self.send_acks();
+    }
+
     /// Answers a commit (the committer counts it).
     fn commit_done(
         &self,

@@ -1,5 +1,6 @@
 //! The local agent API (issue 14, DESIGN §7): the HTTP endpoints an `--exec` worker process
-//! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler),
+//! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler)
+//! (TCP, and the same API on a Unix socket in a private directory: `CHANWATCH_AGENT_SOCKET`),
 //! one random bearer token per child.
 //!
 //! | request | answer |
@@ -17,7 +18,7 @@
 //! can act only as itself as long as it keeps its token to itself. Errors are
 //! `{"error": "..."}`; a body that is not the JSON object asked for is 400.
 //!
-//! Owns: the listener, the table token → child, and mapping each request onto the child's
+//! Owns: the listeners (and the Unix socket's directory), the table token → child, and mapping each request onto the child's
 //! [`ChannelContext`]. Must not: touch the store (commits go through the context), or start and
 //! stop processes (the exec handler does).
 
@@ -25,7 +26,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -85,6 +85,22 @@ impl Table {
 pub struct Agent {
     table: Arc<Table>,
     url: String,
+    /// The same API on a Unix socket, when [`Agent::serve_unix`] made one.
+    socket: Option<Arc<SocketDir>>,
+}
+
+/// A private directory (mode 0700) holding the agent's Unix socket; removed with the last
+/// clone of its agent.
+#[derive(Debug)]
+struct SocketDir {
+    dir: std::path::PathBuf,
+    socket: std::path::PathBuf,
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// A child's place in the agent; dropping it revokes the token (its requests get 403).
@@ -107,6 +123,12 @@ impl Agent {
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
         let app = router(table.clone());
+        // Answers go out at once, not after the worker's ACK of the previous one (Nagle).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "exec: cannot set TCP_NODELAY on an agent connection");
+            }
+        });
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "exec: the agent API stopped serving");
@@ -115,7 +137,46 @@ impl Agent {
         Ok(Agent {
             table,
             url: format!("http://{addr}"),
+            socket: None,
         })
+    }
+
+    /// Serves the same API, to the same children, on a Unix socket too: `agent.sock` in a
+    /// fresh directory of `parent` only this user may enter (the token is checked all the
+    /// same). A local worker saves the TCP stack's work per request there.
+    ///
+    /// # Errors
+    /// The directory or the socket cannot be made.
+    pub fn serve_unix(&mut self, parent: &std::path::Path) -> std::io::Result<()> {
+        use std::os::unix::fs::DirBuilderExt;
+        static DIRS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        sweep(parent);
+        let n = DIRS.fetch_add(1, Ordering::Relaxed);
+        let dir = parent.join(format!(
+            "chanwatch-agent-{}-{n}-{}",
+            std::process::id(),
+            &random_token()?[..8]
+        ));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        let socket = dir.join("agent.sock");
+        let made = SocketDir {
+            dir,
+            socket: socket.clone(),
+        };
+        let listener = tokio::net::UnixListener::bind(&socket)?;
+        let app = router(self.table.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "exec: the agent API's Unix socket stopped serving");
+            }
+        });
+        self.socket = Some(Arc::new(made));
+        Ok(())
+    }
+
+    /// The Unix socket children get as `CHANWATCH_AGENT_SOCKET`, when there is one.
+    pub fn socket(&self) -> Option<&std::path::Path> {
+        self.socket.as_deref().map(|s| s.socket.as_path())
     }
 
     /// The base URL children get as `CHANWATCH_AGENT_URL` (`http://127.0.0.1:PORT`).
@@ -129,6 +190,29 @@ impl Agent {
         Registration {
             table: self.table.clone(),
             token,
+        }
+    }
+}
+
+/// Removes the socket directories in `parent` of nodes that are gone (`chanwatch-agent-PID-…`
+/// with no process `PID`): a node killed with `SIGKILL` cannot remove its own. A directory
+/// of a live process, or one this user may not remove, stays.
+fn sweep(parent: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("chanwatch-agent-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
         }
     }
 }
@@ -168,6 +252,21 @@ impl IntoResponse for Refused {
     }
 }
 
+/// The child the request's bearer token names (read from the request's headers in place,
+/// with no copy of them), or the answer that refuses it.
+struct Caller(Arc<AgentChild>);
+
+impl axum::extract::FromRequestParts<Arc<Table>> for Caller {
+    type Rejection = Refused;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        table: &Arc<Table>,
+    ) -> Result<Self, Refused> {
+        child(table, &parts.headers).map(Caller)
+    }
+}
+
 /// The child the request's bearer token names, or the answer that refuses it.
 fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused> {
     let Some(token) = headers
@@ -201,28 +300,23 @@ fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Refused> {
 }
 
 fn ok() -> Response {
-    Json(json!({ "ok": true })).into_response()
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        r#"{"ok":true}"#,
+    )
+        .into_response()
 }
 
-async fn ready(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
-    match child(&table, &headers) {
-        Ok(c) => {
-            c.ready.send_replace(true);
-            ok()
-        }
-        Err(r) => r.into_response(),
-    }
+// Every handler takes the body, even one it ignores: hyper closes a keep-alive connection
+// whose request body was not read by the time the answer went out, and a worker that sends
+// the headers and the body in two writes (Python's `http.client`) then finds its next
+// request on a closed connection (a broken pipe).
+async fn ready(Caller(c): Caller, _body: axum::body::Bytes) -> Response {
+    c.ready.send_replace(true);
+    ok()
 }
 
-async fn progress(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
+async fn progress(Caller(c): Caller, body: axum::body::Bytes) -> Response {
     let body = match object(&body) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
@@ -238,28 +332,40 @@ async fn progress(
     ok()
 }
 
-async fn commit(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
+/// The body of `POST /commit`; other fields are ignored.
+#[derive(serde::Deserialize)]
+struct CommitBody {
+    position: Option<Value>,
+    #[serde(default)]
+    state: Option<Value>,
+}
+
+/// The body of `POST /commit` as (position, state), or the answer that refuses it.
+fn commit_body(body: &[u8]) -> Result<(String, Option<Value>), Refused> {
+    const NOT_AN_OBJECT: Refused =
+        Refused(StatusCode::BAD_REQUEST, "the body must be a JSON object");
+    const BAD: Refused = Refused(
+        StatusCode::BAD_REQUEST,
+        "want {\"position\": \"...\" (a non-empty string), \"state\": {...} (optional)}",
+    );
+    let Some(start) = body.iter().position(|b| !b.is_ascii_whitespace()) else {
+        return Err(BAD);
     };
-    let mut body = match object(&body) {
+    if body[start] != b'{' {
+        return Err(NOT_AN_OBJECT);
+    }
+    let parsed: CommitBody = serde_json::from_slice(body).map_err(|_| NOT_AN_OBJECT)?;
+    match parsed.position {
+        Some(Value::String(p)) if !p.is_empty() => Ok((p, parsed.state.filter(|s| !s.is_null()))),
+        _ => Err(BAD),
+    }
+}
+
+async fn commit(Caller(c): Caller, body: axum::body::Bytes) -> Response {
+    let (position, state) = match commit_body(&body) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
     };
-    let position =
-        match body.remove("position") {
-            Some(Value::String(p)) if !p.is_empty() => p,
-            _ => return error(
-                StatusCode::BAD_REQUEST,
-                "want {\"position\": \"...\" (a non-empty string), \"state\": {...} (optional)}",
-            ),
-        };
-    let state = body.remove("state").filter(|s| !s.is_null());
     if c.paused.load(Ordering::SeqCst) {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -269,8 +375,7 @@ async fn commit(
     // On a task of its own: a worker that hangs up (its timeout, a broken connection) makes
     // hyper drop this handler, and a commit dropped half way could land without the run
     // booking its revision — its next commit would then be refused as fenced.
-    let ctx = c.ctx.clone();
-    let landed = tokio::spawn(async move { ctx.commit(position, state).await }).await;
+    let landed = tokio::spawn(async move { c.ctx.commit(position, state).await }).await;
     let Ok(landed) = landed else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -287,15 +392,7 @@ async fn commit(
     }
 }
 
-async fn fail(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
+async fn fail(Caller(c): Caller, body: axum::body::Bytes) -> Response {
     let body = match object(&body) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
@@ -308,35 +405,26 @@ async fn fail(
     ok()
 }
 
-async fn state(State(table): State<Arc<Table>>, headers: HeaderMap) -> Response {
-    match child(&table, &headers) {
-        Ok(c) => {
-            let state = if c.paused.load(Ordering::SeqCst) {
-                "paused"
-            } else {
-                "running"
-            };
-            Json(json!({
-                "state": state,
-                "channel": c.ctx.info.channel.as_str(),
-                "epoch": c.ctx.info.epoch.0,
-            }))
-            .into_response()
-        }
-        Err(r) => r.into_response(),
-    }
+async fn state(Caller(c): Caller, _body: axum::body::Bytes) -> Response {
+    let state = if c.paused.load(Ordering::SeqCst) {
+        "paused"
+    } else {
+        "running"
+    };
+    Json(json!({
+        "state": state,
+        "channel": c.ctx.info.channel.as_str(),
+        "epoch": c.ctx.info.epoch.0,
+    }))
+    .into_response()
 }
 
 async fn read(
-    State(table): State<Arc<Table>>,
-    headers: HeaderMap,
+    Caller(c): Caller,
     axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+    _body: axum::body::Bytes,
 ) -> Response {
     use std::fmt::Write;
-    let c = match child(&table, &headers) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
     let Some(log) = &c.log else {
         return error(
             StatusCode::NOT_FOUND,

@@ -269,7 +269,7 @@ impl Session {
                     self.commits_rx.close();
                     while self.commits_rx.try_recv().is_ok() {}
                     self.commit_queue.clear();
-                    self.stop_all().await;
+                    self.stop_all(false).await;
                     return SessionEnd::Fenced(if lost.is_cancelled() {
                         "the store says our lease is gone".into()
                     } else {
@@ -370,7 +370,7 @@ impl Session {
                     }
                     None => {
                         error!("node: list-watch task ended unexpectedly; fencing");
-                        self.stop_all().await;
+                        self.stop_all(false).await;
                         return SessionEnd::Fenced("list-watch task ended".into());
                     }
                 },
@@ -523,22 +523,43 @@ impl Session {
 
     /// Stops every channel and revokes the lease, so what is left moves at once.
     async fn stop_and_revoke(mut self) -> SessionEnd {
-        self.stop_all().await;
+        self.stop_all(true).await;
         if let Err(e) = self.store.revoke(self.reg.lease).await {
             warn!(error = %e, "node: lease revoke failed; it will expire by itself");
         }
         SessionEnd::Shutdown
     }
 
-    /// Stops every runner and waits for each release.
-    async fn stop_all(&mut self) {
+    /// Stops every runner and waits for each release. With `commits` (a shutdown, the
+    /// session alive), the commits runs make meanwhile — a worker's last one on `SIGTERM` —
+    /// are still written and answered: a release waits for its worker, and a commit left
+    /// queued until the end of this would hold the worker until its stop grace ran out.
+    async fn stop_all(&mut self, commits: bool) {
         let runners: Vec<(ChannelName, Runner)> =
             std::mem::take(&mut self.runners).into_iter().collect();
         for (_, r) in &runners {
             r.cancel.cancel();
         }
-        for (_, r) in runners {
-            let _ = r.task.await;
+        let released = async move {
+            for (_, r) in runners {
+                let _ = r.task.await;
+            }
+        };
+        tokio::pin!(released);
+        loop {
+            tokio::select! {
+                () = &mut released => return,
+                Some(first) = self.commits_rx.recv(), if commits => {
+                    self.commit_queue.push(first);
+                    while let Ok(more) = self.commits_rx.try_recv() {
+                        self.commit_queue.push(more);
+                    }
+                    self.send_acks();
+                }
+                Some(outcomes) = self.acks_done_rx.recv(), if commits => {
+                    self.commits_done_stopping(outcomes);
+                }
+            }
         }
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! The Rust consumer and the Python worker resuming each other's checkpoints: `exec/mixed.rs`;
 //! a node that fences itself killing its workers at once: `exec/fence.rs`; the Python worker
-//! exiting at once on SIGTERM while its commit hangs: `exec/sigterm.rs`.
+//! exiting at once on SIGTERM while its commit hangs: `exec/sigterm.rs`; a worker's last commit
+//! on a node's shutdown answered at once: `exec/shutdown.rs`.
 //!
 //! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
@@ -21,6 +22,8 @@ use procs::{bin, spawn, Proc};
 mod fence;
 #[path = "exec/mixed.rs"]
 mod mixed;
+#[path = "exec/shutdown.rs"]
+mod shutdown;
 #[path = "exec/sigterm.rs"]
 mod sigterm;
 

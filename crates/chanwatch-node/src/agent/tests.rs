@@ -315,3 +315,108 @@ async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_on
     req.reply.send(Ok(8)).expect("answered");
     assert_eq!(second.await.expect("joined").0, 200);
 }
+
+/// A worker that writes a request's headers and its body apart (Python's `http.client` does)
+/// keeps its connection: the agent read `/ready`'s body it does not use before answering.
+/// It used to answer at once and hyper then closed the connection with the body unread: the
+/// worker's next request hit a broken pipe and it exited 1 (a `WatchFailed` in `bench exec`).
+#[tokio::test]
+async fn a_request_whose_body_comes_apart_from_its_headers_keeps_the_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let agent = agent().await;
+    let (ctx, _events) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child.clone());
+    let addr = agent.url().trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let head = |path: &str, len: usize| {
+        format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer tok-a\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n")
+    };
+    // Two requests whose bodies come 100 ms after their headers, on one connection.
+    for path in ["/ready", "/progress"] {
+        let body = if path == "/ready" {
+            "{}"
+        } else {
+            "{\"percent\":50}"
+        };
+        s.write_all(head(path, body.len()).as_bytes())
+            .await
+            .expect("write headers");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        s.write_all(body.as_bytes()).await.expect("write body");
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&answer).contains("{\"ok\":true}") {
+            let n = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .expect("an answer within 5 s")
+                .expect("read");
+            assert!(
+                n > 0,
+                "the agent closed the connection before answering {path}: {}",
+                String::from_utf8_lossy(&answer)
+            );
+            answer.extend_from_slice(&buf[..n]);
+        }
+        assert!(
+            String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
+            "{path}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    assert!(*child.ready.borrow());
+}
+
+/// The API on the agent's Unix socket answers the same children by the same tokens, and its
+/// directory (only this user may enter it) goes with the agent.
+#[tokio::test]
+async fn the_unix_socket_serves_the_same_children_and_goes_with_the_agent() {
+    use std::os::unix::fs::PermissionsExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let parent = tempfile::tempdir().expect("tempdir");
+    let mut agent = agent().await;
+    agent.serve_unix(parent.path()).expect("unix socket");
+    let socket = agent.socket().expect("a socket").to_owned();
+    let dir = socket.parent().expect("its directory").to_owned();
+    let mode = std::fs::metadata(&dir).expect("dir").permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
+    let (ctx, _events) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child.clone());
+    for (token, want) in [("nope", "403"), ("tok-a", "200")] {
+        let mut s = tokio::net::UnixStream::connect(&socket)
+            .await
+            .expect("connect");
+        let req = format!("POST /ready HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer {token}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}");
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        assert_eq!(&out[9..12], want, "{token}: {out}");
+    }
+    assert!(*child.ready.borrow());
+    drop(agent);
+    assert!(!dir.exists(), "{} outlived its agent", dir.display());
+}
+
+/// A socket directory left by a node that is gone (killed with `SIGKILL`) is removed when the
+/// next agent makes its own; one of a live process stays.
+#[tokio::test]
+async fn a_dead_nodes_socket_directory_is_swept_and_a_live_ones_stays() {
+    let parent = tempfile::tempdir().expect("tempdir");
+    // No process has pid 0 in /proc; this one is alive.
+    let dead = parent.path().join("chanwatch-agent-0-0-deadbeef");
+    let live = parent.path().join(format!(
+        "chanwatch-agent-{}-99-cafecafe",
+        std::process::id()
+    ));
+    let other = parent.path().join("something-else");
+    for d in [&dead, &live, &other] {
+        std::fs::create_dir(d).expect("mkdir");
+    }
+    let mut agent = agent().await;
+    agent.serve_unix(parent.path()).expect("unix socket");
+    assert!(!dead.exists(), "a dead node's directory stayed");
+    assert!(live.exists() && other.exists());
+}

@@ -11,6 +11,7 @@
 //! | `CHANWATCH_RESUME_POSITION` | the last committed checkpoint's position; empty: start from the beginning |
 //! | `CHANWATCH_RESUME_STATE` | the state committed with it, JSON; empty when none |
 //! | `CHANWATCH_AGENT_URL`, `CHANWATCH_AGENT_TOKEN` | where the agent API is, and this child's bearer token |
+//! | `CHANWATCH_AGENT_SOCKET` | the same API on a Unix socket (path; empty when the node could not make one): cheaper per request for a worker that can use it |
 //!
 //! Supervision:
 //! - **load** is done when the child calls `POST /ready` (or at once with `ready_on_start`);
@@ -161,10 +162,14 @@ impl ExecHandler {
         if options.command.trim().is_empty() {
             return Err(ExecError::EmptyCommand);
         }
-        let agent = Agent::serve(listener).map_err(|source| ExecError::Bind {
+        let mut agent = Agent::serve(listener).map_err(|source| ExecError::Bind {
             addr: "?".into(),
             source,
         })?;
+        // The same API on a Unix socket, cheaper per request; the URL works without it.
+        if let Err(e) = agent.serve_unix(&std::env::temp_dir()) {
+            warn!(error = %e, dir = %std::env::temp_dir().display(), "exec: cannot make the agent's Unix socket; workers get CHANWATCH_AGENT_URL only");
+        }
         Ok(ExecHandler {
             options,
             log: None,
@@ -298,6 +303,13 @@ impl ChannelHandler for ExecHandler {
             .env("CHANWATCH_RESUME_POSITION", position)
             .env("CHANWATCH_RESUME_STATE", state)
             .env("CHANWATCH_AGENT_URL", self.agent.url())
+            .env(
+                "CHANWATCH_AGENT_SOCKET",
+                self.agent
+                    .socket()
+                    .map(|p| p.as_os_str())
+                    .unwrap_or_default(),
+            )
             .env("CHANWATCH_AGENT_TOKEN", &token)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

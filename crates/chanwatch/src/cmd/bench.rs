@@ -232,9 +232,18 @@ pub struct BenchExecArgs {
     /// Channels committing at once for the commits/s figures (a Python child each).
     #[arg(long, env = "CHANWATCH_BENCH_COMMIT_CHANNELS", default_value_t = 16)]
     pub commit_channels: usize,
-    /// How long each committer commits.
+    /// How long the commits/s figures are measured, every committer running.
     #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
     pub seconds: u64,
+    /// Who commits: children through the agent — `python` (TCP), `compiled` (its Unix
+    /// socket), `compiled-tcp` — or `in-process`.
+    #[arg(
+        long,
+        env = "CHANWATCH_BENCH_VIA",
+        value_delimiter = ',',
+        default_value = "python,compiled,compiled-tcp,in-process"
+    )]
+    pub via: Vec<String>,
     /// Repetitions of the commits/s figures; medians are reported.
     #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
@@ -249,9 +258,9 @@ pub struct BenchExecArgs {
 /// Flags of the hidden `bench exec-worker` (the compiled child `bench exec` spawns).
 #[derive(Debug, ClapArgs)]
 pub struct BenchExecWorkerArgs {
-    /// How long it commits.
-    #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
-    pub seconds: u64,
+    /// Talk to the agent over TCP even when it has a Unix socket.
+    #[arg(long)]
+    pub tcp: bool,
 }
 
 /// Flags of `bench planner`.

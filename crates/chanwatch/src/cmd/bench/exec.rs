@@ -7,16 +7,21 @@
 //!   running; then the time to stop the node (SIGTERM to every child, each reaped).
 //! - **memory**: the node process's resident memory grown per child (this process's `VmRSS`
 //!   before and after; the children's own memory is theirs, and not counted).
-//! - **commits/s**: `--commit-channels` channels committing as fast as they can for
-//!   `--seconds`, through the agent API (a Python child per channel, and a compiled child per
-//!   channel — this binary's hidden `bench exec-worker` — each on one keep-alive HTTP
-//!   connection) and through the in-process handler's `ctx.commit` — the same group commit;
-//!   `--runs` times each, medians. Beside each: commits per store txn (the embedded store's
-//!   revisions: one per txn), and CPU per landed commit of the node's process and of the
-//!   children (`/proc/self/stat`, the children's once reaped), to tell where the time goes.
+//! - **commits/s**: `--commit-channels` channels committing as fast as they can, through the
+//!   agent API (a Python child per channel, and a compiled child per channel — this binary's
+//!   hidden `bench exec-worker`, on the agent's Unix socket or over TCP — each on one
+//!   keep-alive HTTP connection) and through the
+//!   in-process handler's `ctx.commit` — the same group commit (`--via` picks). Every
+//!   committer commits from its start until it is stopped; once every channel is `Watched`
+//!   and a second of warm-up has passed, the commits that land in `--seconds` are counted;
+//!   `--runs` times each, medians. Beside each: commits per store txn (store revisions), and
+//!   CPU per landed commit of the node's process (`/proc/self/stat`) and of the children
+//!   (`/proc/PID/stat`), over the same window, to tell where the time goes. (`--channels 0`
+//!   skips the start figures.)
 //!
 //! Owns: these workloads. Must not: assert on timings.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -105,13 +110,30 @@ impl Site<'_> {
 /// Registers `n` channels `x-00000…` and waits until all are `Watched`.
 async fn add_all(coord: &chanwatch_coord::CoordHandle, n: usize) -> Result<()> {
     for i in 0..n {
-        coord
-            .add_channel(
-                ChannelName::new(format!("x-{i:05}"))?,
-                VChannelInfo::default(),
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("add channel {i}: {e}"))?;
+        // A loaded machine (a thousand Python children starting) can cost the coordinator
+        // its leadership for a moment: try again, up to a minute.
+        let mut tries = 0;
+        loop {
+            match coord
+                .add_channel(
+                    ChannelName::new(format!("x-{i:05}"))?,
+                    VChannelInfo::default(),
+                )
+                .await
+            {
+                // Landed by an earlier try whose answer was lost.
+                Ok(_)
+                | Err(chanwatch_coord::ApiError::Admin(
+                    chanwatch_core::planner::AdminError::AlreadyExists(_),
+                )) => break,
+                Err(e) if tries < 120 => {
+                    tries += 1;
+                    tracing::warn!(channel = i, error = %e, "bench exec: add channel failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => bail!("add channel {i}: {e}"),
+            }
+        }
     }
     tracing::info!(channels = n, "bench exec: all registered");
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -142,26 +164,24 @@ async fn committed(store: &dyn MetaStore, keys: &Keys) -> Result<u64> {
     Ok(sum)
 }
 
-/// The in-process equivalent of the Python committer: commits 1, 2, 3, … for `secs`.
+/// The in-process equivalent of the agent's committers: commits 1, 2, 3, … until `stop`, or
+/// until its run no longer owns the channel.
 #[derive(Debug)]
 struct Committer {
-    secs: Duration,
+    stop: Arc<AtomicBool>,
 }
 
 #[async_trait]
 impl ChannelHandler for Committer {
     async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
-        let secs = self.secs;
+        let stop = self.stop.clone();
         tokio::spawn(async move {
-            let end = Instant::now() + secs;
             let mut n = 0u64;
-            while Instant::now() < end {
-                if ctx
-                    .commit((n + 1).to_string(), Some(json!({})))
-                    .await
-                    .is_ok()
-                {
-                    n += 1;
+            while !stop.load(Ordering::Relaxed) {
+                match ctx.commit((n + 1).to_string(), Some(json!({}))).await {
+                    Ok(()) => n += 1,
+                    Err(chanwatch_node::CommitError::Fenced(_)) => return,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                 }
             }
         });
@@ -172,20 +192,28 @@ impl ChannelHandler for Committer {
     async fn resume(&self, _node: NodeId, _info: &ChannelInfo) {}
 }
 
+/// The Python committer: commits 1, 2, 3, … on one keep-alive connection (`http.client`,
+/// `TCP_NODELAY`) until the agent says its run is over (403, 409) or the node stops it.
 const PYTHON: &str = r#"
-import http.client, json, os, time
+import http.client, json, os, socket, sys
 host, port = os.environ["CHANWATCH_AGENT_URL"][len("http://"):].split(":")
 headers = {"Authorization": "Bearer " + os.environ["CHANWATCH_AGENT_TOKEN"], "Content-Type": "application/json"}
 conn = http.client.HTTPConnection(host, int(port))
+conn.connect()
+# http.client writes the headers and the body apart: without this the body waits for the
+# ACK from the agent for the headers (Nagle).
+conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 def post(path, body):
     conn.request("POST", path, body=json.dumps(body), headers=headers)
     r = conn.getresponse(); r.read(); return r.status
 post("/ready", {})
-end, n = time.monotonic() + SECS, 0
-while time.monotonic() < end:
-    if post("/commit", {"position": str(n + 1), "state": {}}) == 200:
+n = 0
+while True:
+    status = post("/commit", {"position": str(n + 1), "state": {}})
+    if status == 200:
         n += 1
-time.sleep(3600)
+    elif status in (403, 409):
+        sys.exit(0)
 "#;
 
 /// This process's CPU time and that of its reaped children, seconds (`/proc/self/stat`
@@ -213,9 +241,11 @@ async fn revision(store: &dyn MetaStore) -> Result<i64> {
 enum Via {
     /// A Python child per channel (`http.client`, one keep-alive connection) through the agent.
     Python,
-    /// A compiled child per channel (this binary's hidden `bench exec-worker`: reqwest, one
-    /// keep-alive connection) through the agent.
+    /// A compiled child per channel (this binary's hidden `bench exec-worker`: blocking
+    /// HTTP/1.1 on one keep-alive connection) through the agent's Unix socket.
     Compiled,
+    /// The same over TCP (`CHANWATCH_AGENT_URL`).
+    CompiledTcp,
     /// A task per channel calling `ctx.commit` in the node's process.
     InProcess,
 }
@@ -225,6 +255,7 @@ impl Via {
         match self {
             Via::Python => "agent-python",
             Via::Compiled => "agent-compiled",
+            Via::CompiledTcp => "agent-compiled-tcp",
             Via::InProcess => "in-process",
         }
     }
@@ -255,35 +286,71 @@ fn python() -> String {
         .unwrap_or_else(|| "python3".to_owned())
 }
 
-/// `channels` committers `via` for `secs` each, on a fresh cluster.
+/// A process's CPU time (utime + stime of `/proc/PID/stat`), seconds; 0 once it is gone.
+fn cpu_of(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let f: Vec<f64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
+}
+
+/// One sample of a commit run: what landed, the store's revision, and the CPU spent so far by
+/// the node's process and by the running children.
+struct Sample {
+    committed: u64,
+    revision: i64,
+    node_cpu: f64,
+    children_cpu: f64,
+    at: Instant,
+}
+
+/// `channels` committers `via`, on a fresh cluster: once every channel is `Watched` (each
+/// committer commits from its start until it is stopped) and a second of warm-up, the
+/// commits that land in `secs`, with every committer running.
 async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) -> Result<Figures> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut exec: Option<Arc<ExecHandler>> = None;
     let handler: Arc<dyn ChannelHandler> = match via {
         Via::Python => {
             // The script holds no single quote: it goes to the shell as one quoted word.
-            let script = PYTHON.replace("SECS", &secs.as_secs().to_string());
-            Arc::new(
+            if PYTHON.contains('\'') {
+                bail!(
+                    "the bench's Python committer holds a single quote: the shell would split it"
+                );
+            }
+            let h = Arc::new(
                 ExecHandler::bind(
-                    ExecOptions::new(format!("exec '{}' -c '{script}'", python())),
+                    ExecOptions::new(format!("exec '{}' -c '{PYTHON}'", python())),
                     "127.0.0.1:0",
                 )
                 .await?,
-            )
+            );
+            exec = Some(h.clone());
+            h
         }
-        Via::Compiled => {
+        Via::Compiled | Via::CompiledTcp => {
             let exe = std::env::current_exe().context("this binary's path")?;
-            Arc::new(
+            let tcp = if via == Via::CompiledTcp {
+                " --tcp"
+            } else {
+                ""
+            };
+            let h = Arc::new(
                 ExecHandler::bind(
-                    ExecOptions::new(format!(
-                        "exec '{}' bench exec-worker --seconds {}",
-                        exe.display(),
-                        secs.as_secs()
-                    )),
+                    ExecOptions::new(format!("exec '{}' bench exec-worker{tcp}", exe.display())),
                     "127.0.0.1:0",
                 )
                 .await?,
-            )
+            );
+            exec = Some(h.clone());
+            h
         }
-        Via::InProcess => Arc::new(Committer { secs }),
+        Via::InProcess => Arc::new(Committer { stop: stop.clone() }),
     };
     let Started {
         store,
@@ -291,28 +358,105 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
         coord,
         node,
     } = site.cluster(handler).await?;
-    let rev0 = revision(&*store).await?;
-    let (cpu0, children0) = cpu();
+    let node_id = node.watch_status().borrow().id;
     add_all(&coord, channels).await?;
-    // Every committer runs `secs` from its start; wait them out, plus a margin.
-    tokio::time::sleep(secs + Duration::from_secs(2)).await;
-    let total = committed(&*store, &keys).await?;
-    let rev1 = revision(&*store).await?;
-    let (cpu1, _) = cpu();
-    // Stopping the node reaps the children: their CPU is then in this process's cutime.
+    let names: Vec<ChannelName> = (0..channels)
+        .filter_map(|i| ChannelName::new(format!("x-{i:05}")).ok())
+        .collect();
+    let pids: Vec<u32> = match (&exec, node_id) {
+        (Some(h), Some(id)) => names.iter().filter_map(|c| h.worker_pid(id, c)).collect(),
+        _ => Vec::new(),
+    };
+    let sample = || async {
+        Ok::<_, anyhow::Error>(Sample {
+            committed: committed(&*store, &keys).await?,
+            revision: revision(&*store).await?,
+            node_cpu: cpu().0,
+            children_cpu: pids.iter().map(|p| cpu_of(*p)).sum(),
+            at: Instant::now(),
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let s0 = sample().await?;
+    tokio::time::sleep(secs).await;
+    let s1 = sample().await?;
+    stop.store(true, Ordering::Relaxed);
     node.stop().await?;
     coord.stop().await?;
-    let (_, children1) = cpu();
-    let landed = total.max(1) as f64;
+    let landed = s1.committed.saturating_sub(s0.committed);
+    let per = landed.max(1) as f64;
     Ok(Figures {
-        commits_per_s: total as f64 / secs.as_secs_f64(),
-        commits_per_txn: total as f64 / (rev1 - rev0).max(1) as f64,
-        node_us: (cpu1 - cpu0) * 1e6 / landed,
-        client_us: (children1 - children0) * 1e6 / landed,
+        commits_per_s: landed as f64 / s1.at.duration_since(s0.at).as_secs_f64(),
+        commits_per_txn: landed as f64 / (s1.revision - s0.revision).max(1) as f64,
+        node_us: (s1.node_cpu - s0.node_cpu) * 1e6 / per,
+        client_us: (s1.children_cpu - s0.children_cpu) * 1e6 / per,
     })
 }
 
+/// One request on the keep-alive connection `(w, r)`: its status (the answer read to its end).
+fn call(
+    w: &mut impl std::io::Write,
+    r: &mut impl std::io::BufRead,
+    head: &str,
+    body: &str,
+) -> Result<u16> {
+    // Headers and body in one write: one segment, no wait on the agent's ACK (Nagle).
+    let request = format!("{head}Content-Length: {}\r\n\r\n{body}", body.len());
+    w.write_all(request.as_bytes())?;
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("the agent's answer does not start with a status: {line:?}"))?;
+    let mut len = 0usize;
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 {
+            bail!("the agent closed the connection mid-answer");
+        }
+        if line == "\r\n" {
+            break;
+        }
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut answer = vec![0; len];
+    r.read_exact(&mut answer)?;
+    Ok(status)
+}
+
+/// Commits 1, 2, 3, … on `(w, r)` after `/ready`, until the agent says the run is over.
+fn commit_loop(
+    w: &mut impl std::io::Write,
+    r: &mut impl std::io::BufRead,
+    host: &str,
+    token: &str,
+) -> Result<()> {
+    let head = |path: &str| {
+        format!("POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n")
+    };
+    let (ready, commit) = (head("/ready"), head("/commit"));
+    call(w, r, &ready, "{}")?;
+    let mut n = 0u64;
+    loop {
+        let body = format!(r#"{{"position":"{}","state":{{}}}}"#, n + 1);
+        match call(w, r, &commit, &body)? {
+            200 => n += 1,
+            // The run is over (released, fenced): exit.
+            403 | 409 => return Ok(()),
+            _ => {}
+        }
+    }
+}
+
 /// The compiled child of `bench exec` (hidden `bench exec-worker`): see [`Via::Compiled`].
+/// What a lean worker in a compiled language does: blocking HTTP/1.1 on one keep-alive
+/// connection — to `CHANWATCH_AGENT_SOCKET` when the node gives one (`--tcp` or none: to
+/// `CHANWATCH_AGENT_URL`, with `TCP_NODELAY`), each request in one write; it commits 1, 2,
+/// 3, … until the agent says its run is over (403, 409) or the node stops it.
 ///
 /// # Errors
 /// Not run by `bench exec` (no agent in the environment), or the agent gone.
@@ -321,41 +465,23 @@ pub async fn worker(args: &super::BenchExecWorkerArgs) -> Result<()> {
         .context("CHANWATCH_AGENT_URL is not set: `bench exec` runs this as its worker")?;
     let token = std::env::var("CHANWATCH_AGENT_TOKEN")
         .context("CHANWATCH_AGENT_TOKEN is not set: `bench exec` runs this as its worker")?;
-    let client = reqwest::Client::new();
-    let post = |path: &str, body: String| {
-        client
-            .post(format!("{url}{path}"))
-            .bearer_auth(&token)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body)
-            .send()
-    };
-    post("/ready", "{}".into()).await?;
-    let end = Instant::now() + Duration::from_secs(args.seconds);
-    let mut n = 0u64;
-    while Instant::now() < end {
-        let r = post(
-            "/commit",
-            format!(r#"{{"position":"{}","state":{{}}}}"#, n + 1),
-        )
-        .await?;
-        let ok = r.status() == reqwest::StatusCode::OK;
-        // Read the answer to its end, so the connection is kept for the next request.
-        r.bytes().await?;
-        if ok {
-            n += 1;
-        }
+    let socket = std::env::var("CHANWATCH_AGENT_SOCKET").unwrap_or_default();
+    if !socket.is_empty() && !args.tcp {
+        let mut w = std::os::unix::net::UnixStream::connect(&socket)?;
+        let mut r = std::io::BufReader::new(w.try_clone()?);
+        return commit_loop(&mut w, &mut r, "agent", &token);
     }
-    // Idle until the node stops it.
-    std::future::pending::<()>().await;
-    Ok(())
+    let addr = url
+        .strip_prefix("http://")
+        .context("CHANWATCH_AGENT_URL is not http://HOST:PORT")?;
+    let mut w = std::net::TcpStream::connect(addr)?;
+    w.set_nodelay(true)?;
+    let mut r = std::io::BufReader::new(w.try_clone()?);
+    commit_loop(&mut w, &mut r, addr, &token)
 }
 
-/// Runs `bench exec`.
-///
-/// # Errors
-/// A cluster that does not start or settle.
-pub async fn run(args: &BenchExecArgs) -> Result<()> {
+/// The start, memory and stop figures: `--channels` trivial children.
+async fn start(site: &Site<'_>, args: &BenchExecArgs) -> Result<()> {
     // Start and memory.
     let exec = Arc::new(
         ExecHandler::bind(
@@ -367,7 +493,6 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
         )
         .await?,
     );
-    let site = Site { args };
     let Started { coord, node, .. } = site.cluster(exec.clone()).await?;
     let before = rss();
     let started = Instant::now();
@@ -390,10 +515,33 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
                "rss_per_child_bytes": per_child.round(), "stop_s": stop_secs})
     );
 
+    Ok(())
+}
+
+/// Runs `bench exec`.
+///
+/// # Errors
+/// A cluster that does not start or settle.
+pub async fn run(args: &BenchExecArgs) -> Result<()> {
+    let site = Site { args };
+    if args.channels > 0 {
+        start(&site, args).await?;
+    }
+
     // Commits per second: the agent (Python children, compiled children) against the
     // in-process handler, `runs` times each, interleaved; medians.
     let secs = Duration::from_secs(args.seconds.max(1));
-    let vias = [Via::Python, Via::Compiled, Via::InProcess];
+    let vias: Vec<Via> = args
+        .via
+        .iter()
+        .map(|v| match v.as_str() {
+            "python" => Ok(Via::Python),
+            "compiled" => Ok(Via::Compiled),
+            "compiled-tcp" => Ok(Via::CompiledTcp),
+            "in-process" => Ok(Via::InProcess),
+            other => bail!("--via {other}: want python, compiled, compiled-tcp or in-process"),
+        })
+        .collect::<Result<_>>()?;
     let mut all: Vec<Vec<Figures>> = vec![Vec::new(); vias.len()];
     for run in 0..args.runs.max(1) {
         for (i, via) in vias.iter().enumerate() {
@@ -431,12 +579,20 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
         );
         rates.push(rate);
     }
-    if let [python, compiled, inproc] = rates[..] {
-        eprintln!(
-            "agent / in-process commit throughput: {:.2} with Python children, {:.2} with compiled children",
-            python / inproc.max(1.0),
-            compiled / inproc.max(1.0)
-        );
+    if let Some(inproc) = vias
+        .iter()
+        .position(|v| *v == Via::InProcess)
+        .map(|i| rates[i])
+    {
+        for (via, rate) in vias.iter().zip(&rates) {
+            if *via != Via::InProcess {
+                eprintln!(
+                    "agent / in-process commit throughput ({}): {:.2}",
+                    via.name(),
+                    rate / inproc.max(1.0)
+                );
+            }
+        }
     }
     Ok(())
 }
