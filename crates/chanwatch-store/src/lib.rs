@@ -127,7 +127,8 @@ pub trait MetaStore: Send + Sync + 'static {
     /// item. `0` means "from the next revision". Besides event batches the stream yields
     /// progress notifications (batches without events, see [`WatchBatch::revision`]): etcd's
     /// answer to a progress request sent every [`EtcdConfig::watch_progress_interval`]; the
-    /// embedded store sends one to every watch that is behind whenever it renews a lease.
+    /// embedded store sends one to every watch of the renewing client (see
+    /// [`EmbeddedStore::client`]) that is behind whenever it renews a lease.
     ///
     /// # Errors
     /// `Unavailable` when the watch cannot be created.
@@ -189,4 +190,12 @@ pub trait MetaStore: Send + Sync + 'static {
 
     /// A short description for logs (`embedded`, `etcd http://127.0.0.1:2379`).
     fn describe(&self) -> String;
+
+    /// Another client of the same store, where one is cheap to make: the embedded store's
+    /// [`EmbeddedStore::client`], so each in-process node renews and watches as a client of
+    /// its own. `None` (the default): share this one (an etcd connection is made from its
+    /// config instead).
+    fn new_client(&self) -> Option<std::sync::Arc<dyn MetaStore>> {
+        None
+    }
 }
