@@ -27,6 +27,7 @@
 //! | Lease expiry deletes every attached key in one revision and emits DELETEs; keepalive keeps them; revoke deletes at once; keepalive of a dead lease is `LeaseNotFound`. | `lease_expiry_deletes_attached_keys`, `keepalive_keeps_a_lease_alive`, `revoke_deletes_attached_keys` |
 //! | A txn over `max_txn_ops` is refused with `TooManyOps`, one over the request size with `RequestTooLarge`, and nothing is written. | `txn_over_the_op_limit_is_refused` |
 //! | Concurrent compare-and-swap increments from many tasks give unique, gap-free values. | `concurrent_cas_increments_are_unique` |
+//! | A client of its own (`new_client`; the embedded store's `client()`, else the store itself) sees every write of others, one batch per txn, only under its range; its keepalive brings its quiet watch up to the keepalive's revision. | `a_client_of_its_own_sees_every_write_and_its_own_progress` |
 //!
 //! Watch streams end (yield `None`) or yield an error when the watch breaks; a consumer then
 //! watches again from the last revision it saw + 1, or relists on `Compacted`.
