@@ -27,6 +27,7 @@
 //! | Lease expiry deletes every attached key in one revision and emits DELETEs; keepalive keeps them; revoke deletes at once; keepalive of a dead lease is `LeaseNotFound`. | `lease_expiry_deletes_attached_keys`, `keepalive_keeps_a_lease_alive`, `revoke_deletes_attached_keys` |
 //! | A txn over `max_txn_ops` is refused with `TooManyOps`, one over the request size with `RequestTooLarge`, and nothing is written. | `txn_over_the_op_limit_is_refused` |
 //! | Concurrent compare-and-swap increments from many tasks give unique, gap-free values. | `concurrent_cas_increments_are_unique` |
+//! | A client of its own (`new_client`; the embedded store's `client()`, else the store itself) sees every write of others, one batch per txn, only under its range; its keepalive brings its quiet watch up to the keepalive's revision. | `a_client_of_its_own_sees_every_write_and_its_own_progress` |
 //!
 //! Watch streams end (yield `None`) or yield an error when the watch breaks; a consumer then
 //! watches again from the last revision it saw + 1, or relists on `Compacted`.
@@ -129,7 +130,8 @@ pub trait MetaStore: Send + Sync + 'static {
     /// item. `0` means "from the next revision". Besides event batches the stream yields
     /// progress notifications (batches without events, see [`WatchBatch::revision`]): etcd's
     /// answer to a progress request sent every [`EtcdConfig::watch_progress_interval`]; the
-    /// embedded store sends one to every watch that is behind whenever it renews a lease.
+    /// embedded store sends one to every watch of the renewing client (see
+    /// [`EmbeddedStore::client`]) that is behind whenever it renews a lease.
     ///
     /// # Errors
     /// `Unavailable` when the watch cannot be created.
@@ -191,4 +193,12 @@ pub trait MetaStore: Send + Sync + 'static {
 
     /// A short description for logs (`embedded`, `etcd http://127.0.0.1:2379`).
     fn describe(&self) -> String;
+
+    /// Another client of the same store, where one is cheap to make: the embedded store's
+    /// [`EmbeddedStore::client`], so each in-process node renews and watches as a client of
+    /// its own. `None` (the default): share this one (an etcd connection is made from its
+    /// config instead).
+    fn new_client(&self) -> Option<std::sync::Arc<dyn MetaStore>> {
+        None
+    }
 }

@@ -279,14 +279,23 @@ impl Cluster {
         })
     }
 
-    /// Starts a node on the common store with the common settings and handler; it registers
-    /// under a fresh ID.
+    /// Starts a node on the common store (a client of its own, see [`Cluster::node_store`])
+    /// with the common settings and handler; it registers under a fresh ID.
     pub fn spawn_node(&self) -> NodeProc {
         self.spawn_node_with(
-            self.store.clone(),
+            self.node_store(),
             self.handler.clone(),
             self.node_config.clone(),
         )
+    }
+
+    /// The store a new node uses: a client of its own where the store makes one cheaply (the
+    /// embedded store: its keepalives then send progress to its own watch only, as with a
+    /// connection of its own to etcd), else the common store.
+    pub fn node_store(&self) -> Arc<dyn MetaStore> {
+        self.store
+            .new_client()
+            .unwrap_or_else(|| self.store.clone())
     }
 
     /// Starts a node on `store` (its own connection, or a fault-injecting wrapper), with

@@ -88,7 +88,7 @@ impl InProc {
         let cluster = &self.cluster;
         let mut config = cluster.node_config.clone();
         config.capacity = capacity;
-        cluster.spawn_node_with(cluster.store.clone(), cluster.handler.clone(), config)
+        cluster.spawn_node_with(cluster.node_store(), cluster.handler.clone(), config)
     }
 
     /// A node with a store of its own (its own etcd connection, as a node process has).

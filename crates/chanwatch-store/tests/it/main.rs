@@ -81,4 +81,5 @@ all_backends!(
     txn_over_the_op_limit_is_refused,
     concurrent_cas_increments_are_unique,
     a_quiet_watch_reports_progress_up_to_a_keepalive_revision,
+    a_client_of_its_own_sees_every_write_and_its_own_progress,
 );

@@ -598,3 +598,56 @@ pub async fn a_quiet_watch_reports_progress_up_to_a_keepalive_revision(store: St
         }
     }
 }
+
+/// Each in-process node is a client of its own (`MetaStore::new_client`, else the store
+/// itself): its watch sees what other clients write, in one batch per txn, and a keepalive
+/// through it brings its quiet watch up to the keepalive's revision, while watches of many
+/// other clients on other prefixes share nothing with it.
+pub async fn a_client_of_its_own_sees_every_write_and_its_own_progress(store: Store) -> Result<()> {
+    let me = store.new_client().unwrap_or_else(|| store.clone());
+    let others: Vec<Store> = (0..20)
+        .map(|_| store.new_client().unwrap_or_else(|| store.clone()))
+        .collect();
+    let mut mine = me.watch("node/1/", 0).await?;
+    let mut theirs = Vec::new();
+    for (i, o) in others.iter().enumerate() {
+        theirs.push(o.watch(&format!("node/1{i}/"), 0).await?);
+    }
+    let r = store
+        .txn(Txn::new().and_then([
+            TxnOp::put("node/1/a", "1"),
+            TxnOp::put("node/10/a", "1"),
+            TxnOp::put("node/1/b", "1"),
+        ]))
+        .await?;
+    let batch = next_batch(&mut mine).await?;
+    let keys: Vec<&str> = batch.events.iter().map(|e| e.kv.key.as_str()).collect();
+    ensure!(keys == ["node/1/a", "node/1/b"], "node/1/ saw {keys:?}");
+    let batch = next_batch(&mut theirs[0]).await?;
+    ensure!(
+        batch.events.len() == 1 && batch.revision == r.revision,
+        "node/10/ saw {batch:?}"
+    );
+    // Writes elsewhere move the store on; my keepalive's answer names that revision.
+    let last = put(&store, "elsewhere/x", "1").await?;
+    let lease = me.grant(Duration::from_secs(30)).await?.id;
+    me.keepalive(lease).await?;
+    let answered = me.keepalive(lease).await?;
+    ensure!(answered >= last, "keepalive answered {answered} < {last}");
+    loop {
+        match tokio::time::timeout(EVENT_WAIT, mine.next()).await {
+            Ok(Some(Ok(batch))) => {
+                ensure!(
+                    batch.is_progress(),
+                    "no more events under node/1/: {batch:?}"
+                );
+                if batch.revision >= answered {
+                    return Ok(());
+                }
+            }
+            Ok(Some(Err(e))) => bail!("watch failed: {e}"),
+            Ok(None) => bail!("watch ended"),
+            Err(_) => bail!("no progress up to {answered} within {EVENT_WAIT:?}"),
+        }
+    }
+}

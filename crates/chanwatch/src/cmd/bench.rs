@@ -367,6 +367,15 @@ pub struct BenchFailoverArgs {
     /// Repetitions; the median is reported.
     #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,
+    /// Set-up: channels seeded per step, each step waiting until the coordinator and the
+    /// nodes have taken in the channels so far (at 1,000,000 one burst starved the nodes'
+    /// keepalives on 2 cores).
+    #[arg(long, env = "CHANWATCH_BENCH_SEED_STEP", default_value_t = 8192)]
+    pub seed_step: usize,
+    /// Wait after the set-up settled, before the kill (what the set-up left behind —
+    /// compaction, the last plan rounds — out of the measured window).
+    #[arg(long, env = "CHANWATCH_BENCH_SETTLE", value_parser = humantime::parse_duration, default_value = "2s")]
+    pub settle: std::time::Duration,
     #[command(flatten)]
     pub etcd: EtcdArgs,
 }

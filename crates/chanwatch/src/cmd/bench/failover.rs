@@ -40,7 +40,7 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
     );
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let (mut seconds, mut txns, mut floors) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut replays, mut ratios) = (Vec::new(), Vec::new());
+    let (mut replays, mut ratios, mut rss) = (Vec::new(), Vec::new(), Vec::new());
     let mut moved = 0;
     eprintln!(
         "bench failover: {} nodes, {} channels, kill {kill}, {} runs, store {:?}",
@@ -71,11 +71,15 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             .txn(Txn::new().and_then([TxnOp::delete_prefix("bench-floor/")]))
             .await?;
 
+        let set_up = Instant::now();
         let keys = Keys::new(format!("bench-{}-{kill}-{run}", std::process::id()))?;
         let timings = crate::inproc::Timings {
             session_ttl: Duration::from_secs(10),
             watch_timeout: Duration::from_secs(120),
-            resync_interval: Duration::from_secs(60),
+            // The coordinator's default: a full relist (at 1,000,000 channels, ~1 s under the
+            // embedded store's lock and an O(channels) view rebuild) inside the measured
+            // window would be measured too.
+            resync_interval: Duration::from_secs(300),
             tick: Duration::from_millis(100),
             progress_interval: Duration::from_secs(5),
         };
@@ -103,7 +107,14 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
         // Seeded `Watched` (running, acked): the set-up costs no load and no ack per
         // channel, which at 1,000,000 channels starved the nodes' keepalives on 2 cores. What
         // is measured (the victims' channels moved and acked) is the same.
-        super::system::seed(&c, &ids, args.channels, ChannelState::Watched).await?;
+        super::system::seed_paced(
+            &c,
+            &ids,
+            args.channels,
+            ChannelState::Watched,
+            args.seed_step,
+        )
+        .await?;
         let deadline = Instant::now() + Duration::from_secs(300);
         while c.coord_metrics.channels_in(ChannelState::Watched) < args.channels as i64
             || c.handle.nodes().await.map(|n| n.len()).unwrap_or(0) < args.nodes
@@ -112,6 +123,13 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         super::system::compact_history(store.as_ref()).await?;
+        tokio::time::sleep(args.settle).await;
+        eprintln!(
+            "  run {run}: set-up done after {:.1} s; killing {kill}",
+            set_up.elapsed().as_secs_f64()
+        );
+        // The whole process: coordinator, nodes and (embedded) store.
+        rss.push(super::system::rss_bytes() as f64 / args.channels.max(1) as f64);
         let victims: Vec<NodeId> = ids[..kill].to_vec();
         let mut leases = Vec::new();
         for v in &victims {
@@ -120,18 +138,21 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             }
         }
         let live: Vec<NodeId> = ids[kill..].to_vec();
-        // The victims' channels, with their owner.
-        let held_by: Vec<(chanwatch_core::ChannelName, NodeId)> = {
-            let list = store.range(&keys.channels_prefix()).await?;
-            list.kvs
-                .iter()
-                .filter_map(|kv| keys.parse_channel(&kv.key).ok())
-                .filter_map(|ck| match ck.owner {
-                    ChannelOwner::Node(n) if victims.contains(&n) => Some((ck.channel, n)),
-                    _ => None,
-                })
-                .collect()
-        };
+        // The victims' channels, with their owner: their prefixes only (a range of all
+        // 1,000,000 holds the embedded store's lock for seconds, which stalled every
+        // keepalive in the process).
+        let mut held_by: Vec<(chanwatch_core::ChannelName, NodeId)> = Vec::new();
+        for v in &victims {
+            let list = store
+                .range(&keys.owner_prefix(ChannelOwner::Node(*v)))
+                .await?;
+            held_by.extend(
+                list.kvs
+                    .iter()
+                    .filter_map(|kv| keys.parse_channel(&kv.key).ok())
+                    .map(|ck| (ck.channel, *v)),
+            );
+        }
         let held = held_by.len();
         for n in nodes.drain(..kill) {
             n.kill();
@@ -162,29 +183,31 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let took = t0.elapsed().as_secs_f64();
-        // Cross-check with the store: every channel Watched on a live node.
-        let list = store.range(&keys.channels_prefix()).await?;
-        let watched = list
-            .kvs
-            .iter()
-            .filter(|kv| {
-                keys.parse_channel(&kv.key)
-                    .is_ok_and(|ck| matches!(ck.owner, ChannelOwner::Node(n) if live.contains(&n)))
-                    && ChannelInfo::decode(&kv.value)
-                        .is_ok_and(|i| i.state == ChannelState::Watched)
-            })
-            .count();
-        ensure!(watched == args.channels, "the coordinator reported the failover done but the store shows {watched} of {} Watched", args.channels);
+        // Cross-check with the store: every channel Watched on a live node. One live node's
+        // prefix at a time, so no read holds the embedded store for long.
+        let mut watched = 0;
         // Where each moved channel went, for the replay.
-        let now_on: std::collections::HashMap<chanwatch_core::ChannelName, NodeId> = list
-            .kvs
-            .iter()
-            .filter_map(|kv| keys.parse_channel(&kv.key).ok())
-            .filter_map(|ck| match ck.owner {
-                ChannelOwner::Node(n) => Some((ck.channel, n)),
-                ChannelOwner::Remaining => None,
-            })
-            .collect();
+        let mut now_on: std::collections::HashMap<chanwatch_core::ChannelName, NodeId> =
+            std::collections::HashMap::new();
+        let moving: std::collections::HashSet<&chanwatch_core::ChannelName> =
+            held_by.iter().map(|(c, _)| c).collect();
+        for n in &live {
+            let list = store
+                .range(&keys.owner_prefix(ChannelOwner::Node(*n)))
+                .await?;
+            for kv in &list.kvs {
+                let Ok(ck) = keys.parse_channel(&kv.key) else {
+                    continue;
+                };
+                if ChannelInfo::decode(&kv.value).is_ok_and(|i| i.state == ChannelState::Watched) {
+                    watched += 1;
+                }
+                if moving.contains(&ck.channel) {
+                    now_on.insert(ck.channel, *n);
+                }
+            }
+        }
+        ensure!(watched == args.channels, "the coordinator reported the failover done but the store shows {watched} of {} Watched", args.channels);
         let moves: Vec<_> = held_by
             .iter()
             .filter_map(|(c, from)| now_on.get(c).map(|to| (c.clone(), *from, *to)))
@@ -201,10 +224,10 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
         seconds.push(took);
         txns.push(coord_txns as f64);
         floors.push(floor);
-        for n in nodes {
-            n.stop().await;
-        }
+        // The coordinator first: nodes stopping under it would each be a failover (999 of
+        // 1,000 channels each at 1,000,000), which took minutes.
         c.shutdown().await;
+        futures_util::future::join_all(nodes.into_iter().map(|n| n.stop())).await;
         store
             .txn(Txn::new().and_then([TxnOp::delete_prefix(keys.all_prefix())]))
             .await?;
@@ -254,6 +277,8 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
             "ratio_to_floor": (secs / floor.max(1e-9) * 100.0).round() / 100.0,
             "replay_seconds_median": (replay_secs * 1000.0).round() / 1000.0,
             "ratio_to_replay_median": (median(ratios) * 100.0).round() / 100.0,
+            "rss_bytes_per_channel_median": median(rss).round(),
+            "note": "RSS is the whole process (coordinator, nodes and, embedded, the store), after set-up",
         })
     );
     Ok(())

@@ -1,11 +1,10 @@
 //! The embedded backend: an in-process MVCC key-value store with etcd's semantics.
 //!
-//! Over 600 lines on purpose: one MVCC state behind one lock — keys, history, watchers,
-//! leases — whose invariants (a revision's events delivered whole, leases and their keys
-//! expiring together) are easiest to check in one place.
-//!
-//! Owns: the key space, the global revision counter, the event history (for watches from old
-//! revisions, until compacted), the watchers, and the leases with their deadlines.
+//! Owns: the store's handle, its one lock, the lease reaper and the [`MetaStore`] calls. The
+//! MVCC state behind the lock — keys, revision, history, leases — and what a txn does to it
+//! are in `state`; the open watches and who hears of each revision are in `watchers`
+//! (indexed by prefix; progress only to the renewing client's watches, see
+//! [`EmbeddedStore::client`]).
 //!
 //! Must not: block the async runtime. All state sits behind one `std::sync::Mutex` that is
 //! never held across an `.await`; watch delivery is a non-blocking send to each watcher's
@@ -15,7 +14,8 @@
 //! Lease deadlines follow tokio time (see [`crate::Clock`]): under `tokio::time::pause()` a
 //! test moves time and leases expire exactly when they would.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -25,11 +25,16 @@ use tokio::time::Instant;
 
 use crate::error::{StoreError, StoreResult};
 use crate::types::{
-    Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
-    LeaseId, Limits, OpResponse, RangeResponse, Revision, Txn, TxnOp, TxnResponse, WatchBatch,
-    WatchEvent,
+    Alarm, AlarmKind, KeyRange, KeyValue, Lease, LeaseId, Limits, RangeResponse, Revision, Txn,
+    TxnOp, TxnResponse, WatchBatch, WatchEvent,
 };
 use crate::{MetaStore, WatchStream};
+
+mod state;
+mod watchers;
+
+use state::{key_range, LeaseState, State};
+use watchers::{ClientId, Watcher};
 
 /// Most events replayed per batch when a watch starts from an old revision; a revision is
 /// never split, so a batch may exceed this by one revision's events.
@@ -58,13 +63,17 @@ impl Default for EmbeddedOptions {
     }
 }
 
-/// The embedded store. Cheap to clone; clones share the data.
+/// The embedded store. Cheap to clone; clones share the data and are one client (as clones
+/// of an etcd client share its connection); [`client`](Self::client) makes another.
 ///
 /// Must be created inside a tokio runtime: a background task expires leases on time. The
 /// task stops when the last clone is dropped.
 #[derive(Debug, Clone)]
 pub struct EmbeddedStore {
     shared: Arc<Shared>,
+    /// Which client this handle is: a keepalive through it sends progress notifications to
+    /// the watches opened through this client only.
+    client: ClientId,
 }
 
 #[derive(Debug)]
@@ -75,6 +84,8 @@ struct Shared {
     min_lease_ttl: Duration,
     /// Wakes the lease reaper when the earliest deadline may have moved.
     reaper_wake: Arc<Notify>,
+    /// The last client id handed out (see [`EmbeddedStore::client`]).
+    clients: AtomicU64,
 }
 
 impl Drop for Shared {
@@ -92,43 +103,6 @@ pub struct Observed {
     pub at: Instant,
     /// Its events, in order.
     pub events: Arc<[WatchEvent]>,
-}
-
-#[derive(Debug)]
-struct Watcher {
-    keys: KeyRange,
-    /// Events below this revision are not sent (a watch from a future revision).
-    start_revision: Revision,
-    /// Every event of the prefix up to this revision has been sent (events or progress).
-    delivered: Revision,
-    tx: mpsc::UnboundedSender<StoreResult<WatchBatch>>,
-}
-
-#[derive(Debug)]
-struct LeaseState {
-    ttl: Duration,
-    deadline: Instant,
-    keys: BTreeSet<String>,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    revision: Revision,
-    compact_revision: Revision,
-    kvs: BTreeMap<String, KeyValue>,
-    /// Events of each revision after `compact_revision`, oldest first.
-    history: VecDeque<(Revision, Arc<[WatchEvent]>)>,
-    watchers: Vec<Watcher>,
-    /// Sees every revision, whatever happens to watches (see [`EmbeddedStore::observe`]).
-    observers: Vec<mpsc::UnboundedSender<Observed>>,
-    leases: HashMap<LeaseId, LeaseState>,
-    /// Lease deadlines in order, for the reaper and for lazy expiry.
-    deadlines: BTreeSet<(Instant, LeaseId)>,
-    next_lease: LeaseId,
-    /// The NOSPACE alarm is raised (see [`EmbeddedStore::set_nospace`]).
-    nospace: bool,
-    /// No leader: every call fails and no lease expires (see [`EmbeddedStore::set_outage`]).
-    outage: bool,
 }
 
 impl EmbeddedStore {
@@ -151,9 +125,23 @@ impl EmbeddedStore {
             history_revisions: options.history_revisions,
             min_lease_ttl: options.min_lease_ttl,
             reaper_wake: reaper_wake.clone(),
+            clients: AtomicU64::new(0),
         });
         tokio::spawn(reap_leases(Arc::downgrade(&shared), reaper_wake));
-        EmbeddedStore { shared }
+        EmbeddedStore { shared, client: 0 }
+    }
+
+    /// Another client of the same store, as a second connection to etcd is: the same keys,
+    /// leases and watches, but a lease renewal through one client sends progress
+    /// notifications only to the watches opened through that client (etcd answers a progress
+    /// request on the stream that asked). Give each in-process node a client of its own: then
+    /// a renewal costs a message to that node's watch, not one to every watch in the process.
+    #[must_use]
+    pub fn client(&self) -> Self {
+        EmbeddedStore {
+            shared: self.shared.clone(),
+            client: self.shared.clients.fetch_add(1, Ordering::Relaxed) + 1,
+        }
     }
 
     /// The current revision.
@@ -268,301 +256,6 @@ async fn reap_leases(shared: Weak<Shared>, wake: Arc<Notify>) {
     }
 }
 
-/// One change made by a txn, before it becomes a watch event.
-struct Change {
-    kind: EventKind,
-    kv: KeyValue,
-    prev: Option<KeyValue>,
-}
-
-impl State {
-    /// `Unavailable` while the store is away ([`EmbeddedStore::set_outage`]).
-    fn available(&self) -> StoreResult<()> {
-        if self.outage {
-            return Err(StoreError::Unavailable {
-                endpoints: "embedded".into(),
-                message: "the store is away (simulated outage: no leader)".into(),
-            });
-        }
-        Ok(())
-    }
-
-    fn expire_due(&mut self, now: Instant, shared: &Shared) {
-        if self.outage {
-            return; // no leader, no expiry
-        }
-        while let Some(&(deadline, id)) = self.deadlines.first() {
-            if deadline > now {
-                break;
-            }
-            self.deadlines.pop_first();
-            if let Some(lease) = self.leases.remove(&id) {
-                tracing::debug!(
-                    lease = id,
-                    keys = lease.keys.len(),
-                    "embedded store: lease expired"
-                );
-                self.delete_lease_keys(lease, shared);
-            }
-        }
-    }
-
-    /// Deletes a dead lease's keys in one revision.
-    fn delete_lease_keys(&mut self, lease: LeaseState, shared: &Shared) {
-        let mut changes = Vec::with_capacity(lease.keys.len());
-        let rev = self.revision + 1;
-        for key in lease.keys {
-            if let Some(prev) = self.kvs.remove(&key) {
-                changes.push(Change {
-                    kind: EventKind::Delete,
-                    kv: tombstone(&key, rev),
-                    prev: Some(prev),
-                });
-            }
-        }
-        self.commit(changes, shared);
-    }
-
-    /// Sends a progress notification at the current revision to every watch that has not been
-    /// told about it yet (etcd answers a progress request likewise). Called on each lease
-    /// renewal, so a node's watch hears of every revision its keepalive answers name.
-    fn progress_all(&mut self) {
-        let rev = self.revision;
-        for w in &mut self.watchers {
-            if w.delivered < rev && rev >= w.start_revision {
-                w.delivered = rev;
-                let _ = w.tx.send(Ok(WatchBatch::progress(rev)));
-            }
-        }
-    }
-
-    /// Advances the revision if anything changed, records history and notifies watchers.
-    fn commit(&mut self, changes: Vec<Change>, shared: &Shared) {
-        if changes.is_empty() {
-            return;
-        }
-        self.revision += 1;
-        let rev = self.revision;
-        let events: Arc<[WatchEvent]> = changes
-            .into_iter()
-            .map(|c| WatchEvent {
-                kind: c.kind,
-                kv: c.kv,
-                prev_kv: c.prev,
-            })
-            .collect();
-        self.watchers.retain_mut(|w| {
-            if w.tx.is_closed() {
-                return false;
-            }
-            if rev < w.start_revision {
-                return true;
-            }
-            let matching: Vec<WatchEvent> = events
-                .iter()
-                .filter(|e| w.keys.contains(&e.kv.key))
-                .cloned()
-                .collect();
-            if matching.is_empty() {
-                return true;
-            }
-            w.delivered = rev;
-            w.tx.send(Ok(WatchBatch::of_events(matching))).is_ok()
-        });
-        let at = Instant::now();
-        self.observers.retain(|o| {
-            o.send(Observed {
-                revision: rev,
-                at,
-                events: events.clone(),
-            })
-            .is_ok()
-        });
-        self.history.push_back((rev, events));
-        if let Some(keep) = shared.history_revisions {
-            let keep = Revision::try_from(keep).unwrap_or(Revision::MAX);
-            let floor = rev.saturating_sub(keep);
-            if floor > self.compact_revision {
-                self.compact_to(floor);
-            }
-        }
-    }
-
-    fn compact_to(&mut self, revision: Revision) {
-        while self.history.front().is_some_and(|(r, _)| *r < revision) {
-            self.history.pop_front();
-        }
-        self.compact_revision = revision;
-    }
-
-    fn compare_holds(&self, c: &Compare) -> bool {
-        let kv = self.kvs.get(&c.key);
-        let ord = match &c.target {
-            // etcd fails every value compare on a missing key, whatever the operator: a
-            // missing value is not the empty value.
-            CompareTarget::Value(v) => match kv {
-                Some(kv) => kv.value.as_slice().cmp(v.as_slice()),
-                None => return false,
-            },
-            CompareTarget::ModRevision(r) => kv.map_or(0, |kv| kv.mod_revision).cmp(r),
-            CompareTarget::CreateRevision(r) => kv.map_or(0, |kv| kv.create_revision).cmp(r),
-            CompareTarget::Version(v) => kv.map_or(0, |kv| kv.version).cmp(v),
-        };
-        match c.op {
-            CompareOp::Equal => ord.is_eq(),
-            CompareOp::NotEqual => ord.is_ne(),
-            CompareOp::Less => ord.is_lt(),
-            CompareOp::Greater => ord.is_gt(),
-        }
-    }
-
-    /// Refuses what etcd refuses before touching anything: a key written twice in one branch,
-    /// and puts on leases that do not exist.
-    fn validate(&self, ops: &[TxnOp]) -> StoreResult<()> {
-        let mut puts: HashSet<&str> = HashSet::new();
-        for op in ops {
-            if let TxnOp::Put { key, lease, .. } = op {
-                if !puts.insert(key.as_str()) {
-                    return Err(StoreError::InvalidArgument(format!(
-                        "duplicate key {key:?} given in txn request"
-                    )));
-                }
-                if let Some(id) = lease {
-                    if !self.leases.contains_key(id) {
-                        return Err(StoreError::LeaseNotFound(*id));
-                    }
-                }
-            }
-        }
-        for op in ops {
-            let overlaps = match op {
-                TxnOp::Delete { key } => puts.contains(key.as_str()),
-                TxnOp::DeletePrefix { prefix } => {
-                    puts.iter().any(|k| k.starts_with(prefix.as_str()))
-                }
-                _ => false,
-            };
-            if overlaps {
-                return Err(StoreError::InvalidArgument(
-                    "duplicate key given in txn request: a key is both put and deleted".into(),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    fn apply(&mut self, ops: Vec<TxnOp>, shared: &Shared) -> (Vec<OpResponse>, Revision) {
-        let rev = self.revision + 1;
-        let mut changes = Vec::new();
-        let mut responses = Vec::with_capacity(ops.len());
-        for op in ops {
-            match op {
-                TxnOp::Put { key, value, lease } => {
-                    let prev = self.kvs.get(&key).cloned();
-                    let (create_revision, version) = match &prev {
-                        Some(p) => (p.create_revision, p.version + 1),
-                        None => (rev, 1),
-                    };
-                    if let Some(old) = prev.as_ref().and_then(|p| p.lease) {
-                        if Some(old) != lease {
-                            if let Some(l) = self.leases.get_mut(&old) {
-                                l.keys.remove(&key);
-                            }
-                        }
-                    }
-                    if let Some(id) = lease {
-                        if let Some(l) = self.leases.get_mut(&id) {
-                            l.keys.insert(key.clone());
-                        }
-                    }
-                    let kv = KeyValue {
-                        key: key.clone(),
-                        value,
-                        create_revision,
-                        mod_revision: rev,
-                        version,
-                        lease,
-                    };
-                    self.kvs.insert(key, kv.clone());
-                    changes.push(Change {
-                        kind: EventKind::Put,
-                        kv,
-                        prev,
-                    });
-                    responses.push(OpResponse::Put);
-                }
-                TxnOp::Delete { key } => {
-                    let deleted = self.delete_key(&key, rev, &mut changes);
-                    responses.push(OpResponse::Delete {
-                        deleted: u64::from(deleted),
-                    });
-                }
-                TxnOp::DeletePrefix { prefix } => {
-                    let keys: Vec<String> = self
-                        .kvs
-                        .range::<str, _>((
-                            std::ops::Bound::Included(prefix.as_str()),
-                            std::ops::Bound::Unbounded,
-                        ))
-                        .take_while(|(k, _)| k.starts_with(&prefix))
-                        .map(|(k, _)| k.clone())
-                        .collect();
-                    let mut deleted = 0;
-                    for key in keys {
-                        if self.delete_key(&key, rev, &mut changes) {
-                            deleted += 1;
-                        }
-                    }
-                    responses.push(OpResponse::Delete { deleted });
-                }
-                TxnOp::Get { key } => responses.push(OpResponse::Get {
-                    kv: self.kvs.get(&key).cloned(),
-                }),
-            }
-        }
-        self.commit(changes, shared);
-        (responses, self.revision)
-    }
-
-    fn delete_key(&mut self, key: &str, rev: Revision, changes: &mut Vec<Change>) -> bool {
-        let Some(prev) = self.kvs.remove(key) else {
-            return false;
-        };
-        if let Some(l) = prev.lease.and_then(|id| self.leases.get_mut(&id)) {
-            l.keys.remove(key);
-        }
-        changes.push(Change {
-            kind: EventKind::Delete,
-            kv: tombstone(key, rev),
-            prev: Some(prev),
-        });
-        true
-    }
-}
-
-fn tombstone(key: &str, rev: Revision) -> KeyValue {
-    KeyValue {
-        key: key.to_owned(),
-        value: Vec::new(),
-        create_revision: 0,
-        mod_revision: rev,
-        version: 0,
-        lease: None,
-    }
-}
-
-fn key_range<'a>(
-    kvs: &'a BTreeMap<String, KeyValue>,
-    keys: &'a KeyRange,
-) -> impl Iterator<Item = &'a KeyValue> + 'a {
-    kvs.range::<str, _>((
-        std::ops::Bound::Included(keys.start()),
-        std::ops::Bound::Unbounded,
-    ))
-    .take_while(move |(k, _)| keys.contains(k))
-    .map(|(_, v)| v)
-}
-
 #[async_trait]
 impl MetaStore for EmbeddedStore {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
@@ -645,10 +338,11 @@ impl MetaStore for EmbeddedStore {
                 let _ = tx.send(Ok(WatchBatch::of_events(batch)));
             }
             let delivered = state.revision;
-            state.watchers.push(Watcher {
+            state.watchers.add(Watcher {
                 keys: keys.clone(),
                 start_revision: start,
                 delivered,
+                client: self.client,
                 tx,
             });
         }
@@ -701,7 +395,7 @@ impl MetaStore for EmbeddedStore {
         state.deadlines.remove(&(old, lease));
         state.deadlines.insert((new, lease));
         let revision = state.revision;
-        state.progress_all();
+        state.watchers.progress(self.client, revision);
         Ok(revision)
     }
 
@@ -752,5 +446,9 @@ impl MetaStore for EmbeddedStore {
 
     fn describe(&self) -> String {
         "embedded".to_owned()
+    }
+
+    fn new_client(&self) -> Option<Arc<dyn MetaStore>> {
+        Some(Arc::new(self.client()))
     }
 }
