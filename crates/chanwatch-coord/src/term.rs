@@ -62,6 +62,12 @@ pub(crate) struct Term<'a> {
     pub(crate) renewals: Option<watch::Receiver<Renewal>>,
     /// Where committed transitions and node events are recorded (`events.rs`).
     pub(crate) events: Arc<crate::events::EventLog>,
+    /// Bulk registrations whose txns are being written off the loop (`bulk.rs`).
+    pub(crate) bulk: crate::bulk::InFlight,
+    /// The revision the view has applied from the list-watch: a txn written off the loop
+    /// that committed at or below it is already in the view, and booking it again would
+    /// bring back older values (a `ToWatch` over its node's `Watched` ack).
+    pub(crate) watched_rev: i64,
 }
 
 impl<'a> Term<'a> {
@@ -90,6 +96,8 @@ impl<'a> Term<'a> {
             ),
             renewals: None,
             events: Arc::new(crate::events::EventLog::new(clock)),
+            bulk: crate::bulk::InFlight::default(),
+            watched_rev: 0,
         }
     }
 
@@ -214,6 +222,12 @@ impl<'a> Term<'a> {
                     self.availability.unreachable(stalled.sent);
                     lw.relist();
                 }
+                written = self.bulk.next() => {
+                    if let Err(why) = self.bulk_written(written) {
+                        return TermEnd::Lost(why);
+                    }
+                    dirty = true;
+                }
                 () = &mut resync => {
                     lw.relist();
                     resyncs += 1;
@@ -280,6 +294,9 @@ impl<'a> Term<'a> {
                 // balance moves whose txns NOSPACE refused blocked balance for good).
                 if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
                     self.timers_stand_still(refused);
+                }
+                if self.bulk.len() > 0 {
+                    self.state.hold_balance(self.clock.unix_ms());
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
                 if let Some(w) = self.state.startup_wait(self.clock.unix_ms()) {
@@ -365,6 +382,7 @@ impl<'a> Term<'a> {
                         .map(|kv| (kv.key.as_str(), kv.value.as_slice(), kv.mod_revision)),
                 );
                 self.state.caught_up(revision);
+                self.watched_rev = self.watched_rev.max(revision);
                 for (key, why) in self.state.corrupt() {
                     error!(key, error = %why, "coord: value does not decode; leaving it alone");
                 }
@@ -403,6 +421,7 @@ impl<'a> Term<'a> {
                         }
                     }
                     self.state.caught_up(ev.kv.mod_revision);
+                    self.watched_rev = self.watched_rev.max(ev.kv.mod_revision);
                 }
             }
         }
@@ -499,6 +518,11 @@ impl<'a> Term<'a> {
         match req {
             Request::Channels(reply) => drop(reply.send(Ok(self.state.channel_rows()))),
             Request::Nodes(reply) => drop(reply.send(Ok(self.state.node_rows()))),
+            Request::Add { name, reply, .. } | Request::AddPlaced { name, reply, .. }
+                if self.bulk.holds(&name) =>
+            {
+                drop(reply.send(Err(AdminError::AlreadyExists(name).into())));
+            }
             Request::Add {
                 name,
                 vchannel,
@@ -561,7 +585,7 @@ impl<'a> Term<'a> {
             }
             Request::View(read) => (read.0)(Ok(&self.state)),
             Request::Undrain { node, reply } => self.undrain(node, reply).await?,
-            Request::AddMany { infos, reply } => self.add_many(infos, reply).await?,
+            Request::AddMany { infos, reply } => self.add_many(infos, reply),
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 
 mod api;
 mod browser;
+mod bulk;
 mod cluster;
 mod events;
 mod leader;
@@ -150,6 +151,14 @@ mod embedded_only {
     ) -> anyhow::Result<()> {
         let cluster = crate::leader::embedded_with_latency();
         crate::leader::a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_and_assigns_nothing_to_the_dead_node(cluster).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_list_being_written_leaves_the_leader_serving_and_its_names_refused_elsewhere(
+    ) -> anyhow::Result<()> {
+        crate::bulk::a_list_being_written_leaves_the_leader_serving_and_its_names_refused_elsewhere(
+        )
+        .await
     }
 
     #[tokio::test(start_paused = true)]

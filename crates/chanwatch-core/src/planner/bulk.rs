@@ -15,6 +15,15 @@ use super::placement::Want;
 use super::{AdminError, Planner};
 
 impl Planner {
+    /// Balance waits `balance_quiet_ms` from `now_ms`, as after a membership change: the
+    /// coordinator calls it while bulk lists are being written, when the view holds only
+    /// the part of them the watch has shown (uneven by node) and a balance pass would move
+    /// channels that the rest of the lists even out anyway (found by `bench register` with
+    /// lists written off the leader's loop: balance moves started mid-registration).
+    pub fn hold_balance(&mut self, now_ms: u64) {
+        self.quiet_since_ms = self.quiet_since_ms.max(now_ms);
+    }
+
     /// Registers every channel of `infos` (their `channel`, `vchannel` and unknown fields
     /// are kept; state, epoch and start time are set here) on the least-loaded nodes, or under
     /// `remaining` when no node takes channels. Each put is guarded by the key's absence, so

@@ -208,49 +208,88 @@ pub fn lists(lines: &[Line]) -> Vec<&[Line]> {
     out
 }
 
-/// Sends the checked file to the leader, list by list; the summary line.
+/// Lists sent at once. The leader writes one list's txns at a time, off its loop, and
+/// plans and queues lists that arrive meanwhile; but on the shared 2-core machine 2 and 4
+/// lists at once kept etcd so busy that it timed out requests ("waiting for the applied
+/// index took too long"): nodes' keepalives failed, the leader lost its lease, and queued
+/// calls ran past `--timeout` (docs/BENCHMARKS.md, issue 16). One at a time lets etcd catch
+/// up between lists; raise it only with an etcd that has cores of its own.
+pub const LISTS_IN_FLIGHT: usize = 1;
+
+/// Sends the checked file to the leader, up to [`LISTS_IN_FLIGHT`] lists at once; the
+/// summary line.
 ///
 /// # Errors
 /// The leader's refusal (refused entries named by their lines) or an unreachable leader;
-/// says what was registered before.
+/// says which lines were registered (the other lists of the file still went).
 pub async fn send(file: &File, leader: &Leader, json_out: bool) -> Result<String> {
+    use futures_util::StreamExt;
     let t0 = Instant::now();
     let total = file.lines.len();
     let lists = lists(&file.lines);
+    let many = lists.len() > 1;
     let mut added = 0;
-    for list in &lists {
+    let mut registered: Vec<(usize, usize)> = Vec::new();
+    let mut first_error: Option<(usize, anyhow::Error)> = None;
+    let mut answers = futures_util::stream::iter(lists.iter().enumerate().map(|(k, list)| {
         let body: Vec<&Value> = list.iter().map(|l| &l.entry).collect();
-        match leader.add_channels(&body).await {
-            Ok(t) => added += t.len(),
-            Err(e) => {
-                let done = if added > 0 {
-                    format!(
-                        "; {added} channel(s) before line {} were registered",
-                        list[0].number
-                    )
-                } else {
-                    "; nothing was registered".into()
-                };
-                if let Some(r) = e.downcast_ref::<Refused>() {
-                    let mut msg = format!("the coordinator refused ({}){done}:\n", r.status);
-                    for (i, why) in &r.refused {
-                        let line = list.get(*i).map_or(0, |l| l.number);
-                        msg += &format!("  line {line}: {why}\n");
-                    }
-                    if r.refused.is_empty() {
-                        msg += &format!("  {}\n", r.message);
-                    }
-                    bail!("{}", msg.trim_end());
+        async move { (k, leader.add_channels(&body).await) }
+    }))
+    .buffer_unordered(LISTS_IN_FLIGHT);
+    while let Some((k, answer)) = answers.next().await {
+        match answer {
+            Ok(t) => {
+                added += t.len();
+                let list = lists[k];
+                registered.push((list[0].number, list[list.len() - 1].number));
+                if many {
+                    eprintln!(
+                        "add-channels: {added} of {total} registered ({:.1} s)",
+                        t0.elapsed().as_secs_f64()
+                    );
                 }
-                return Err(e.context(format!("sending {}{done}", file.source)));
+            }
+            Err(e) => {
+                let earlier = match &first_error {
+                    Some((j, _)) => k < *j,
+                    None => true,
+                };
+                if earlier {
+                    first_error = Some((k, e));
+                }
             }
         }
-        if lists.len() > 1 {
-            eprintln!(
-                "add-channels: {added} of {total} registered ({:.1} s)",
-                t0.elapsed().as_secs_f64()
+    }
+    drop(answers);
+    if let Some((k, e)) = first_error {
+        let list = lists[k];
+        registered.sort_unstable();
+        let done = if registered.is_empty() {
+            "; nothing was registered".to_owned()
+        } else {
+            let spans: Vec<String> = registered.iter().map(|(a, b)| format!("{a}-{b}")).collect();
+            format!(
+                "; {added} channel(s) were registered (lines {}), the rest were not",
+                spans.join(", ")
+            )
+        };
+        if let Some(r) = e.downcast_ref::<Refused>() {
+            let mut msg = format!(
+                "the coordinator refused the list of lines {}-{} ({}){done}:\n",
+                list[0].number,
+                list[list.len() - 1].number,
+                r.status
             );
+            for (i, why) in &r.refused {
+                let line = list.get(*i).map_or(0, |l| l.number);
+                msg += &format!("  line {line}: {why}\n");
+            }
+            if r.refused.is_empty() {
+                msg += &format!("  {}\n", r.message);
+            }
+            bail!("{}", msg.trim_end());
         }
+        return Err(e.context(format!("sending {}{done}", file.source)));
     }
     let secs = t0.elapsed().as_secs_f64();
     Ok(if json_out {
