@@ -259,7 +259,7 @@ pub struct BenchExecArgs {
 #[derive(Debug, ClapArgs)]
 pub struct BenchExecWorkerArgs {
     /// Talk to the agent over TCP even when it has a Unix socket.
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_TCP")]
     pub tcp: bool,
 }
 
