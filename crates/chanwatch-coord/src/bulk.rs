@@ -195,6 +195,9 @@ impl Term<'_> {
                     if resp.revision > self.watched_rev {
                         self.state.applied(&t, resp.revision);
                     }
+                    // In the history like any transition (`ctl events`, `describe`), but
+                    // logged at debug: a list is one info line, not 10,000.
+                    self.events.transitions(&t.transitions);
                     for tr in &t.transitions {
                         self.config.metrics.reassigned(tr.cause.as_str());
                         debug!(channel = %tr.channel, to = ?tr.to, "coord: channel registered");

@@ -163,6 +163,8 @@ struct Shared {
     reads: Reads,
     /// The leader's event history (`events.rs`).
     events: Arc<crate::events::EventLog>,
+    /// What the nodes last said about pausing (`probe.rs`), for summaries.
+    probe: Arc<crate::probe::NodeProbe>,
 }
 
 /// The store, keys and clock a handle reads checkpoints with.
@@ -224,6 +226,7 @@ impl CoordHandle {
                 registry,
                 reads,
                 events: events.clone(),
+                probe: Arc::default(),
             }),
         };
         let ends = HandleEnds {
@@ -240,6 +243,11 @@ impl CoordHandle {
     /// The leader's event history (empty on a standby until it leads).
     pub fn events(&self) -> &Arc<crate::events::EventLog> {
         &self.shared.events
+    }
+
+    /// The nodes' pause probe (`probe.rs`).
+    pub(crate) fn probe(&self) -> &Arc<crate::probe::NodeProbe> {
+        &self.shared.probe
     }
 
     /// What reads go through: store, keys, clock.

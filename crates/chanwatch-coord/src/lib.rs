@@ -60,7 +60,8 @@
 //! that drives the planner), `execute.rs` (planned txns to store txns, fencing),
 //! `availability.rs` (how long the store was away, so timers stand still), `handle.rs`
 //! ([`CoordHandle`]), `coordinator.rs` ([`Coordinator`], its builder and
-//! [`CoordinatorConfig`]), [`api`] (the admin HTTP API) and [`metrics`].
+//! [`CoordinatorConfig`]), [`api`] (the admin HTTP API), [`summary`] (the status page's reads) with
+//! `probe.rs` (asks the nodes' admin HTTP whether they paused) and [`metrics`].
 //!
 //! Owns: election, the leader loop, txn execution (pipelined), the [`CoordHandle`] request
 //! channel and the admin HTTP API ([`api`]).
@@ -68,7 +69,7 @@
 //! marks) and writes only the leader key `{root}/coord/leader`, channel assignments
 //! `{root}/channel/`, and drain and fence marks `{root}/coord/drain/`, `{root}/coord/fence/`;
 //! besides, it revokes the session lease of a node it fences and deletes a leader key that
-//! no lease holds.
+//! no lease holds. Its only calls to nodes are the status page's `GET /status` reads (`probe.rs`).
 
 pub mod api;
 mod availability;
@@ -81,6 +82,7 @@ pub mod events;
 mod execute;
 mod handle;
 pub mod metrics;
+mod probe;
 pub mod summary;
 mod term;
 mod upkeep;

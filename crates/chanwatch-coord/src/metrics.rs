@@ -300,6 +300,11 @@ impl CoordMetrics {
         self.cluster.db_bytes.get()
     }
 
+    /// What `chanwatch_etcd_quota_bytes` holds (0: not read yet).
+    pub fn quota_bytes(&self) -> i64 {
+        self.cluster.quota_bytes.get()
+    }
+
     /// Counts one reassignment.
     pub fn reassigned(&self, cause: &str) {
         self.reassignments.with_label_values(&[cause]).inc();

@@ -5,7 +5,8 @@
 //!
 //! Owns: those reads — the leader's view (through the term, like `detail.rs`), one range of
 //! `{root}/coord/` (leader, standbys, compaction record, fences) and the store's alarms per
-//! summary — and the natural order of channel names. Must not: write anything, or hold the
+//! summary, with what the nodes last said about pausing (`probe.rs`) — and the natural
+//! order of channel names. Must not: write anything, or hold the
 //! term's loop longer than one pass over the view (sorting and paging happen after it).
 
 use std::collections::BTreeMap;
@@ -18,6 +19,7 @@ use tokio::sync::oneshot;
 use crate::detail::ViewFn;
 use crate::events::HistoryInfo;
 use crate::handle::{ApiError, CoordHandle, Request};
+use crate::probe::NodeSays;
 
 /// How many parked and how many unsettled channels a summary names (it counts them all).
 pub const SUMMARY_LIST: usize = 20;
@@ -46,6 +48,25 @@ pub struct Summary {
     pub unsettled: Capped,
     /// The leader's event history (what `GET /api/v1/events?since=` counts in).
     pub history: HistoryInfo,
+    /// The nodes that said their channels are paused (each node's own `GET /status`).
+    pub paused: PausedNodes,
+}
+
+/// What the nodes said about pausing: the leader asks them (a paused node cannot tell the
+/// store) at most every few seconds while summaries are read; a summary carries the last
+/// answers and never waits for them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedNodes {
+    /// How long ago the answers came (`null`: the nodes are being asked for the first time).
+    pub asked_ms_ago: Option<u64>,
+    /// Nodes whose channels are paused.
+    pub nodes: usize,
+    /// Channels on those nodes.
+    pub channels: usize,
+    /// Nodes that did not answer.
+    pub unknown: usize,
+    /// Nodes with no admin HTTP in their session (not asked: in-process nodes, say).
+    pub no_admin: usize,
 }
 
 /// A coordinator: the leader or a standby.
@@ -73,9 +94,11 @@ pub struct StoreHealth {
     /// The store's revision at the read (0: not read).
     pub revision: i64,
     /// Bytes of the database as last read by the leader's upkeep (0: not known — the embedded
-    /// store has no file, or not read yet). Its quota is etcd's, not known here: `ctl status`
-    /// shows it.
+    /// store has no file, or not read yet).
     pub db_bytes: i64,
+    /// Its quota as `chanwatch_etcd_quota_bytes` exports it: etcd's own (3.6+), else `coord
+    /// --quota-backend-bytes` (0: not known yet).
+    pub quota_bytes: i64,
     /// The revision last compacted to (`{root}/coord/compact`; 0: never).
     pub compacted_to: i64,
     /// The store revision at which that compaction was recorded.
@@ -120,6 +143,13 @@ pub struct NodeLoad {
     pub leaving: bool,
     /// The leader is fencing it (revoking its session).
     pub fenced: bool,
+    /// Its admin HTTP, as its session says (empty: none).
+    pub admin_addr: String,
+    /// Whether it says its channels are paused (`null`: not asked yet, or no answer).
+    pub paused: Option<bool>,
+    /// Why paused, in its words; or why its answer is not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_reason: Option<String>,
 }
 
 /// A count and the first few in natural order.
@@ -253,6 +283,9 @@ fn view_part(p: &Planner) -> ViewPart {
                 weight: r.weight,
                 capacity: r.capacity,
                 load: r.load,
+                admin_addr: r.admin_addr,
+                paused: None,
+                paused_reason: None,
             }
         })
         .collect();
@@ -290,13 +323,15 @@ impl CoordHandle {
     /// # Errors
     /// [`ApiError::NotLeader`] on a standby.
     pub async fn summary(&self) -> Result<Summary, ApiError> {
-        let part = self.read_view(view_part).await?;
+        let mut part = self.read_view(view_part).await?;
+        let paused = self.mark_paused(&mut part.nodes);
         let r = self.reads();
         let mut store = StoreHealth {
             reachable: true,
             error: None,
             revision: 0,
             db_bytes: self.metrics().db_bytes(),
+            quota_bytes: self.metrics().quota_bytes(),
             compacted_to: 0,
             compacted_at_revision: 0,
             alarms: Vec::new(),
@@ -362,7 +397,41 @@ impl CoordHandle {
             remaining: capped(part.remaining),
             unsettled: capped(part.unsettled),
             history: self.events().info(),
+            paused,
         })
+    }
+
+    /// Marks each node with what it last said about pausing, and counts; asks again in the
+    /// background when those answers are old (`probe.rs`).
+    fn mark_paused(&self, nodes: &mut [NodeLoad]) -> PausedNodes {
+        let ask = nodes.iter().map(|n| (n.id, n.admin_addr.clone())).collect();
+        let answers = self.probe().answers(ask);
+        let mut out = PausedNodes {
+            asked_ms_ago: answers.at.map(|t| crate::execute::millis(t.elapsed())),
+            ..PausedNodes::default()
+        };
+        for n in nodes {
+            match answers.nodes.get(&n.id) {
+                Some(NodeSays::Running) => n.paused = Some(false),
+                Some(NodeSays::Paused(why)) => {
+                    n.paused = Some(true);
+                    n.paused_reason = Some(why.clone());
+                    out.nodes += 1;
+                    out.channels += n.channels;
+                }
+                Some(NodeSays::Unknown(why)) => {
+                    n.paused_reason = Some(format!("unknown: {why}"));
+                    if n.admin_addr.is_empty() {
+                        out.no_admin += 1;
+                    } else {
+                        out.unknown += 1;
+                    }
+                }
+                // Joined since the last round: asked in the next.
+                None => {}
+            }
+        }
+        out
     }
 
     /// The channels `filter` lets through, in natural order, `limit` (at most [`MAX_PAGE`])

@@ -81,7 +81,7 @@ fn infos(prefix: &str, n: usize) -> Result<Vec<ChannelInfo>> {
 /// queues a list of other names (lists are written one at a time); released (and answered after the nodes acked), the
 /// held list is registered, every channel of both lists is `Watched` once, and the leader's
 /// view says so at once (booking the late answer over the acks put its channels back to
-/// `ToWatch` until the next relist).
+/// `ToWatch` until the next relist). Every channel registered is in the leader's history.
 pub async fn a_list_being_written_leaves_the_leader_serving_and_its_names_refused_elsewhere(
 ) -> Result<()> {
     let c = Cluster::embedded().await?;
@@ -186,5 +186,29 @@ pub async fn a_list_being_written_leaves_the_leader_serving_and_its_names_refuse
         v.all_watched_on_live_nodes(45)
     })
     .await?;
+    // Registered by lists, the channels are in the leader's history like any add (`ctl
+    // events`, `describe`): each with its registration, from no owner to `ToWatch`.
+    let first = coord
+        .handle
+        .events()
+        .channel(&ChannelName::new("held-007")?)
+        .into_iter()
+        .next()
+        .context("held-007 has no history")?;
+    ensure!(
+        first.from.is_none() && first.state == Some(chanwatch_core::ChannelState::ToWatch),
+        "held-007's first event: {first:?}"
+    );
+    let registered = coord
+        .handle
+        .events()
+        .since(0)
+        .iter()
+        .filter(|e| e.from.is_none() && e.channel.is_some())
+        .count();
+    ensure!(
+        registered == 45,
+        "{registered} registrations in the history"
+    );
     Ok(())
 }

@@ -15,7 +15,16 @@ async fn leader_with(
     n: usize,
     token: Option<&str>,
 ) -> Result<(String, CoordHandle, Arc<dyn MetaStore>)> {
-    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+    leader_on(EmbeddedStore::new(), n, token).await
+}
+
+/// [`leader_with`] on `store` (a test keeps a clone to put a faulty node on it).
+async fn leader_on(
+    store: EmbeddedStore,
+    n: usize,
+    token: Option<&str>,
+) -> Result<(String, CoordHandle, Arc<dyn MetaStore>)> {
+    let store: Arc<dyn MetaStore> = Arc::new(store);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?.to_string();
     let handle = Coordinator::builder(store.clone())
@@ -259,5 +268,80 @@ async fn the_pages_action_buttons_need_the_token_and_its_reads_do_not() -> Resul
         let (code, body) = get(&format!("{base}{path}")).await?;
         ensure!(code == 200, "{path} needs no token: {code} {body}");
     }
+    Ok(())
+}
+
+/// Polls the summary until `ok` holds for it (15 s).
+async fn summary_until(base: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Result<Value> {
+    let until = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, s) = get(&format!("{base}/api/v1/summary")).await?;
+        if code == 200 && ok(&s) {
+            return Ok(s);
+        }
+        ensure!(
+            tokio::time::Instant::now() < until,
+            "no summary with {what} within 15 s; the last: {code} {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A node whose keepalives fail pauses its channels while its lease still lives, so the
+/// store still shows it as a live node: the summary names it paused, with its channels and
+/// its own reason, as its admin `GET /status` says (the leader asks, as `ctl status` does),
+/// and running again once its keepalives pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_summary_names_a_node_that_paused_as_the_node_itself_says() -> Result<()> {
+    let inner = EmbeddedStore::new();
+    let (base, _h, _) = leader_on(inner.clone(), 4, None).await?;
+    let (faulty, faults) = chanwatch_store::FaultyStore::new(inner);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let admin = listener.local_addr()?.to_string();
+    let node = chanwatch_node::Node::builder(Arc::new(faulty))
+        .admin_addr(admin.clone())
+        .name("n-pause")
+        // Renewals every 4 s; paused 5 s after the last one that succeeded; the lease
+        // lives 12 s: a pause of at least 7 s before the coordinator could see it gone.
+        .session_ttl(Duration::from_secs(12))
+        .fence_margin(Duration::from_secs(7))
+        .spawn()?;
+    let router = chanwatch_node::admin::router(node.watch_status(), node.registry().clone());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+
+    let node0 = |s: &Value| s["nodes"][0].clone();
+    let s = summary_until(&base, "the node running its 4 channels", |s| {
+        node0(s)["paused"] == json!(false) && node0(s)["channels"] == json!(4)
+    })
+    .await?;
+    ensure!(
+        node0(&s)["admin_addr"] == json!(admin)
+            && s["paused"]["nodes"] == json!(0)
+            && s["paused"]["unknown"] == json!(0)
+            && s["paused"]["no_admin"] == json!(0)
+            && s["paused"]["asked_ms_ago"].is_u64(),
+        "{s}"
+    );
+
+    faults.fail_keepalives(true);
+    let s = summary_until(&base, "the node paused", |s| {
+        node0(s)["paused"] == json!(true)
+    })
+    .await?;
+    ensure!(
+        s["paused"]["nodes"] == json!(1)
+            && s["paused"]["channels"] == json!(4)
+            && node0(&s)["paused_reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("keepalive")),
+        "{s}"
+    );
+
+    faults.fail_keepalives(false);
+    summary_until(&base, "the node running again", |s| {
+        node0(s)["paused"] == json!(false) && s["paused"]["nodes"] == json!(0)
+    })
+    .await?;
+    node.stop().await?;
     Ok(())
 }
