@@ -137,7 +137,6 @@ mod tests {
         WatchEvent {
             kind: EventKind::Put,
             kv: kv(key, 1),
-            prev_kv: None,
         }
     }
 
@@ -145,7 +144,6 @@ mod tests {
         WatchEvent {
             kind: EventKind::Delete,
             kv: kv(key, 0),
-            prev_kv: None,
         }
     }
 

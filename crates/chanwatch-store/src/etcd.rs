@@ -361,11 +361,11 @@ impl MetaStore for EtcdStore {
         from_revision: Revision,
     ) -> StoreResult<WatchStream> {
         let prefix = keys.start();
+        // No `prev_kv`: see `WatchEvent::kv`.
         let mut options = match keys.end() {
             None => WatchOptions::new().with_prefix(),
             Some(end) => WatchOptions::new().with_range(end),
-        }
-        .with_prev_key();
+        };
         if from_revision > 0 {
             options = options.with_start_revision(from_revision);
         }
@@ -493,11 +493,7 @@ impl MetaStore for EtcdStore {
                                             etcd_client::EventType::Put => EventKind::Put,
                                             etcd_client::EventType::Delete => EventKind::Delete,
                                         };
-                                        Some(WatchEvent {
-                                            kind,
-                                            kv,
-                                            prev_kv: ev.prev_kv().map(from_pb),
-                                        })
+                                        Some(WatchEvent { kind, kv })
                                     })
                                     .collect();
                                 if !events.is_empty() {

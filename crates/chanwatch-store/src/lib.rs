@@ -21,7 +21,7 @@
 //! | Compares on value, mod revision, create revision, version and existence behave as etcd's (a missing key has version/create/mod revision 0). | `txn_compares_pick_the_branch`, `compare_targets_match_etcd_for_missing_keys` |
 //! | `range` returns keys in key order and the revision it was read at. | `range_returns_sorted_keys_and_its_revision` |
 //! | Delete-prefix removes exactly the keys under the prefix. | `delete_prefix_removes_only_the_prefix` |
-//! | Watch events arrive in revision order, none dropped, with prev values; a revision's events never split across batches. | `watch_delivers_ordered_events_with_prev_values`, `one_txn_is_one_batch` |
+//! | Watch events arrive in revision order, none dropped, each with the value after the change (no previous value: see `WatchEvent::kv`); a revision's events never split across batches. | `watch_delivers_ordered_events_with_their_values`, `one_txn_is_one_batch` |
 //! | A watch from an old revision replays history from there. | `watch_from_an_old_revision_replays_history` |
 //! | A watch from a compacted revision fails with `Compacted { compact_revision }`; compacting a future revision fails. | `watch_after_compaction_fails_with_compacted` |
 //! | Lease expiry deletes every attached key in one revision and emits DELETEs; keepalive keeps them; revoke deletes at once; keepalive of a dead lease is `LeaseNotFound`. | `lease_expiry_deletes_attached_keys`, `keepalive_keeps_a_lease_alive`, `revoke_deletes_attached_keys` |

@@ -52,7 +52,6 @@ pub(super) struct State {
 struct Change {
     kind: EventKind,
     kv: KeyValue,
-    prev: Option<KeyValue>,
 }
 
 impl State {
@@ -92,11 +91,10 @@ impl State {
         let mut changes = Vec::with_capacity(lease.keys.len());
         let rev = self.revision + 1;
         for key in lease.keys {
-            if let Some(prev) = self.kvs.remove(&key) {
+            if self.kvs.remove(&key).is_some() {
                 changes.push(Change {
                     kind: EventKind::Delete,
                     kv: tombstone(&key, rev),
-                    prev: Some(prev),
                 });
             }
         }
@@ -115,7 +113,6 @@ impl State {
             .map(|c| WatchEvent {
                 kind: c.kind,
                 kv: c.kv,
-                prev_kv: c.prev,
             })
             .collect();
         self.watchers.deliver(rev, &events);
@@ -212,12 +209,11 @@ impl State {
         for op in ops {
             match op {
                 TxnOp::Put { key, value, lease } => {
-                    let prev = self.kvs.get(&key).cloned();
-                    let (create_revision, version) = match &prev {
-                        Some(p) => (p.create_revision, p.version + 1),
-                        None => (rev, 1),
+                    let (create_revision, version, old_lease) = match self.kvs.get(&key) {
+                        Some(p) => (p.create_revision, p.version + 1, p.lease),
+                        None => (rev, 1, None),
                     };
-                    if let Some(old) = prev.as_ref().and_then(|p| p.lease) {
+                    if let Some(old) = old_lease {
                         if Some(old) != lease {
                             if let Some(l) = self.leases.get_mut(&old) {
                                 l.keys.remove(&key);
@@ -241,7 +237,6 @@ impl State {
                     changes.push(Change {
                         kind: EventKind::Put,
                         kv,
-                        prev,
                     });
                     responses.push(OpResponse::Put);
                 }
@@ -288,7 +283,6 @@ impl State {
         changes.push(Change {
             kind: EventKind::Delete,
             kv: tombstone(key, rev),
-            prev: Some(prev),
         });
         true
     }

@@ -232,7 +232,6 @@ mod tests {
                 version: 1,
                 lease: None,
             },
-            prev_kv: None,
         }
     }
 

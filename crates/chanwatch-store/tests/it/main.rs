@@ -70,7 +70,7 @@ all_backends!(
     a_key_range_lists_and_watches_only_its_half_open_span,
     delete_prefix_removes_only_the_prefix,
     duplicate_key_in_one_branch_is_refused,
-    watch_delivers_ordered_events_with_prev_values,
+    watch_delivers_ordered_events_with_their_values,
     one_txn_is_one_batch,
     watch_from_an_old_revision_replays_history,
     watch_after_compaction_fails_with_compacted,
