@@ -82,7 +82,7 @@ pub mod events;
 mod execute;
 mod handle;
 pub mod metrics;
-mod probe;
+pub mod probe;
 pub mod summary;
 mod term;
 mod upkeep;

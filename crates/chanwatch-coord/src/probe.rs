@@ -7,7 +7,7 @@
 //! running, and carries the answers of the last finished round (none on the first). A round
 //! asks every node at once, each with [`ASK_TIMEOUT`].
 //!
-//! Owns: those reads and their cache. Must not: make a summary wait for a node, write
+//! Owns: those reads ([`ask`], which `ctl` uses too) and their cache. Must not: make a summary wait for a node, write
 //! anything, or start more than one round per [`FRESH`].
 
 use std::collections::BTreeMap;
@@ -18,14 +18,14 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 /// How old the last round's answers may be before a summary starts another.
-pub(crate) const FRESH: Duration = Duration::from_secs(3);
+pub const FRESH: Duration = Duration::from_secs(3);
 
 /// How long one node may take to answer.
-pub(crate) const ASK_TIMEOUT: Duration = Duration::from_secs(1);
+pub const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// What a node said about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum NodeSays {
+pub enum NodeSays {
     /// Running its channels.
     Running,
     /// Its channels are paused, and why (its own words).
@@ -109,8 +109,9 @@ impl NodeProbe {
     }
 }
 
-/// What one node's `GET /status` says.
-async fn ask(client: &reqwest::Client, addr: &str) -> NodeSays {
+/// What the node whose admin HTTP is at `addr` says of itself (its `GET /status`); `ctl`
+/// asks the same way.
+pub async fn ask(client: &reqwest::Client, addr: &str) -> NodeSays {
     if addr.is_empty() {
         return NodeSays::Unknown("the node serves no admin HTTP".into());
     }

@@ -9,13 +9,11 @@
 //! command when a node does not answer (that is a finding to show, not an error).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use chanwatch_core::planner::NodeRow;
 use serde_json::{json, Value};
 
-/// How long one node may take to answer.
-const ASK_TIMEOUT: Duration = Duration::from_secs(1);
+use chanwatch_coord::probe::{NodeSays, ASK_TIMEOUT};
 
 /// What one node said about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,26 +69,12 @@ pub async fn ask(rows: &[NodeRow]) -> BTreeMap<u64, Live> {
         .collect()
 }
 
+/// The coordinator's status page asks the same way (`chanwatch_coord::probe`).
 async fn ask_one(client: &reqwest::Client, addr: &str) -> Live {
-    if addr.is_empty() {
-        return Live::Unknown("the node serves no admin HTTP".into());
-    }
-    let status: Value = match client.get(format!("http://{addr}/status")).send().await {
-        Ok(resp) => match resp.json().await {
-            Ok(v) => v,
-            Err(e) => return Live::Unknown(format!("{addr}/status is not JSON: {e}")),
-        },
-        Err(e) => return Live::Unknown(format!("{addr} did not answer: {e}")),
-    };
-    if status["paused"] == json!(true) {
-        Live::Paused(
-            status["paused_reason"]
-                .as_str()
-                .unwrap_or("no reason given")
-                .to_owned(),
-        )
-    } else {
-        Live::Running
+    match chanwatch_coord::probe::ask(client, addr).await {
+        NodeSays::Running => Live::Running,
+        NodeSays::Paused(why) => Live::Paused(why),
+        NodeSays::Unknown(why) => Live::Unknown(why),
     }
 }
 
