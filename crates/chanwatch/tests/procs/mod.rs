@@ -12,6 +12,11 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// Its process ID (a coordinator's default `--id` is `coord-{pid}`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Whether it still runs.
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
