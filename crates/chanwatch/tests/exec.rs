@@ -149,6 +149,25 @@ impl World {
     }
 
     /// Registers a channel, retrying while no coordinator leads yet.
+    /// Waits until `n` nodes are registered (`ctl nodes`): channels added before a node
+    /// registers all go to the others, and `--balance-quiet=60s` moves none to it in a test's
+    /// time.
+    fn wait_nodes(&self, n: usize) {
+        wait_for(
+            20,
+            || format!("{n} nodes registered"),
+            || {
+                let (ok, out, _) = self.ctl(&["nodes", "--json"]);
+                (ok && serde_json::from_str::<serde_json::Value>(&out)
+                    .ok()?
+                    .as_array()?
+                    .len()
+                    == n)
+                    .then_some(())
+            },
+        );
+    }
+
     fn add_channel(&self, name: &str, extra: &[&str]) {
         let mut args = vec!["add-channel", name];
         args.extend_from_slice(extra);
@@ -588,6 +607,9 @@ fn python_exactly_once(w: &World, log: &str, python: &str, node_args: &[&str]) {
     let log = log.to_owned();
     let mut a = w.node("node-a", python, node_args);
     let b = w.node("node-b", python, node_args);
+    // Both first: two nodes creating the NATS stream at once made one retry 200 ms, register
+    // after the channels were added, and get none (CI: "a runs a worker" timed out).
+    w.wait_nodes(2);
     for c in ["p-0", "p-1", "p-2", "p-3"] {
         w.add_channel(c, &[]);
     }
@@ -762,19 +784,7 @@ done # {0}"#,
         &worker,
         &[&format!("--handler-log={}", log_b.display())],
     );
-    wait_for(
-        20,
-        || "b registered".into(),
-        || {
-            let (ok, out, _) = w.ctl(&["nodes", "--json"]);
-            (ok && serde_json::from_str::<serde_json::Value>(&out)
-                .ok()?
-                .as_array()?
-                .len()
-                == 2)
-                .then_some(())
-        },
-    );
+    w.wait_nodes(2);
     proxy.set(true);
     // a's lease expires: the channel moves to b.
     let moved = wait_for(
