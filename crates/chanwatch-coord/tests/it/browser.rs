@@ -230,7 +230,8 @@ struct Render {
 /// A cluster of `nodes` in-process nodes and `channels` channels `load-0`…, registered with
 /// one bulk request and all `Watched`; then the page rendered by Chromium. Checks the counts,
 /// every node's tile and the first rows in natural order; saves `shot` into
-/// `$CHANWATCH_SCREENSHOT_DIR` when set.
+/// `$CHANWATCH_SCREENSHOT_DIR` when set; then kills a node and checks the page shows its
+/// channels under the others.
 async fn big_page(channels: usize, nodes: usize, shot: &str) -> Result<Render> {
     chromium()?;
     let c = Cluster::embedded().await?;
@@ -376,6 +377,48 @@ async fn big_page(channels: usize, nodes: usize, shot: &str) -> Result<Render> {
         let url = url.clone();
         tokio::task::spawn_blocking(move || headless_sized(&url, "1400,1000", &[shot])).await??;
     }
+    // A node killed (no lease revoke): once its session runs out its channels are `Watched`
+    // elsewhere, and the page — its filter on the dead node and on one of its channels —
+    // shows them there and no tile for it.
+    let mut procs = procs;
+    let victim = procs.remove(1);
+    let dead = c.wait_node_id(&victim).await?;
+    let held: Vec<String> = c
+        .view()
+        .await?
+        .channels
+        .iter()
+        .filter(|r| r.node == Some(dead.0))
+        .map(|r| r.channel.to_string())
+        .collect();
+    let one = held.first().context("the victim held no channel")?.clone();
+    c.kill_node(victim);
+    c.wait_until(
+        Duration::from_secs(60),
+        "the killed node's channels Watched elsewhere",
+        |v| v.all_watched_on_live_nodes(channels) && !v.nodes.iter().any(|n| n.id == dead.0),
+    )
+    .await?;
+    let on_dead = tokio::task::spawn_blocking({
+        let url = format!("{url}&node={dead}");
+        move || headless_sized(&url, "1400,1000", &["--dump-dom".into()])
+    })
+    .await??;
+    ensure!(
+        on_dead.contains("no channel matches") && !on_dead.contains(&format!("id=\"node-{dead}\"")),
+        "the killed node {dead} still shows channels or a tile:\n{on_dead}"
+    );
+    let moved = tokio::task::spawn_blocking({
+        let url = format!("{url}&name={one}");
+        move || headless_sized(&url, "1400,1000", &["--dump-dom".into()])
+    })
+    .await??;
+    let node = node_cell(&moved, &one).with_context(|| format!("{one} is not shown:\n{moved}"))?;
+    ensure!(
+        node != dead.to_string() && node != "remaining",
+        "{one} (of the killed node {dead}, {} channels) shows under {node}",
+        held.len()
+    );
     drop(procs);
     Ok(Render {
         rendered_ms,
