@@ -63,8 +63,8 @@ pub struct NodeDetail {
 }
 
 impl CoordHandle {
-    /// Runs `read` on the leader's view.
-    async fn view<T: Send + 'static>(
+    /// Runs `read` on the leader's view (also the summary's reads).
+    pub(crate) async fn view<T: Send + 'static>(
         &self,
         read: impl FnOnce(&Planner) -> T + Send + 'static,
     ) -> Result<T, ApiError> {

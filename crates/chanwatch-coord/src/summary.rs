@@ -14,11 +14,9 @@ use std::collections::BTreeMap;
 use chanwatch_core::planner::{ChannelRow, Entry, Planner};
 use chanwatch_core::{ChannelOwner, ChannelState, CoordSession};
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
 
-use crate::detail::ViewFn;
 use crate::events::HistoryInfo;
-use crate::handle::{ApiError, CoordHandle, Request};
+use crate::handle::{ApiError, CoordHandle};
 use crate::probe::NodeSays;
 
 /// How many parked and how many unsettled channels a summary names (it counts them all).
@@ -201,24 +199,6 @@ pub struct ChannelPage {
 
 pub use chanwatch_core::natural;
 
-fn row(e: &Entry) -> ChannelRow {
-    ChannelRow {
-        channel: e.info.channel.clone(),
-        node: match e.owner {
-            ChannelOwner::Node(n) => Some(n.0),
-            ChannelOwner::Remaining => None,
-        },
-        state: e.info.state,
-        epoch: e.info.epoch.0,
-        start_time_ms: e.info.start_time_ms,
-        reason: e.info.reason.clone(),
-        progress: e.info.progress.as_ref().map(|p| p.percent),
-        weight: e.info.weight.max(1),
-        group: e.info.group.clone(),
-        pinned: e.info.pinned,
-    }
-}
-
 fn brief(e: &Entry) -> Brief {
     Brief {
         channel: e.info.channel.to_string(),
@@ -304,18 +284,6 @@ fn view_part(p: &Planner) -> ViewPart {
 }
 
 impl CoordHandle {
-    async fn read_view<T: Send + 'static>(
-        &self,
-        read: impl FnOnce(&Planner) -> T + Send + 'static,
-    ) -> Result<T, ApiError> {
-        self.ask_with(|reply: oneshot::Sender<Result<T, ApiError>>| {
-            Request::View(ViewFn(Box::new(move |view| {
-                drop(reply.send(view.map(read)));
-            })))
-        })
-        .await
-    }
-
     /// The cluster at a glance, for the status page: one pass over the leader's view, one
     /// range of `{root}/coord/` and the store's alarms. A store that does not answer is a
     /// finding (`store.reachable: false`), not an error.
@@ -323,7 +291,7 @@ impl CoordHandle {
     /// # Errors
     /// [`ApiError::NotLeader`] on a standby.
     pub async fn summary(&self) -> Result<Summary, ApiError> {
-        let mut part = self.read_view(view_part).await?;
+        let mut part = self.view(view_part).await?;
         let paused = self.mark_paused(&mut part.nodes);
         let r = self.reads();
         let mut store = StoreHealth {
@@ -448,7 +416,7 @@ impl CoordHandle {
         let needle = filter.name.as_ref().map(|n| n.to_ascii_lowercase());
         let (owner, state) = (filter.owner, filter.state);
         let mut rows = self
-            .read_view(move |p| {
+            .view(move |p| {
                 p.entries()
                     .filter(|e| owner.map_or(true, |o| e.owner == o))
                     .filter(|e| state.map_or(true, |s| e.info.state == s))
@@ -461,7 +429,7 @@ impl CoordHandle {
                                 .contains(n.as_str())
                         })
                     })
-                    .map(row)
+                    .map(ChannelRow::of)
                     .collect::<Vec<_>>()
             })
             .await?;

@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelName, ChannelState};
 
-use super::{Load, Planner};
+use super::{Entry, Load, Planner};
 
 /// One channel as `ctl channels --json` prints it (DESIGN.md §7).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -76,27 +76,35 @@ pub struct NodeRow {
     pub load: f64,
 }
 
+impl ChannelRow {
+    /// The row of one assignment entry.
+    #[must_use]
+    pub fn of(e: &Entry) -> Self {
+        ChannelRow {
+            channel: e.info.channel.clone(),
+            node: match e.owner {
+                ChannelOwner::Node(n) => Some(n.0),
+                ChannelOwner::Remaining => None,
+            },
+            state: e.info.state,
+            epoch: e.info.epoch.0,
+            start_time_ms: e.info.start_time_ms,
+            reason: e.info.reason.clone(),
+            progress: e.info.progress.as_ref().map(|p| p.percent),
+            weight: e.info.weight.max(1),
+            group: e.info.group.clone(),
+            pinned: e.info.pinned,
+        }
+    }
+}
+
 impl Planner {
     /// One row per channel, for `ctl channels` and the admin API.
     pub fn channel_rows(&self) -> Vec<ChannelRow> {
         self.channels
             .values()
             .flat_map(|m| m.values())
-            .map(|e| ChannelRow {
-                channel: e.info.channel.clone(),
-                node: match e.owner {
-                    ChannelOwner::Node(n) => Some(n.0),
-                    ChannelOwner::Remaining => None,
-                },
-                state: e.info.state,
-                epoch: e.info.epoch.0,
-                start_time_ms: e.info.start_time_ms,
-                reason: e.info.reason.clone(),
-                progress: e.info.progress.as_ref().map(|p| p.percent),
-                weight: e.info.weight.max(1),
-                group: e.info.group.clone(),
-                pinned: e.info.pinned,
-            })
+            .map(ChannelRow::of)
             .collect()
     }
 
