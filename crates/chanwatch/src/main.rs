@@ -16,6 +16,14 @@ mod inproc;
 
 use clap::Parser;
 
+/// mimalloc rather than glibc's malloc: with 1,000,000 channels in one process, each
+/// allocation of a few KB made glibc consolidate its fast free lists first, which took most
+/// of a 1,000-channel failover round (a plan round 140–230 ms under glibc, ~30 ms with its
+/// fast lists off; `docs/BENCHMARKS.md`). The libraries leave the choice to the program
+/// that embeds them.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     // The config file becomes environment variables before the flags are parsed, so flags win.
     if let Err(e) = config::apply(std::env::args_os()) {
