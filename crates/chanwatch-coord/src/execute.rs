@@ -117,9 +117,9 @@ impl Term<'_> {
         }
         for (n, r) in self.session_guards(t).into_iter().zip(reads) {
             if matches!(r, OpResponse::Get { kv: None }) && self.state.nodes().contains_key(&n) {
-                self.session_gone(n, "a refused txn");
                 self.state
                     .apply_delete(&self.config.keys.session(n), resp.revision);
+                self.session_gone(n, "a refused txn");
             }
         }
         Ok(())

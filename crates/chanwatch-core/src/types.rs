@@ -350,6 +350,11 @@ impl ChannelInfo {
         encode(self)
     }
 
+    /// The length of [`ChannelInfo::encode`]'s bytes, without making them.
+    pub fn encoded_len(&self) -> usize {
+        encoded_len(self)
+    }
+
     /// Decodes and validates a stored value.
     ///
     /// # Errors
@@ -505,8 +510,23 @@ fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec())
 }
 
+/// The length of `value`'s JSON, counted as it is written: nothing is allocated.
 fn encoded_len<T: Serialize>(value: &T) -> usize {
-    encode(value).len()
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    match serde_json::to_writer(&mut c, value) {
+        Ok(()) => c.0,
+        Err(_) => encode(value).len(),
+    }
 }
 
 fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], what: &'static str) -> Result<T, DecodeError> {

@@ -104,9 +104,16 @@ pub struct Planner {
     /// An operator asked for a balance (`ctl balance`): it runs even with
     /// `auto_balance` off, until the cluster is balanced or nothing more can move.
     balance_asked: bool,
-    /// Channels that are not one `Watched` key under a node (duplicates, parked, loading,
-    /// failed, releasing), kept in step with `channels`: what the passes of a round visit.
+    /// Channels that are not one `Watched` key under a live node (duplicates, parked,
+    /// loading, failed, releasing, or held by a node whose session is gone), kept in step
+    /// with `channels` and `nodes`: what the passes of a round visit. A node's death marks
+    /// its channels once (one walk of `channels`), so the rounds of a failover visit only
+    /// them, not every channel while its keys remain (at 1,000,000 channels that walk was
+    /// the largest cost of a failover).
     attention: BTreeSet<ChannelName>,
+    /// A full list is being applied: session changes do not re-mark channels one node at
+    /// a time; the list rebuilds `attention` once at its end.
+    listing: bool,
     /// Assignment keys known deleted at a revision the watch has not delivered yet (our own
     /// txns, keys read back after a refused txn): a lagging watch's older PUT of such a key
     /// must not bring it back. Pruned by [`Planner::caught_up`]. Found by the failover
@@ -173,6 +180,7 @@ impl Planner {
             weights: BTreeMap::new(),
             balance_asked: false,
             attention: BTreeSet::new(),
+            listing: false,
             tombstones: BTreeMap::new(),
             corrupt: BTreeMap::new(),
             moves: BTreeMap::new(),

@@ -11,12 +11,21 @@ impl Planner {
     pub(super) fn pack(&self, changes: Vec<Change>) -> Vec<PlannedTxn> {
         // One compare slot is the runtime's leader guard.
         let max_ops = self.config.max_txn_ops.saturating_sub(1).max(2);
-        let mut out: Vec<PlannedTxn> = Vec::new();
-        let mut cur = PlannedTxn {
-            guards: Vec::new(),
-            ops: Vec::new(),
-            transitions: Vec::new(),
+        // Each txn's lists are sized once: grown push by push, a failover's 16 txns of 125
+        // ops made ~300 reallocations, and in a process holding 1,000,000 channels each
+        // one of those (glibc consolidating its free lists) cost ~0.5 ms — most of a
+        // 1,000-channel failover round.
+        let mut left: usize = changes.iter().map(|c| c.ops.len()).sum();
+        let fresh = |left: usize| {
+            let cap = left.min(max_ops);
+            PlannedTxn {
+                guards: Vec::with_capacity(cap),
+                ops: Vec::with_capacity(cap),
+                transitions: Vec::with_capacity(cap),
+            }
         };
+        let mut out: Vec<PlannedTxn> = Vec::with_capacity(left.div_ceil(max_ops));
+        let mut cur = fresh(left);
         let mut cur_bytes = 0usize;
         for c in changes {
             let bytes: usize = c.ops.iter().map(op_bytes).sum();
@@ -24,16 +33,10 @@ impl Planner {
                 || cur.guards.len() + c.guards.len() > max_ops
                 || (cur_bytes + bytes > self.config.max_txn_bytes && !cur.ops.is_empty());
             if full {
-                out.push(std::mem::replace(
-                    &mut cur,
-                    PlannedTxn {
-                        guards: Vec::new(),
-                        ops: Vec::new(),
-                        transitions: Vec::new(),
-                    },
-                ));
+                out.push(std::mem::replace(&mut cur, fresh(left)));
                 cur_bytes = 0;
             }
+            left = left.saturating_sub(c.ops.len());
             cur_bytes += bytes;
             cur.guards.extend(c.guards);
             cur.ops.extend(c.ops);
@@ -63,7 +66,7 @@ pub(super) fn merge(txns: Vec<PlannedTxn>) -> PlannedTxn {
 
 fn op_bytes(op: &Op) -> usize {
     match op {
-        Op::Put { info, .. } => info.encode().len() + 300,
+        Op::Put { info, .. } => info.encoded_len() + 300,
         Op::Delete { .. }
         | Op::DeleteCheckpoint { .. }
         | Op::Drain { .. }

@@ -288,7 +288,12 @@ mod index {
         let expect: BTreeSet<ChannelName> = state
             .channels
             .iter()
-            .filter(|(_, o)| !o.settled())
+            .filter(|(_, o)| {
+                !(o.settled()
+                    && o.values().all(
+                        |e| matches!(e.owner, ChannelOwner::Node(n) if state.nodes.contains_key(&n)),
+                    ))
+            })
             .map(|(c, _)| c.clone())
             .collect();
         assert_eq!(state.attention, expect, "attention set out of step");

@@ -4,8 +4,8 @@
 //! marks; a key that does not decode is reported, never acted on), applying PUTs, DELETEs, a
 //! full relist and the planner's own committed txns, the tombstones that keep a lagging
 //! watch from bringing back a deleted key, and the two indexes that keep a round cheap: the
-//! attention set (channels that are not one `Watched` key under a node) and the per-node
-//! key counts. Read-only accessors for the runtime and metrics ([`Census`]).
+//! attention set (channels that are not one `Watched` key under a live node) and the
+//! per-node key counts. Read-only accessors for the runtime and metrics ([`Census`]).
 //!
 //! Must not: plan. Ingest records what the store holds (and, when the store was away, shifts
 //! the clocks of moves and timeouts by as much); deciding is for the passes.
@@ -171,7 +171,11 @@ impl Planner {
     pub fn apply_put(&mut self, key: &str, value: &[u8], mod_revision: i64) -> Option<String> {
         match self.decode(key, value) {
             Decoded::Session(id, s) => {
-                self.disturbed |= self.nodes.insert(id, s).is_none();
+                let new = self.nodes.insert(id, s).is_none();
+                self.disturbed |= new;
+                if new {
+                    self.remark(id);
+                }
                 None
             }
             Decoded::Drain(id) => {
@@ -222,7 +226,7 @@ impl Planner {
         let owners = self.channels.entry(channel.clone()).or_default();
         let added = (entry.info.load_weight(), entry.info.group.clone());
         let old = owners.insert(owner, entry);
-        let settled = owners.settled();
+        let settled = owners.settled() && alive(&self.nodes, owner);
         if let Some(old) = old {
             self.count(
                 owner,
@@ -282,7 +286,11 @@ impl Planner {
     pub fn apply_delete(&mut self, key: &str, revision: i64) {
         self.corrupt.remove(key);
         if let Ok(id) = self.keys.parse_session(key) {
-            self.disturbed |= self.nodes.remove(&id).is_some();
+            let gone = self.nodes.remove(&id).is_some();
+            self.disturbed |= gone;
+            if gone {
+                self.remark(id);
+            }
         } else if let Ok(id) = self.keys.parse_drain(key) {
             self.draining.remove(&id);
         } else if let Ok(id) = self.keys.parse_fence(key) {
@@ -300,7 +308,9 @@ impl Planner {
             *known = (*known).max(revision);
             if let Some(entries) = self.channels.get_mut(&ck.channel) {
                 let removed = entries.remove(&ck.owner);
-                let (settled, empty) = (entries.settled(), entries.is_empty());
+                let settled =
+                    entries.settled() && entries.values().all(|e| alive(&self.nodes, e.owner));
+                let empty = entries.is_empty();
                 if let Some(old) = removed {
                     self.count(
                         ck.owner,
@@ -336,9 +346,20 @@ impl Planner {
         self.attention.clear();
         self.corrupt.clear();
         self.draining.clear();
+        self.listing = true;
         for (key, value, rev) in kvs {
             self.apply_put(key, value, rev);
         }
+        self.listing = false;
+        // Channels come before sessions in key order: whether their owner lives is known
+        // only now.
+        let nodes = &self.nodes;
+        self.attention = self
+            .channels
+            .iter()
+            .filter(|(_, o)| !(o.settled() && o.values().all(|e| alive(nodes, e.owner))))
+            .map(|(c, _)| c.clone())
+            .collect();
         let channels = &self.channels;
         self.moves.retain(|c, _| channels.contains_key(c));
         // `avoid` stays: a list can be older than our own last txn (a relist after a broken
@@ -478,12 +499,40 @@ impl Planner {
             .filter_map(|c| self.channels.get_key_value(c))
     }
 
-    /// Whether a node without a session still owns a key: its channels must fail over.
-    pub(super) fn dead_owner(&self) -> bool {
-        self.owned
-            .iter()
-            .any(|(n, held)| held.keys > 0 && !self.nodes.contains_key(n))
+    /// The channels of which `node` holds a key while its session is gone, in name order:
+    /// what its failover moves. O(channels needing attention): a node's death put its
+    /// channels there.
+    pub fn held_by_gone(&self, node: NodeId) -> Vec<ChannelName> {
+        if self.nodes.contains_key(&node) || self.owned.get(&node).map_or(true, |h| h.keys == 0) {
+            return Vec::new();
+        }
+        let owner = ChannelOwner::Node(node);
+        self.unsettled()
+            .filter(|(_, o)| o.values().any(|e| e.owner == owner))
+            .map(|(c, _)| c.clone())
+            .collect()
     }
+
+    /// `node`'s session came or went: its channels enter or leave the attention set. One
+    /// walk of every channel, and only when the node holds keys (a node that just joined
+    /// holds none); a full list rebuilds the set once instead.
+    fn remark(&mut self, node: NodeId) {
+        if self.listing || self.owned.get(&node).map_or(true, |h| h.keys == 0) {
+            return;
+        }
+        let owner = ChannelOwner::Node(node);
+        for (channel, owners) in &self.channels {
+            if owners.values().any(|e| e.owner == owner) {
+                let settled = owners.settled() && alive(&self.nodes, owner);
+                mark(&mut self.attention, channel, settled);
+            }
+        }
+    }
+}
+
+/// Whether `owner` is a node with a session (`remaining` is no node).
+fn alive(nodes: &BTreeMap<NodeId, NodeSession>, owner: ChannelOwner) -> bool {
+    matches!(owner, ChannelOwner::Node(n) if nodes.contains_key(&n))
 }
 
 /// Keeps the attention set in step after a change to `channel`.

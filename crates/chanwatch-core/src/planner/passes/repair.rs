@@ -6,11 +6,9 @@
 //! Must not: start moves of live nodes' channels.
 
 use crate::keys::ChannelOwner;
-use crate::types::ChannelName;
 
 use super::super::commands::{guard, park, reassign, Cause, Change, Op, Transition};
 use super::super::placement::Want;
-use super::super::view::Owners;
 use super::super::Planner;
 
 impl Planner {
@@ -48,14 +46,8 @@ impl Planner {
     pub(super) fn plan_orphans(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
         let mut loads = self.loads();
         let mut planned = Vec::new();
-        // Settled channels under live nodes are skipped either way; scan them all only when
-        // a dead node's channels are among them.
-        let scan: Box<dyn Iterator<Item = (&ChannelName, &Owners)>> = if self.dead_owner() {
-            Box::new(self.channels.iter())
-        } else {
-            Box::new(self.unsettled())
-        };
-        for (channel, entries) in scan {
+        // A dead node's channels are in the attention set (marked when its session went).
+        for (channel, entries) in self.unsettled() {
             if entries.len() != 1 {
                 continue; // dedupe first
             }
@@ -96,6 +88,11 @@ impl Planner {
         for t in planned.iter().filter_map(|c| c.transition.as_ref()) {
             self.moves.remove(&t.channel);
         }
+        // Grouped by target (name order within each), so each packed txn puts under few
+        // nodes: a node then sees its channels in one or two watch batches and acks them in
+        // as many txns. In name order a txn of ~60 moves spread over every live node, and
+        // each node acked its share of each of the 16 txns apart (~14 ack txns per node).
+        planned.sort_by_key(|c| c.transition.as_ref().and_then(|t| t.to));
         changes.extend(planned);
     }
 }
@@ -106,7 +103,7 @@ mod tests {
     use crate::keys::ChannelOwner;
     use crate::planner::tests::{info, n, name, World};
     use crate::planner::*;
-    use crate::types::{ChannelState, Epoch};
+    use crate::types::{ChannelState, Epoch, NodeId};
 
     #[test]
     fn failover_moves_only_the_dead_nodes_channels_with_the_next_epoch() {
@@ -171,6 +168,43 @@ mod tests {
             .all(|t| t.cause == Cause::Unpark));
         assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(3)));
         assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(4)));
+    }
+
+    #[test]
+    fn a_failovers_txns_each_put_under_as_few_nodes_as_the_packing_allows() {
+        // 4 moves per txn (8 ops; one compare slot is the leader guard).
+        let mut w = World::new(PlannerConfig {
+            max_txn_ops: 9,
+            ..PlannerConfig::default()
+        });
+        for id in 1..=4 {
+            w.node(id);
+        }
+        for i in 0..12 {
+            w.put(n(1), info(&format!("c{i:02}"), ChannelState::Watched, 1, 0));
+        }
+        w.kill(1);
+        let txns = w.state.plan(0);
+        assert_eq!(txns.len(), 3);
+        for t in &txns {
+            let targets: std::collections::BTreeSet<_> = t
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Put { owner, .. } => Some(*owner),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(targets.len(), 1, "one txn puts under {targets:?}");
+        }
+        // Placement is what it was: each live node gets 4.
+        for t in &txns {
+            w.rev += 1;
+            w.state.applied(t, w.rev);
+        }
+        for id in 2..=4 {
+            assert_eq!(w.state.loads().channels(NodeId(id)), 4);
+        }
     }
 
     #[test]

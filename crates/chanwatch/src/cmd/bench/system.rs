@@ -605,7 +605,19 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
             );
         }
         let round = median(rounds);
-        eprintln!("  run {run}: {per_channel:.0} B RSS/channel, plan round {round:.2} ms");
+        // Then a failover: node 1's session goes, and one round plans its channels away.
+        let t = std::time::Instant::now();
+        rev += 1;
+        state.apply_delete(&keys.session(NodeId(1)), rev);
+        let gone_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = std::time::Instant::now();
+        let txns = state.plan(3);
+        let failover_ms = t.elapsed().as_secs_f64() * 1e3;
+        let moved: usize = txns.iter().map(|t| t.transitions.len()).sum();
+        eprintln!(
+            "  run {run}: {per_channel:.0} B RSS/channel, plan round {round:.2} ms; a node's \
+             session gone {gone_ms:.2} ms, then its failover round {failover_ms:.2} ms ({moved} channels)"
+        );
         bytes.push(per_channel);
         plan_ms.push(round);
         drop(state);
