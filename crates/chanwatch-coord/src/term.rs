@@ -173,6 +173,8 @@ impl<'a> Term<'a> {
         // registration; spacing plans by twice their own cost keeps planning to at most a
         // third of the time, so nodes and acks are not starved on a big cluster.
         let mut plan_gap = PLAN_EVERY;
+        // The last round's txns were refused and the next one was let run at once.
+        let mut retried = false;
         // When the cold-start gate's wait was last logged (`None`: not waiting).
         let mut last_gate_log: Option<tokio::time::Instant> = None;
         loop {
@@ -309,17 +311,10 @@ impl<'a> Term<'a> {
                     self.state.hold_balance(self.clock.unix_ms());
                 }
                 let txns = self.state.plan(self.clock.unix_ms());
-                if !txns.is_empty() {
-                    debug!(
-                        txns = txns.len(),
-                        plan_us = self
-                            .clock
-                            .now()
-                            .saturating_duration_since(last_plan)
-                            .as_micros() as u64,
-                        "coord: planned a round"
-                    );
-                }
+                let planned = (
+                    txns.len(),
+                    self.clock.now().saturating_duration_since(last_plan),
+                );
                 if let Some(w) = self.state.startup_wait(self.clock.unix_ms()) {
                     if !last_gate_log.is_some_and(|t| self.clock.now() < t + Duration::from_secs(1))
                     {
@@ -342,9 +337,38 @@ impl<'a> Term<'a> {
                 }
                 plan_gap =
                     PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
-                match self.execute(txns).await {
-                    // Re-plan on the refreshed view without waiting for another event.
-                    Ok(refused) => dirty |= refused > 0,
+                let executing = self.clock.now();
+                let result = self.execute(txns).await;
+                if planned.0 > 0 {
+                    debug!(
+                        txns = planned.0,
+                        plan_us = u64::try_from(planned.1.as_micros()).unwrap_or(u64::MAX),
+                        execute_us = u64::try_from(
+                            self.clock
+                                .now()
+                                .saturating_duration_since(executing)
+                                .as_micros()
+                        )
+                        .unwrap_or(u64::MAX),
+                        "coord: planned and wrote a round"
+                    );
+                }
+                match result {
+                    // Re-plan on the refreshed view at once, without waiting for another
+                    // event or the plan gap: a refusal's read-back fixed the view (found by
+                    // the failover bench: sessions lost together but seen in two watch
+                    // batches made the first round's txns fail on the second batch's dead
+                    // nodes, and the retry waited out the gap, ~10 ms).
+                    // Once in a row: a view the read-back cannot fix retries at the gap's
+                    // pace, not in a tight loop.
+                    Ok(refused) if refused > 0 => {
+                        dirty = true;
+                        if !retried {
+                            retried = true;
+                            last_plan = self.clock.now() - plan_gap;
+                        }
+                    }
+                    Ok(_) => retried = false,
                     Err(why) => return TermEnd::Lost(why),
                 }
                 self.finish_failovers();
@@ -409,6 +433,7 @@ impl<'a> Term<'a> {
                 }
             }
             Update::Events(events) => {
+                let last = events.last().map(|ev| ev.kv.mod_revision);
                 for ev in events {
                     if ev.kv.key == leader_key {
                         match ev.kind {
@@ -445,8 +470,12 @@ impl<'a> Term<'a> {
                             }
                         }
                     }
-                    self.state.caught_up(ev.kv.mod_revision);
                     self.watched_rev = self.watched_rev.max(ev.kv.mod_revision);
+                }
+                // Once per batch (events come in revision order): per event, each a walk of
+                // every tombstone, it was quadratic in a failover's own deletes.
+                if let Some(rev) = last {
+                    self.state.caught_up(rev);
                 }
             }
         }

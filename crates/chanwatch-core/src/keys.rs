@@ -31,6 +31,21 @@ impl fmt::Display for ChannelOwner {
     }
 }
 
+/// What a key under the root is, by prefix ([`Keys::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// `{root}/channel/…`: an assignment.
+    Channel,
+    /// `{root}/session/node/…`: a node's session.
+    Session,
+    /// `{root}/coord/drain/…`: a drain mark.
+    Drain,
+    /// `{root}/coord/fence/…`: a fence mark.
+    Fence,
+    /// Anything else.
+    Other,
+}
+
 /// A parsed `{root}/channel/{owner}/{channel}` key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ChannelKey {
@@ -44,6 +59,12 @@ pub struct ChannelKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keys {
     root: String,
+    /// The prefixes the parsers test, made once: made per call (and an error built per
+    /// failed test), classifying one watch event cost ~12 allocations.
+    sessions: String,
+    drains: String,
+    fences: String,
+    channels: String,
 }
 
 impl Keys {
@@ -72,7 +93,33 @@ impl Keys {
         {
             return Err(bad("holds characters outside [A-Za-z0-9._/-]"));
         }
-        Ok(Keys { root })
+        Ok(Keys::with_root(root))
+    }
+
+    fn with_root(root: String) -> Self {
+        Keys {
+            sessions: format!("{root}/session/node/"),
+            drains: format!("{root}/coord/drain/"),
+            fences: format!("{root}/coord/fence/"),
+            channels: format!("{root}/channel/"),
+            root,
+        }
+    }
+
+    /// What kind of key under the root `key` is, by its prefix alone (no allocation); the
+    /// matching `parse_*` then reads it.
+    pub fn kind(&self, key: &str) -> KeyKind {
+        if key.starts_with(&self.channels) {
+            KeyKind::Channel
+        } else if key.starts_with(&self.sessions) {
+            KeyKind::Session
+        } else if key.starts_with(&self.drains) {
+            KeyKind::Drain
+        } else if key.starts_with(&self.fences) {
+            KeyKind::Fence
+        } else {
+            KeyKind::Other
+        }
     }
 
     /// The root prefix without a trailing slash.
@@ -92,7 +139,7 @@ impl Keys {
 
     /// `{root}/session/node/`.
     pub fn sessions_prefix(&self) -> String {
-        format!("{}/session/node/", self.root)
+        self.sessions.clone()
     }
 
     /// `{root}/session/node/{id}`.
@@ -105,7 +152,7 @@ impl Keys {
     /// # Errors
     /// [`KeyError`] when the key is elsewhere or the ID is not canonical decimal.
     pub fn parse_session(&self, key: &str) -> Result<NodeId, KeyError> {
-        let rest = strip(key, &self.sessions_prefix())?;
+        let rest = strip(key, &self.sessions)?;
         rest.parse()
             .map_err(|_| malformed(key, "node id is not a decimal number"))
     }
@@ -138,7 +185,7 @@ impl Keys {
     /// must survive a coordinator failover and be visible to `ctl nodes`, so it lives in the
     /// store, written by the leader like every assignment.
     pub fn drains_prefix(&self) -> String {
-        format!("{}/coord/drain/", self.root)
+        self.drains.clone()
     }
 
     /// `{root}/coord/drain/{id}`.
@@ -151,7 +198,7 @@ impl Keys {
     /// # Errors
     /// [`KeyError`] when the key is elsewhere or the ID is not canonical decimal.
     pub fn parse_drain(&self, key: &str) -> Result<NodeId, KeyError> {
-        let rest = strip(key, &self.drains_prefix())?;
+        let rest = strip(key, &self.drains)?;
         rest.parse()
             .map_err(|_| malformed(key, "node id is not a decimal number"))
     }
@@ -160,7 +207,7 @@ impl Keys {
     /// lease (it did not release a channel in time). In the store, like drain marks, so that
     /// a new leader also holds the node's channels until it has surely stopped them.
     pub fn fences_prefix(&self) -> String {
-        format!("{}/coord/fence/", self.root)
+        self.fences.clone()
     }
 
     /// `{root}/coord/fence/{id}`.
@@ -173,14 +220,14 @@ impl Keys {
     /// # Errors
     /// [`KeyError`] when the key is elsewhere or the ID is not canonical decimal.
     pub fn parse_fence(&self, key: &str) -> Result<NodeId, KeyError> {
-        let rest = strip(key, &self.fences_prefix())?;
+        let rest = strip(key, &self.fences)?;
         rest.parse()
             .map_err(|_| malformed(key, "node id is not a decimal number"))
     }
 
     /// `{root}/channel/` — every assignment.
     pub fn channels_prefix(&self) -> String {
-        format!("{}/channel/", self.root)
+        self.channels.clone()
     }
 
     /// `{root}/channel/{owner}/` — one owner's assignments.
@@ -199,7 +246,7 @@ impl Keys {
     /// [`KeyError`] when the key is elsewhere, the owner is neither a node ID nor `remaining`,
     /// or the channel name is invalid.
     pub fn parse_channel(&self, key: &str) -> Result<ChannelKey, KeyError> {
-        let rest = strip(key, &self.channels_prefix())?;
+        let rest = strip(key, &self.channels)?;
         let (owner, name) = rest
             .split_once('/')
             .ok_or_else(|| malformed(key, "expected channel/{node id|remaining}/{channel}"))?;
@@ -245,9 +292,7 @@ impl Keys {
 
 impl Default for Keys {
     fn default() -> Self {
-        Keys {
-            root: "chanwatch".to_owned(),
-        }
+        Keys::with_root("chanwatch".to_owned())
     }
 }
 

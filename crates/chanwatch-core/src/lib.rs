@@ -43,7 +43,7 @@ pub mod planner;
 pub mod types;
 
 pub use error::{DecodeError, KeyError, NameError};
-pub use keys::{ChannelKey, ChannelOwner, Keys};
+pub use keys::{ChannelKey, ChannelOwner, KeyKind, Keys};
 pub use natural::natural;
 pub use types::{
     ChannelInfo, ChannelName, ChannelState, Checkpoint, CoordSession, Epoch, NodeId, NodeSession,

@@ -170,6 +170,12 @@ impl Session {
             ));
         }
         let chunks = chunk(writes, max_ops, max_bytes);
+        debug!(
+            node = %self.reg.id,
+            writes = chunks.iter().map(Vec::len).sum::<usize>(),
+            txns = chunks.len(),
+            "node: writing acks and commits"
+        );
         self.ack_in_flight = true;
         let store = self.store.clone();
         let done = self.acks_done_tx.clone();

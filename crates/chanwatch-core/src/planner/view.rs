@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::keys::ChannelOwner;
+use crate::keys::{ChannelOwner, KeyKind};
 use crate::types::{ChannelInfo, ChannelName, ChannelState, NodeId, NodeSession};
 
 use super::commands::Op;
@@ -99,46 +99,29 @@ enum Decoded {
 
 impl Planner {
     fn decode(&mut self, key: &str, value: &[u8]) -> Decoded {
-        if key.starts_with(&self.keys.drains_prefix()) {
-            // A drain mark whose node part is not an ID is reported like any other key that
-            // does not decode, never silently dropped.
-            return match self.keys.parse_drain(key) {
-                Ok(id) => {
-                    self.corrupt.remove(key);
-                    Decoded::Drain(id)
-                }
-                Err(e) => {
-                    self.corrupt.insert(key.to_owned(), e.to_string());
-                    Decoded::Ignored
-                }
-            };
-        }
-        if let Ok(id) = self.keys.parse_fence(key) {
-            return Decoded::Fence(id);
-        }
-        if key.starts_with(&self.keys.sessions_prefix()) {
-            let parsed = self
+        let parsed = match self.keys.kind(key) {
+            KeyKind::Drain => {
+                // A drain mark whose node part is not an ID is reported like any other key
+                // that does not decode, never silently dropped.
+                self.keys
+                    .parse_drain(key)
+                    .map(Decoded::Drain)
+                    .map_err(|e| e.to_string())
+            }
+            KeyKind::Fence => match self.keys.parse_fence(key) {
+                Ok(id) => Ok(Decoded::Fence(id)),
+                Err(_) => return Decoded::Ignored,
+            },
+            KeyKind::Session => self
                 .keys
                 .parse_session(key)
                 .map_err(|e| e.to_string())
                 .and_then(|id| {
                     NodeSession::decode(value)
-                        .map(|s| (id, s))
+                        .map(|s| Decoded::Session(id, s))
                         .map_err(|e| e.to_string())
-                });
-            return match parsed {
-                Ok((id, s)) => {
-                    self.corrupt.remove(key);
-                    Decoded::Session(id, s)
-                }
-                Err(e) => {
-                    self.corrupt.insert(key.to_owned(), e);
-                    Decoded::Ignored
-                }
-            };
-        }
-        if key.starts_with(&self.keys.channels_prefix()) {
-            let parsed = self
+                }),
+            KeyKind::Channel => self
                 .keys
                 .parse_channel(key)
                 .map_err(|e| e.to_string())
@@ -150,25 +133,32 @@ impl Planner {
                             info.channel, ck.channel
                         ));
                     }
-                    Ok((ck.owner, info))
-                });
-            return match parsed {
-                Ok((owner, info)) => {
+                    Ok(Decoded::Channel(ck.owner, info))
+                }),
+            KeyKind::Other => return Decoded::Ignored,
+        };
+        match parsed {
+            Ok(d) => {
+                if !self.corrupt.is_empty() {
                     self.corrupt.remove(key);
-                    Decoded::Channel(owner, info)
                 }
-                Err(e) => {
-                    self.corrupt.insert(key.to_owned(), e);
-                    Decoded::Ignored
-                }
-            };
+                d
+            }
+            Err(e) => {
+                self.corrupt.insert(key.to_owned(), e);
+                Decoded::Ignored
+            }
         }
-        Decoded::Ignored
     }
 
     /// Applies a PUT seen in the store. Returns the decode error if the value is corrupt
     /// (the key is then reported by [`Planner::corrupt`] and left alone).
     pub fn apply_put(&mut self, key: &str, value: &[u8], mod_revision: i64) -> Option<String> {
+        if self.holds_since(key, mod_revision) {
+            // The echo of our own txn's put (or an older write): the value is known, no
+            // need to decode it (a failover's watch brings one per moved channel).
+            return None;
+        }
         match self.decode(key, value) {
             Decoded::Session(id, s) => {
                 let new = self.nodes.insert(id, s).is_none();
@@ -212,6 +202,20 @@ impl Planner {
             }
             Decoded::Ignored => self.corrupt.get(key).cloned(),
         }
+    }
+
+    /// Whether `key` is an assignment the view holds at `mod_revision` or later.
+    fn holds_since(&self, key: &str, mod_revision: i64) -> bool {
+        if self.keys.kind(key) != KeyKind::Channel {
+            return false;
+        }
+        let Ok(ck) = self.keys.parse_channel(key) else {
+            return false;
+        };
+        self.channels
+            .get(&ck.channel)
+            .and_then(|m| m.get(&ck.owner))
+            .is_some_and(|e| e.mod_revision >= mod_revision)
     }
 
     #[cfg(test)]
@@ -284,7 +288,16 @@ impl Planner {
     /// Applies a DELETE seen in the store: `key` is absent as of `revision` (the delete's
     /// revision, or a later one at which it was read absent).
     pub fn apply_delete(&mut self, key: &str, revision: i64) {
-        self.corrupt.remove(key);
+        if !self.corrupt.is_empty() {
+            self.corrupt.remove(key);
+        }
+        let kind = self.keys.kind(key);
+        if kind == KeyKind::Other {
+            return;
+        }
+        if kind == KeyKind::Channel && self.tombstones.get(key).is_some_and(|d| *d >= revision) {
+            return; // the echo of our own txn's delete: already applied
+        }
         if let Ok(id) = self.keys.parse_session(key) {
             let gone = self.nodes.remove(&id).is_some();
             self.disturbed |= gone;
