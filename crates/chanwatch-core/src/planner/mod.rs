@@ -7,10 +7,10 @@
 //! the fix until the next call (DESIGN.md §3 "Nothing waits on an event alone").
 //!
 //! A round costs O(channels that need attention), not O(channels): the view keeps, in step
-//! with every event, the set of channels that are not simply `Watched` under one key, and
-//! per node a count of keys, which tells in O(nodes) whether a dead node still owns any
-//! (then, and only then, the orphan pass scans every channel). Loads are derived from those
-//! counts in O(nodes + moves in flight). Only two passes scan every channel, and only while
+//! with every event, the set of channels that are not simply `Watched` under one key of a
+//! live node (a node's death puts its channels there with one walk, when its session goes),
+//! and per node a count of keys. Loads are derived from those counts in O(nodes + moves in
+//! flight), and placing a channel walks the loads once. Only two passes scan every channel, and only while
 //! they have work: drains while a node is draining, and balance once loads are uneven.
 //!
 //! Must not: do I/O or read the clock. The runtime feeds store events in
