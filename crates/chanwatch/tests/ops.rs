@@ -241,11 +241,25 @@ async fn the_dashboard_and_the_alert_rules_query_only_metrics_a_real_coordinator
         .await
         .expect("readyz answers");
     assert_eq!(code, 200, "{body}");
-    // The name reaches the coordinator's API.
-    let (_, nodes) = get(&client, &format!("http://{coord_addr}/api/v1/nodes"))
-        .await
-        .expect("nodes");
-    assert!(nodes.contains("\"name\":\"ops-node\""), "{nodes}");
+    // The name reaches the coordinator's API — once its watch has brought the session: the
+    // metrics can be complete before that (found: the whole loop above took 0.4 s and the
+    // leader had not seen the node's session yet).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, nodes) = get(&client, &format!("http://{coord_addr}/api/v1/nodes"))
+            .await
+            .expect("nodes");
+        if nodes.contains("\"name\":\"ops-node\"") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{nodes}\ncoord:\n{}\nnode:\n{}",
+            coord.output(),
+            node.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[test]
