@@ -361,9 +361,12 @@ impl Planner {
 
     /// Whether `node` has room for `want` under `--max-load` (always without a cap).
     pub(super) fn fits(&self, loads: &Loads, node: NodeId, want: Want<'_>) -> bool {
-        self.config
-            .max_load
-            .map_or(true, |m| m.allows(loads.get(node).plus(want.weight)))
+        self.room_for(loads.get(node).plus(want.weight))
+    }
+
+    /// Whether a node may reach load `after` under `--max-load` (always without a cap).
+    fn room_for(&self, after: Load) -> bool {
+        self.config.max_load.map_or(true, |m| m.allows(after))
     }
 
     /// Channels of `group` on `node`: held keys, plus those this pass placed there.
@@ -395,10 +398,10 @@ impl Planner {
             .filter(|(n, s)| {
                 s.open
                     && Some(**n) != not
-                    && !avoid.is_some_and(|(a, now_ms)| a.get(n).is_some_and(|u| *u > now_ms))
+                    && !avoid.is_some_and(|(a, now_ms)| in_backoff(a, **n, now_ms))
             })
             .map(|(n, s)| (*n, s.load.plus(want.weight)))
-            .filter(|(_, after)| self.config.max_load.map_or(true, |m| m.allows(*after)))
+            .filter(|(_, after)| self.room_for(*after))
             .map(|(n, after)| (after, self.in_group(loads, n, want.group), n))
             .min()
             .map(|(_, _, n)| n)
@@ -419,8 +422,7 @@ impl Planner {
     pub(super) fn avoided(&self, channel: &ChannelName, node: NodeId, now_ms: u64) -> bool {
         self.avoid
             .get(channel)
-            .and_then(|nodes| nodes.get(&node))
-            .is_some_and(|until| *until > now_ms)
+            .is_some_and(|nodes| in_backoff(nodes, node, now_ms))
     }
 
     /// The best assignable node for `channel` (`want`) with room for it, not in a back-off
@@ -486,6 +488,11 @@ impl Planner {
         }
         movable
     }
+}
+
+/// Whether `node` is still in one of a channel's back-offs (`avoid`: node → until).
+fn in_backoff(avoid: &BTreeMap<NodeId, u64>, node: NodeId, now_ms: u64) -> bool {
+    avoid.get(&node).is_some_and(|until| *until > now_ms)
 }
 
 mod pick;
