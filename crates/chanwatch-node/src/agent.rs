@@ -372,17 +372,9 @@ async fn commit(Caller(c): Caller, body: axum::body::Bytes) -> Response {
             "the node is paused (it cannot reach the store): nothing committed; stop external effects and commit again once GET /state says running",
         );
     }
-    // On a task of its own: a worker that hangs up (its timeout, a broken connection) makes
-    // hyper drop this handler, and a commit dropped half way could land without the run
-    // booking its revision — its next commit would then be refused as fenced.
-    let landed = tokio::spawn(async move { c.ctx.commit(position, state).await }).await;
-    let Ok(landed) = landed else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the commit task ended without an answer (the node is stopping): commit again later",
-        );
-    };
-    match landed {
+    // Awaited here: a worker that hangs up (its timeout, a broken connection) makes hyper
+    // drop this future, which the commit is safe against (the run's next commit reconciles).
+    match c.ctx.commit(position, state).await {
         Ok(()) => ok(),
         Err(e @ CommitError::Fenced(_)) => error(StatusCode::CONFLICT, e.to_string()),
         Err(e @ CommitError::Unavailable(_)) => {

@@ -216,7 +216,12 @@ impl Committer {
         if let Err(e) = self.resume().await {
             return Err(CommitError::Unavailable(e));
         }
-        self.reconcile().await;
+        if let Err(e) = self.reconcile().await {
+            return Err(CommitError::Unavailable(format!(
+                "the outcome of this run's previous commit is unknown and the checkpoint \
+                 cannot be read to learn it: {e}"
+            )));
+        }
         let bytes = cp.encode();
         let key = self.key();
         let assignment_key = self.shared.keys.channel(
@@ -245,7 +250,20 @@ impl Committer {
             put: TxnOp::put(&key, bytes.clone()),
             reply,
         };
+        // Uncertain until answered, so that the commit is cancel-safe: a caller that drops
+        // this future once the write is sent (an agent worker that hangs up) leaves the write
+        // to the next commit's reconcile, which adopts its revision if it landed. Booked
+        // only after it was, the run's next commit would have been refused as fenced by its
+        // own write.
+        self.seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .uncertain = Some(bytes.clone());
         if self.shared.tx.send(request).is_err() {
+            self.seen
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .uncertain = None;
             return Err(CommitError::Fenced("the session ended".into()));
         }
         let mut outcome = answer
@@ -276,11 +294,13 @@ impl Committer {
                 self.age.set(cp.updated_at_ms);
                 Ok(())
             }
-            Err(CommitError::Unavailable(e)) => {
-                seen.uncertain = Some(bytes);
-                Err(CommitError::Unavailable(e))
+            // Still uncertain: the next commit reconciles.
+            Err(e @ CommitError::Unavailable(_)) => Err(e),
+            Err(e) => {
+                // Refused, and the key does not hold what this commit wrote: it did not land.
+                seen.uncertain = None;
+                Err(e)
             }
-            Err(e) => Err(e),
         }
     }
 
@@ -310,20 +330,30 @@ impl Committer {
 
     /// After a commit whose outcome is unknown: if the key holds exactly what it wrote, that
     /// commit landed — adopt its revision, or the next guard would refuse our own write.
-    async fn reconcile(&self) {
+    ///
+    /// # Errors
+    /// The key cannot be read: the earlier commit's outcome stays unknown.
+    async fn reconcile(&self) -> Result<(), String> {
         let uncertain = self
             .seen
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .uncertain
             .clone();
-        let Some(bytes) = uncertain else { return };
-        if let Ok(found) = self.shared.store.get(&self.key()).await {
-            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(kv) = found.filter(|kv| kv.value == bytes) {
-                seen.mod_revision = Some(kv.mod_revision);
-            }
-            seen.uncertain = None;
+        let Some(bytes) = uncertain else {
+            return Ok(());
+        };
+        let found = self
+            .shared
+            .store
+            .get(&self.key())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(kv) = found.filter(|kv| kv.value == bytes) {
+            seen.mod_revision = Some(kv.mod_revision);
         }
+        seen.uncertain = None;
+        Ok(())
     }
 }

@@ -230,17 +230,19 @@ fn tokens_are_random_and_long() {
 }
 
 /// A context whose commits go to the returned receiver (the test answers them as the node's
-/// group commit would), its checkpoint read from an empty embedded store.
+/// group commit would), its checkpoint read from the returned embedded store (empty).
 fn committing_context(
     channel: &str,
 ) -> (
     ChannelContext,
     mpsc::UnboundedReceiver<crate::checkpoint::CommitRequest>,
+    chanwatch_store::EmbeddedStore,
 ) {
     use crate::checkpoint::{CommitShared, Committer};
     let (tx, commits) = mpsc::unbounded_channel();
+    let store = chanwatch_store::EmbeddedStore::new();
     let shared = Arc::new(CommitShared {
-        store: Arc::new(chanwatch_store::EmbeddedStore::new()),
+        store: Arc::new(store.clone()),
         tx,
         keys: chanwatch_core::Keys::default(),
         node: NodeId(1),
@@ -255,17 +257,19 @@ fn committing_context(
         Epoch(3),
         1,
     ));
-    (ctx, commits)
+    (ctx, commits, store)
 }
 
-/// A worker whose `/commit` times out, or whose connection breaks, must not cancel the node's
-/// commit half way (hyper drops a handler whose client hung up): landed yet not booked, the
-/// run's next commit would be refused as fenced (409), and the worker would exit.
+/// A worker whose `/commit` times out, or whose connection breaks, makes hyper drop the
+/// node's commit half way: if the write lands all the same, the run's next commit must still
+/// be guarded by its revision — booked it, or the next commit would be refused as fenced
+/// (409) by the run's own write, and the worker would exit.
 #[tokio::test]
 async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_one() {
+    use chanwatch_store::MetaStore;
     use tokio::io::AsyncWriteExt;
     let agent = agent().await;
-    let (ctx, mut commits) = committing_context("a");
+    let (ctx, mut commits, store) = committing_context("a");
     let key = chanwatch_core::Keys::default().checkpoint(&ctx.info.channel);
     let _reg = agent.register("tok-a".into(), Arc::new(AgentChild::new(ctx)));
     let addr = agent.url().trim_start_matches("http://").to_owned();
@@ -282,13 +286,15 @@ async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_on
         .await
         .expect("the commit reaches the writer")
         .expect("open");
-    // The worker hangs up before the answer; the write lands anyway.
+    // The worker hangs up before the answer; the write lands anyway (the writer had sent it).
     drop(s);
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    assert!(
-        first.reply.send(Ok(7)).is_ok(),
-        "the commit was dropped with the worker's connection: its outcome is lost"
-    );
+    let landed = store
+        .txn(chanwatch_store::Txn::new().and_then([first.put]))
+        .await
+        .expect("the write lands")
+        .revision;
+    let _ = first.reply.send(Ok(landed));
     let second = tokio::spawn({
         let agent = agent.clone();
         async move {
@@ -308,11 +314,11 @@ async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_on
         .expect("open");
     assert!(
         req.compares
-            .contains(&chanwatch_store::Compare::mod_revision(&key, 7)),
-        "the second commit is not guarded by the first one's revision: {:?}",
+            .contains(&chanwatch_store::Compare::mod_revision(&key, landed)),
+        "the second commit is not guarded by the first one's revision {landed}: {:?}",
         req.compares
     );
-    req.reply.send(Ok(8)).expect("answered");
+    req.reply.send(Ok(landed + 1)).expect("answered");
     assert_eq!(second.await.expect("joined").0, 200);
 }
 
