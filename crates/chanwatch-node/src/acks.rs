@@ -87,7 +87,8 @@ pub(crate) async fn write_acks(
     out
 }
 
-/// Writes `chunks` one txn after another and answers each txn's commits as soon as it lands,
+/// Writes `chunks` — up to [`PIPELINE`] txns in flight when no key is written in two of them,
+/// else one after another, in order — and answers each txn's commits as soon as it lands,
 /// not after the last txn: their runs commit again while the rest travels (a node with a
 /// thousand committing workers wrote 8–9 txns per write, and every worker waited for all of
 /// them). Returns the acks' outcomes, for the session to book once all landed.
@@ -97,17 +98,37 @@ async fn write_chunks(
     chunks: Vec<Vec<AckWrite>>,
     node: chanwatch_core::NodeId,
 ) -> Vec<(What, AckOutcome)> {
+    use futures_util::StreamExt;
+    let mut seen = std::collections::HashSet::new();
+    let apart = chunks.iter().flatten().all(|w| match &w.put {
+        TxnOp::Put { key, .. } => seen.insert(key.as_str()),
+        _ => true,
+    });
+    let in_flight = if apart { PIPELINE } else { 1 };
     let mut acks = Vec::new();
-    for chunk in chunks {
-        for (what, outcome) in write_acks(store, session, chunk).await {
-            match what {
-                What::Commit(channel, reply) => answer(node, &channel, reply, outcome),
-                ack @ What::Ack(_) => acks.push((ack, outcome)),
+    let mut written = futures_util::stream::iter(chunks)
+        .map(|chunk| async move {
+            let mut acks = Vec::new();
+            for (what, outcome) in write_acks(store, session, chunk).await {
+                match what {
+                    What::Commit(channel, reply) => answer(node, &channel, reply, outcome),
+                    ack @ What::Ack(_) => acks.push((ack, outcome)),
+                }
             }
-        }
+            acks
+        })
+        .buffered(in_flight);
+    while let Some(a) = written.next().await {
+        acks.extend(a);
     }
     acks
 }
+
+/// How many txns of one write may be in flight at once when no key is written twice in it:
+/// etcd applies them one after another, but raft batches their entries and the node prepares
+/// the next while one is applied (`bench exec`, 1,000 in-process committers on etcd: 50,500
+/// → 66,900 commits/s).
+const PIPELINE: usize = 4;
 
 impl Session {
     /// Sends what is queued for acknowledgement, unless a write is already in flight: then
@@ -329,186 +350,4 @@ fn chunk(writes: Vec<(usize, AckWrite)>, max_ops: usize, max_bytes: usize) -> Ve
 }
 
 #[cfg(test)]
-mod tests {
-    use chanwatch_core::{ChannelName, ChannelState, Epoch, VChannelInfo};
-    use chanwatch_store::EmbeddedStore;
-
-    use super::*;
-
-    /// Puts `n` assignments `a/0..n`; returns the writes that ack each as `Watched` against the
-    /// revision it was put at.
-    async fn assigned(store: &EmbeddedStore, n: usize) -> Vec<AckWrite> {
-        let mut out = Vec::new();
-        for i in 0..n {
-            let name = ChannelName::new(format!("c{i}")).expect("name");
-            let mut info = ChannelInfo::new(name, Epoch(1), 0, VChannelInfo::default());
-            let key = format!("a/{i}");
-            let rev = store
-                .txn(Txn::new().and_then([TxnOp::put(&key, info.encode())]))
-                .await
-                .expect("put")
-                .revision;
-            info.state = ChannelState::Watched;
-            out.push(AckWrite {
-                compares: vec![Compare::mod_revision(&key, rev)],
-                put: TxnOp::put(&key, info.encode()),
-                what: What::Ack(info),
-            });
-        }
-        out
-    }
-
-    fn committed_at(outcomes: &[(What, AckOutcome)]) -> Vec<Option<i64>> {
-        outcomes
-            .iter()
-            .map(|(_, o)| match o {
-                AckOutcome::Committed(rev) => Some(*rev),
-                _ => None,
-            })
-            .collect()
-    }
-
-    #[tokio::test]
-    async fn a_key_written_twice_goes_to_the_next_txn_and_limits_split_the_rest() {
-        let store = EmbeddedStore::new();
-        let mut writes: Vec<(usize, AckWrite)> = assigned(&store, 3)
-            .await
-            .into_iter()
-            .map(|w| (10, w))
-            .collect();
-        let again = assigned(&store, 1).await.into_iter().map(|w| (10, w));
-        writes.extend(again); // the first channel's key once more
-        let keys = |c: &Vec<AckWrite>| -> Vec<String> {
-            c.iter()
-                .map(|w| match &w.put {
-                    TxnOp::Put { key, .. } => key.clone(),
-                    _ => String::new(),
-                })
-                .collect()
-        };
-        let chunks = chunk(writes, 128, 1 << 20);
-        assert_eq!(
-            chunks.len(),
-            2,
-            "{:?}",
-            chunks.iter().map(keys).collect::<Vec<_>>()
-        );
-        assert_eq!(keys(&chunks[0]).len(), 3);
-        let mut first = keys(&chunks[0]);
-        first.dedup();
-        assert_eq!(first.len(), 3, "no key twice in one txn");
-        // The op and byte limits split too.
-        let writes: Vec<(usize, AckWrite)> = assigned(&store, 5)
-            .await
-            .into_iter()
-            .map(|w| (10, w))
-            .collect();
-        assert_eq!(chunk(writes, 2, 1 << 20).len(), 3);
-    }
-
-    /// Holds every txn after the first until released.
-    struct HoldAfterFirst {
-        txns: std::sync::atomic::AtomicUsize,
-        release: tokio::sync::Notify,
-    }
-
-    #[async_trait::async_trait]
-    impl chanwatch_store::Layer for HoldAfterFirst {
-        async fn txn(
-            &self,
-            inner: &dyn MetaStore,
-            txn: Txn,
-        ) -> chanwatch_store::StoreResult<chanwatch_store::TxnResponse> {
-            if self.txns.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
-                self.release.notified().await;
-            }
-            inner.txn(txn).await
-        }
-    }
-
-    #[tokio::test]
-    async fn a_txns_commits_are_answered_before_the_next_txn_of_the_write_lands() {
-        let store = std::sync::Arc::new(chanwatch_store::Layered::new(
-            std::sync::Arc::new(EmbeddedStore::new()),
-            HoldAfterFirst {
-                txns: Default::default(),
-                release: tokio::sync::Notify::new(),
-            },
-        ));
-        let commit = |key: &str| {
-            let (reply, answer) = oneshot::channel();
-            let write = AckWrite {
-                what: What::Commit(ChannelName::new(key).expect("name"), reply),
-                compares: Vec::new(),
-                put: TxnOp::put(key, "p"),
-            };
-            (write, answer)
-        };
-        let ((a, mut a_answer), (b, mut b_answer)) = (commit("a"), commit("b"));
-        let writing = tokio::spawn({
-            let store = store.clone();
-            async move {
-                write_chunks(
-                    &*store,
-                    None,
-                    vec![vec![a], vec![b]],
-                    chanwatch_core::NodeId(1),
-                )
-                .await
-            }
-        });
-        let first = tokio::time::timeout(std::time::Duration::from_secs(5), &mut a_answer)
-            .await
-            .expect("the first txn's commit is answered while the second txn is held")
-            .expect("answered");
-        assert!(first.is_ok(), "{first:?}");
-        assert!(
-            b_answer.try_recv().is_err(),
-            "the held txn's commit is not answered yet"
-        );
-        store.layer().release.notify_one();
-        let acks = writing.await.expect("joined");
-        assert!(acks.is_empty(), "no acks in this write: {acks:?}");
-        assert!(b_answer.await.expect("answered").is_ok());
-    }
-
-    #[tokio::test]
-    async fn acks_that_all_hold_share_one_txn() {
-        let store = EmbeddedStore::new();
-        let writes = assigned(&store, 3).await;
-        let before = store.range("a/").await.expect("range").revision;
-        let out = write_acks(&store, None, writes).await;
-        // One revision for all three: one txn.
-        assert_eq!(committed_at(&out), vec![Some(before + 1); 3]);
-    }
-
-    #[tokio::test]
-    async fn one_changed_assignment_does_not_hold_back_the_others() {
-        let store = EmbeddedStore::new();
-        let writes = assigned(&store, 3).await;
-        // The coordinator changed a/1 meanwhile: its ack must be refused, the others land.
-        store
-            .txn(Txn::new().and_then([TxnOp::put("a/1", "moved")]))
-            .await
-            .expect("put");
-        let out = write_acks(&store, None, writes).await;
-        assert!(matches!(out[1].1, AckOutcome::Refused), "{:?}", out[1].1);
-        let at = committed_at(&out);
-        assert!(at[0].is_some() && at[2].is_some(), "{out:?}");
-        let kv = store.get("a/1").await.expect("get").expect("a/1");
-        assert_eq!(kv.value, b"moved", "the refused ack wrote nothing");
-    }
-
-    #[tokio::test]
-    async fn a_session_guard_that_fails_refuses_every_ack() {
-        let store = EmbeddedStore::new();
-        let writes = assigned(&store, 2).await;
-        // The session key does not exist (the session is gone): nothing may be acked.
-        let guard = Compare::create_revision("session/9", 5);
-        let out = write_acks(&store, Some(&guard), writes).await;
-        assert!(
-            out.iter().all(|(_, o)| matches!(o, AckOutcome::Refused)),
-            "{out:?}"
-        );
-    }
-}
+mod tests;

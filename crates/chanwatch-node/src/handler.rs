@@ -94,6 +94,9 @@ impl ChannelContext {
     /// txn (DESIGN §4): it lands only while this run still owns the channel — the assignment
     /// it started under unchanged, the node's session alive, and no other commit since this
     /// run's last one. Group-committed with the node's other writes; returns once answered.
+    /// Cancel-safe: a commit dropped before its answer may still land, and the run's next
+    /// commit first reads the checkpoint to learn whether it did (so its own write cannot
+    /// fence it).
     ///
     /// # Errors
     /// [`CommitError::Fenced`]: stop consuming (the node stops the run too);
