@@ -250,22 +250,18 @@ impl Committer {
             put: TxnOp::put(&key, bytes.clone()),
             reply,
         };
-        // Uncertain until answered, so that the commit is cancel-safe: a caller that drops
-        // this future once the write is sent (an agent worker that hangs up) leaves the write
-        // to the next commit's reconcile, which adopts its revision if it landed. Booked
-        // only after it was, the run's next commit would have been refused as fenced by its
-        // own write.
+        if self.shared.tx.send(request).is_err() {
+            return Err(CommitError::Fenced("the session ended".into()));
+        }
+        // Uncertain until answered (marked before the first await), so that the commit is
+        // cancel-safe: a caller that drops this future now (an agent worker that hangs up)
+        // leaves the write to the next commit's reconcile, which adopts its revision if it
+        // landed. Were it booked only on the answer, the run's next commit would be refused
+        // as fenced by its own write.
         self.seen
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .uncertain = Some(bytes.clone());
-        if self.shared.tx.send(request).is_err() {
-            self.seen
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .uncertain = None;
-            return Err(CommitError::Fenced("the session ended".into()));
-        }
         let mut outcome = answer
             .await
             .unwrap_or_else(|_| Err(CommitError::Fenced("the session ended".into())));

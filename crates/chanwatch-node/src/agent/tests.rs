@@ -261,9 +261,9 @@ fn committing_context(
 }
 
 /// A worker whose `/commit` times out, or whose connection breaks, makes hyper drop the
-/// node's commit half way: if the write lands all the same, the run's next commit must still
-/// be guarded by its revision — booked it, or the next commit would be refused as fenced
-/// (409) by the run's own write, and the worker would exit.
+/// node's commit half way: if the write lands all the same, the run's next commit must be
+/// guarded by its revision, or it would be refused as fenced (409) by the run's own write,
+/// and the worker would exit.
 #[tokio::test]
 async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_one() {
     use chanwatch_store::MetaStore;
