@@ -76,6 +76,22 @@ async fn a_key_written_twice_goes_to_the_next_txn_and_limits_split_the_rest() {
     assert_eq!(chunk(writes, 2, 1 << 20).len(), 3);
 }
 
+/// An unguarded checkpoint commit of channel `key` to key `key`, and where its answer comes.
+fn commit(
+    key: &str,
+) -> (
+    AckWrite,
+    oneshot::Receiver<Result<i64, crate::checkpoint::CommitError>>,
+) {
+    let (reply, answer) = oneshot::channel();
+    let write = AckWrite {
+        what: What::Commit(ChannelName::new(key).expect("name"), reply),
+        compares: Vec::new(),
+        put: TxnOp::put(key, "p"),
+    };
+    (write, answer)
+}
+
 /// Holds every txn after the first until released.
 struct HoldAfterFirst {
     txns: std::sync::atomic::AtomicUsize,
@@ -105,15 +121,6 @@ async fn a_txns_commits_are_answered_before_the_next_txn_of_the_write_lands() {
             release: tokio::sync::Notify::new(),
         },
     ));
-    let commit = |key: &str| {
-        let (reply, answer) = oneshot::channel();
-        let write = AckWrite {
-            what: What::Commit(ChannelName::new(key).expect("name"), reply),
-            compares: Vec::new(),
-            put: TxnOp::put(key, "p"),
-        };
-        (write, answer)
-    };
     let ((a, mut a_answer), (b, mut b_answer)) = (commit("a"), commit("b"));
     let writing = tokio::spawn({
         let store = store.clone();
@@ -177,17 +184,7 @@ async fn most_in_flight(keys: &[&str]) -> usize {
         std::sync::Arc::new(EmbeddedStore::new()),
         InFlight::default(),
     ));
-    let chunks = keys
-        .iter()
-        .map(|k| {
-            let (reply, _) = oneshot::channel();
-            vec![AckWrite {
-                what: What::Commit(ChannelName::new(*k).expect("name"), reply),
-                compares: Vec::new(),
-                put: TxnOp::put(*k, "p"),
-            }]
-        })
-        .collect();
+    let chunks = keys.iter().map(|k| vec![commit(k).0]).collect();
     write_chunks(&*store, None, chunks, chanwatch_core::NodeId(1)).await;
     store.layer().most.load(std::sync::atomic::Ordering::SeqCst)
 }
