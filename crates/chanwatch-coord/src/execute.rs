@@ -169,33 +169,24 @@ impl Term<'_> {
             })
             .collect();
         let clock = self.clock;
-        let results: Vec<(
-            PlannedTxn,
-            Result<chanwatch_store::TxnResponse, StoreError>,
-            tokio::time::Instant,
-        )> = futures_util::stream::iter(jobs.into_iter().map(|(t, s)| {
+        let mut results = futures_util::stream::iter(jobs.into_iter().map(|(t, s)| {
             let store = store.clone();
             async move {
                 let started = clock.now();
                 (t, store.txn(s).await, started)
             }
         }))
-        .buffer_unordered(self.config.pipeline.max(1))
-        .collect()
-        .await;
-        let mut refused = 0;
-        debug!(
-            txns = results.len(),
-            committed = results
-                .iter()
-                .filter(|(_, r, _)| r.as_ref().is_ok_and(|r| r.succeeded))
-                .count(),
-            "coord: executed a plan round"
-        );
-        for (t, r, started) in results {
+        .buffer_unordered(self.config.pipeline.max(1));
+        // Each txn's result is applied to the view as it comes, while the others are still
+        // in flight: applied after the last one, a failover's 16 txns of 62 moves each
+        // added 3–9 ms of view updates after etcd had answered them all.
+        let (mut refused, mut committed, mut count) = (0, 0, 0);
+        while let Some((t, r, started)) = results.next().await {
+            count += 1;
             self.record_txn(&r, started);
             match r {
                 Ok(resp) if resp.succeeded => {
+                    committed += 1;
                     self.state.applied(&t, resp.revision);
                     self.log_transitions(&t);
                     if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
@@ -217,6 +208,7 @@ impl Term<'_> {
                 }
             }
         }
+        debug!(txns = count, committed, "coord: executed a plan round");
         if refused > 0 {
             debug!(
                 refused,
