@@ -441,6 +441,16 @@ impl NodeProc {
         self.stop.take();
     }
 
+    /// Dies as [`kill`](Self::kill) does, and waits until its task has ended: what it held
+    /// (its session, its channels' runners) is dropped by then, so a benchmark that times
+    /// what follows the death does not also time the teardown of the dead, which a node
+    /// that died on another machine does not cost this one.
+    pub async fn kill_and_wait(mut self) {
+        self.task.task.abort();
+        self.stop.take();
+        let _ = (&mut self.task.task).await;
+    }
+
     /// Stops its channels, revokes its lease and waits. An error that ended it early was
     /// logged when it ended.
     pub async fn stop(mut self) {
