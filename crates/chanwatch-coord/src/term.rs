@@ -26,6 +26,16 @@ use crate::watch_health::{resync_wait, stall_limit, StallCheck};
 /// Least time between two plans driven by store events (ticks and admin requests aside).
 const PLAN_EVERY: Duration = Duration::from_millis(10);
 
+/// After a node's session is seen gone, the next plan waits until no other loss has been
+/// seen for `LOSS_QUIET` (and no longer than `LOSS_HOLD` after the first): nodes that die
+/// together (a rack; etcd revokes the expired leases it finds together, each in a revoke of
+/// its own) are seen in several watch batches a millisecond apart, and a round planned on
+/// the first batch put channels on nodes the next batch showed dead — refused by their
+/// session guards, or worse committed and moved a second time (the failover bench: runs
+/// whose losses were seen in two batches took 72 ms instead of 36–46).
+const LOSS_QUIET: Duration = Duration::from_millis(3);
+const LOSS_HOLD: Duration = Duration::from_millis(25);
+
 /// Most admin requests served in one turn of the leader loop. Every turn ends by draining
 /// the watch and planning when a plan is due, so a burst of requests delays a watch batch
 /// (a dead node, an ack) by at most this many requests and one plan round.
@@ -60,6 +70,9 @@ pub(crate) struct Term<'a> {
     pub(crate) status: &'a watch::Sender<CoordStatus>,
     /// Sessions seen gone, with the channels they held, until those are all Watched again.
     pub(crate) failovers: Vec<Failover>,
+    /// When the first and the last of a burst of session losses were seen (see
+    /// [`LOSS_QUIET`]); `None` once the hold is over.
+    pub(crate) losses: Option<(tokio::time::Instant, tokio::time::Instant)>,
     /// A request (drain, balance) wants a plan round; the loop runs it when its view is
     /// fresh (found by the simulation: a balance request right after an etcd outage planned
     /// from the stale view and fenced a node that was releasing).
@@ -99,6 +112,7 @@ impl<'a> Term<'a> {
             state: Planner::new(config.keys.clone(), config.planner.clone()),
             status,
             failovers: Vec::new(),
+            losses: None,
             replan: false,
             availability: StoreAvailability::new(
                 config.session_ttl,
@@ -220,7 +234,7 @@ impl<'a> Term<'a> {
                         }
                     }
                 }
-                () = tokio::time::sleep_until(last_plan + plan_gap), if dirty && blind.borrow().is_none() => {}
+                () = tokio::time::sleep_until(self.plan_at(last_plan + plan_gap)), if dirty && blind.borrow().is_none() => {}
                 stalled = stall.stalled() => {
                     let behind = self.clock.now().saturating_duration_since(stalled.sent);
                     warn!(
@@ -296,7 +310,11 @@ impl<'a> Term<'a> {
             // No plan from a view the list-watch cannot refresh (the store is away): its
             // timers would fire on time that measured etcd's absence (see
             // `Planner::store_was_away`), and what it plans would be refused anyway.
-            if dirty && self.clock.now() >= last_plan + plan_gap && blind.borrow().is_none() {
+            if dirty
+                && self.clock.now() >= self.plan_at(last_plan + plan_gap)
+                && blind.borrow().is_none()
+            {
+                self.losses = None;
                 last_plan = self.clock.now();
                 dirty = false;
                 // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand
@@ -524,6 +542,10 @@ impl<'a> Term<'a> {
                 held.len()
             )),
         );
+        if !held.is_empty() {
+            let now = self.clock.now();
+            self.losses = Some((self.losses.map_or(now, |(first, _)| first), now));
+        }
         // Bounded: a storm of dead nodes must not grow this without limit.
         if !held.is_empty() && self.failovers.len() < 1024 {
             self.failovers.push(Failover {
@@ -532,6 +554,15 @@ impl<'a> Term<'a> {
                 channels: held.len(),
                 left: held,
             });
+        }
+    }
+
+    /// When the next plan may run: not before `not_before`, nor while it waits for more
+    /// session losses of the same burst.
+    fn plan_at(&self, not_before: tokio::time::Instant) -> tokio::time::Instant {
+        match self.losses {
+            Some((first, last)) => not_before.max((last + LOSS_QUIET).min(first + LOSS_HOLD)),
+            None => not_before,
         }
     }
 
