@@ -290,12 +290,14 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
 }
 
 /// The replay floor: the writes of a failover straight to the store, under a root of its
-/// own — each moved channel seeded `Watched` under its dead owner (not timed), then the move
-/// txns (delete the old key, put `ToWatch` at the next epoch under the new owner, each
-/// guarded by the old key's revision; packed as the coordinator packs them, all in flight),
-/// and per receiving node one ack txn of all its channels once its own watch (on a
-/// connection of its own, as a node has) has shown every put. Seconds from the first move
-/// txn to the last ack.
+/// own — each moved channel seeded `Watched` under its dead owner and each dead owner's
+/// session on a lease of its own (not timed); then the loss (the leases revoked, all at
+/// once, as chanwatch's run revokes them) until a watch of the sessions has shown every
+/// session gone; then the move txns (delete the old key, put `ToWatch` at the next epoch
+/// under the new owner, each guarded by the old key's revision; packed as the coordinator
+/// packs them, all in flight), and per receiving node one ack txn of all its channels once
+/// its own watch (on a connection of its own, as a node has) has shown every put. Seconds
+/// from the revokes to the last ack: chanwatch's clock starts at the same revokes.
 pub(super) async fn replay(
     store: Arc<dyn MetaStore>,
     connect: impl Fn() -> futures_util::future::BoxFuture<'static, Result<Arc<dyn MetaStore>>>,
@@ -334,8 +336,29 @@ pub(super) async fn replay(
             seeded.insert(c.clone(), r.revision);
         }
     }
+    // The dead nodes' sessions, each on a lease of its own, as the nodes had them.
+    let mut leases = Vec::new();
+    let dead: std::collections::BTreeSet<chanwatch_core::NodeId> =
+        moves.iter().map(|(_, from, _)| *from).collect();
+    for node in &dead {
+        let lease = store.grant(Duration::from_secs(10)).await?;
+        store
+            .txn(Txn::new().and_then([TxnOp::put_with_lease(
+                keys.session(*node),
+                b"{}".to_vec(),
+                lease.id,
+            )]))
+            .await?;
+        leases.push(lease.id);
+    }
     super::system::compact_history(store.as_ref()).await?;
     let start = store.range("\0").await?.revision + 1;
+    // What the coordinator learns the loss from: a watch of the sessions, on a connection
+    // of its own, started before the clock.
+    let mut losses = connect()
+        .await?
+        .watch(&keys.sessions_prefix(), start)
+        .await?;
     // Each receiving node's watch, started before the clock.
     let mut by_node: BTreeMap<chanwatch_core::NodeId, usize> = BTreeMap::new();
     for (_, _, to) in moves {
@@ -380,7 +403,30 @@ pub(super) async fn replay(
             anyhow::Ok(())
         }));
     }
+    // The clock starts where chanwatch's does: at the loss (the same revokes, all in
+    // flight at once); the moves go once the watch has shown every session gone.
     let t0 = Instant::now();
+    let revokes = futures_util::future::join_all(leases.iter().map(|l| store.revoke(*l)));
+    let seen = async {
+        let mut gone = 0;
+        while gone < dead.len() {
+            let batch = tokio::time::timeout(Duration::from_secs(60), losses.next())
+                .await
+                .map_err(|_| anyhow::anyhow!("replay: the session deletes never all came"))?
+                .ok_or_else(|| anyhow::anyhow!("replay: the sessions' watch ended"))??;
+            gone += batch
+                .events
+                .iter()
+                .filter(|e| e.kind == EventKind::Delete)
+                .count();
+        }
+        anyhow::Ok(t0.elapsed().as_secs_f64())
+    };
+    let (revoked, detected) = futures_util::future::join(revokes, seen).await;
+    for r in revoked {
+        r?;
+    }
+    let detected = detected?;
     // Packed as the planner packs a failover: guards + 2 ops per move within max_txn_ops - 1.
     let per_txn = (max_ops - 1) / 2;
     let txns: Vec<Txn> = moves
@@ -413,7 +459,7 @@ pub(super) async fn replay(
         ensure!(r?.succeeded, "replay: a move txn was refused");
     }
     eprintln!(
-        "  replay: moves done after {:.3} s",
+        "  replay: sessions seen gone after {detected:.3} s, its move txns landed after {:.3} s",
         t0.elapsed().as_secs_f64()
     );
     for a in acks {
