@@ -5,6 +5,9 @@
 //! the leader's watch of its own key (it steps down the moment the key is no longer its own).
 //! Must not: decide anything itself — every decision comes from the core planner — or write
 //! to the store except through [`crate::execute`].
+//!
+//! Over 600 lines: every arm of the leader loop mutates the term's one state, and its unit
+//! tests sit at the end; splitting the loop would spread that state's borrows over modules.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -762,5 +765,62 @@ mod tests {
                 "{case}: {why}"
             );
         }
+    }
+
+    /// A node holding `channel` in `term`'s view, then its session gone.
+    fn lose(term: &mut Term<'_>, node: u64, channel: &str, rev: i64) {
+        use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Epoch, NodeSession};
+        let keys = term.config.keys.clone();
+        let id = NodeId(node);
+        let session = NodeSession {
+            id,
+            admin_addr: String::new(),
+            version: String::new(),
+            started_at_ms: 1,
+            capacity: 0,
+            name: String::new(),
+            extra: Default::default(),
+        };
+        term.state
+            .apply_put(&keys.session(id), &session.encode(), rev);
+        if !channel.is_empty() {
+            let name = ChannelName::new(channel).unwrap();
+            let mut info = ChannelInfo::new(name.clone(), Epoch(1), 1, Default::default());
+            info.state = ChannelState::Watched;
+            let key = keys.channel(ChannelOwner::Node(id), &name);
+            term.state.apply_put(&key, &info.encode(), rev + 1);
+        }
+        term.state.apply_delete(&keys.session(id), rev + 2);
+        term.session_gone(id, "a test");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_of_session_losses_is_planned_once_it_is_over() {
+        let config = CoordinatorConfig::default();
+        let (status, _rx) = watch::channel(CoordStatus::default());
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
+        let now = || tokio::time::Instant::now();
+        // Nothing lost: a plan may run when the gap allows.
+        assert_eq!(term.plan_at(now()), now());
+        // A node that held nothing is no failover: no hold.
+        lose(&mut term, 9, "", 10);
+        assert_eq!(term.plan_at(now()), now());
+        // A loss holds the plan until LOSS_QUIET has passed without another.
+        let first = now();
+        lose(&mut term, 1, "c1", 20);
+        assert_eq!(term.plan_at(now()), first + LOSS_QUIET);
+        tokio::time::advance(Duration::from_millis(2)).await;
+        lose(&mut term, 2, "c2", 30);
+        assert_eq!(term.plan_at(now()), now() + LOSS_QUIET);
+        // A plan gap that ends later still rules.
+        assert_eq!(term.plan_at(now() + LOSS_HOLD), now() + LOSS_HOLD);
+        // Losses that keep coming hold it no longer than LOSS_HOLD after the first.
+        for n in 3..20 {
+            tokio::time::advance(Duration::from_millis(2)).await;
+            lose(&mut term, n, &format!("c{n}"), 10 * n as i64 + 40);
+        }
+        assert!(now() > first + LOSS_HOLD);
+        assert_eq!(term.plan_at(first), first + LOSS_HOLD);
     }
 }
