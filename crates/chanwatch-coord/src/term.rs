@@ -36,7 +36,7 @@ const PLAN_EVERY: Duration = Duration::from_millis(10);
 /// the first batch put channels on nodes the next batch showed dead — refused by their
 /// session guards, or worse committed and moved a second time (the failover bench: runs
 /// whose losses were seen in two batches took 72 ms instead of 36–46).
-const LOSS_QUIET: Duration = Duration::from_millis(3);
+const LOSS_QUIET: Duration = Duration::from_millis(2);
 const LOSS_HOLD: Duration = Duration::from_millis(25);
 
 /// Most admin requests served in one turn of the leader loop. Every turn ends by draining
