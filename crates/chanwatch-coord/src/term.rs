@@ -784,7 +784,7 @@ mod tests {
         term.state
             .apply_put(&keys.session(id), &session.encode(), rev);
         if !channel.is_empty() {
-            let name = ChannelName::new(channel).unwrap();
+            let name = ChannelName::new(channel).expect("a valid test channel name");
             let mut info = ChannelInfo::new(name.clone(), Epoch(1), 1, Default::default());
             info.state = ChannelState::Watched;
             let key = keys.channel(ChannelOwner::Node(id), &name);

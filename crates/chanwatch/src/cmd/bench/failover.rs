@@ -406,7 +406,10 @@ pub(super) async fn replay(
     // The clock starts where chanwatch's does: at the loss (the same revokes, all in
     // flight at once); the moves go once the watch has shown every session gone.
     let t0 = Instant::now();
-    let revokes = futures_util::future::join_all(leases.iter().map(|l| store.revoke(*l)));
+    let revoker = store.clone();
+    let revokes = tokio::spawn(async move {
+        futures_util::future::join_all(leases.iter().map(|l| revoker.revoke(*l))).await
+    });
     let seen = async {
         let mut gone = 0;
         while gone < dead.len() {
@@ -422,11 +425,9 @@ pub(super) async fn replay(
         }
         anyhow::Ok(t0.elapsed().as_secs_f64())
     };
-    let (revoked, detected) = futures_util::future::join(revokes, seen).await;
-    for r in revoked {
-        r?;
-    }
-    let detected = detected?;
+    // Like the coordinator, it moves as soon as it has seen the losses, whether or not the
+    // revokes have been answered yet.
+    let detected = seen.await?;
     // Packed as the planner packs a failover: guards + 2 ops per move within max_txn_ops - 1.
     let per_txn = (max_ops - 1) / 2;
     let txns: Vec<Txn> = moves
@@ -466,6 +467,9 @@ pub(super) async fn replay(
         a.await??;
     }
     let took = t0.elapsed().as_secs_f64();
+    for r in revokes.await? {
+        r?;
+    }
     store
         .txn(Txn::new().and_then([TxnOp::delete_prefix(keys.all_prefix())]))
         .await?;
