@@ -1,10 +1,12 @@
 //! An HTTP/2-aware proxy in front of one etcd endpoint, for faults a TCP proxy cannot make:
 //! a *stalled watch*. The connection and every other call (lease keepalives, txns, ranges)
 //! keep flowing while the responses of `/etcdserverpb.Watch/Watch` calls are held, exactly
-//! what a client sees when etcd's watch stream is stuck (issue 11, finding 1).
+//! what a client sees when etcd's watch stream is stuck (issue 11, finding 1). Likewise the
+//! answers of txns can be held while the txns themselves reach etcd and land: a write whose
+//! caller gives up before it hears the outcome.
 //!
 //! Owns: a listener on 127.0.0.1 (a free port), one upstream HTTP/2 connection per accepted
-//! client connection, and the switch that holds or releases watch responses. Held frames are
+//! client connection, and the switches that hold or release watch and txn responses. Held frames are
 //! not dropped: they stay in the upstream stream's buffer (and etcd's, past HTTP/2 flow
 //! control: 2 MiB per stream, 5 MiB per connection in hyper's client) and arrive, in order,
 //! after [`GrpcProxy::release_watches`].
@@ -30,6 +32,9 @@ use tokio::task::{JoinHandle, JoinSet};
 
 /// The gRPC method whose responses [`GrpcProxy::stall_watches`] holds.
 pub const WATCH_PATH: &str = "/etcdserverpb.Watch/Watch";
+
+/// The gRPC method whose responses [`GrpcProxy::hold_txn_answers`] holds.
+pub const TXN_PATH: &str = "/etcdserverpb.KV/Txn";
 
 /// Why a proxy could not start.
 #[derive(Debug, Error)]
@@ -109,6 +114,7 @@ type ProxyBody = BoxBody<Bytes, hyper::Error>;
 pub struct GrpcProxy {
     addr: SocketAddr,
     switch: Arc<Switch>,
+    txns: Arc<Switch>,
     task: JoinHandle<()>,
 }
 
@@ -128,8 +134,19 @@ impl GrpcProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let switch = Arc::new(Switch::default());
-        let task = tokio::spawn(accept(listener, target, Arc::clone(&switch)));
-        Ok(GrpcProxy { addr, switch, task })
+        let txns = Arc::new(Switch::default());
+        let task = tokio::spawn(accept(
+            listener,
+            target,
+            Arc::clone(&switch),
+            Arc::clone(&txns),
+        ));
+        Ok(GrpcProxy {
+            addr,
+            switch,
+            txns,
+            task,
+        })
     }
 
     /// The URL clients use instead of etcd's, e.g. `http://127.0.0.1:41234`.
@@ -153,6 +170,17 @@ impl GrpcProxy {
         self.switch.stalled()
     }
 
+    /// Holds the answers of every txn, sent or future, until [`Self::release_txn_answers`]:
+    /// the txns still reach etcd (and land), their callers just do not hear back.
+    pub fn hold_txn_answers(&self) {
+        self.txns.set(true);
+    }
+
+    /// Lets held and future txn answers flow again.
+    pub fn release_txn_answers(&self) {
+        self.txns.set(false);
+    }
+
     /// How many watch calls went through the proxy so far (to check a client uses it).
     pub fn watch_calls(&self) -> usize {
         self.switch.watch_calls.load(Ordering::Relaxed)
@@ -167,14 +195,19 @@ impl Drop for GrpcProxy {
 }
 
 /// Accepts client connections until aborted; each gets its own upstream connection.
-async fn accept(listener: TcpListener, target: String, switch: Arc<Switch>) {
+async fn accept(listener: TcpListener, target: String, switch: Arc<Switch>, txns: Arc<Switch>) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => {
                 if let Ok((client, _)) = accepted {
                     let _ = client.set_nodelay(true);
-                    connections.spawn(serve(client, target.clone(), Arc::clone(&switch)));
+                    connections.spawn(serve(
+                        client,
+                        target.clone(),
+                        Arc::clone(&switch),
+                        Arc::clone(&txns),
+                    ));
                 }
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -184,7 +217,7 @@ async fn accept(listener: TcpListener, target: String, switch: Arc<Switch>) {
 
 /// Serves one client connection over one upstream HTTP/2 connection; a failed upstream
 /// closes the client connection (the client reconnects, as it would to a dying etcd).
-async fn serve(client: TcpStream, target: String, switch: Arc<Switch>) {
+async fn serve(client: TcpStream, target: String, switch: Arc<Switch>, txns: Arc<Switch>) {
     let Ok(upstream) = TcpStream::connect(&target).await else {
         return;
     };
@@ -195,7 +228,7 @@ async fn serve(client: TcpStream, target: String, switch: Arc<Switch>) {
         return;
     };
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        forward(req, sender.clone(), Arc::clone(&switch))
+        forward(req, sender.clone(), Arc::clone(&switch), Arc::clone(&txns))
     });
     let downstream = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .serve_connection(TokioIo::new(client), service);
@@ -205,14 +238,22 @@ async fn serve(client: TcpStream, target: String, switch: Arc<Switch>) {
     }
 }
 
-/// Forwards one call; watch responses go through a [`Gate`].
+/// Forwards one call; watch and txn responses go through a [`Gate`] each.
 async fn forward(
     req: Request<Incoming>,
     mut sender: hyper::client::conn::http2::SendRequest<Incoming>,
     switch: Arc<Switch>,
+    txns: Arc<Switch>,
 ) -> Result<Response<ProxyBody>, std::convert::Infallible> {
     let is_watch = req.uri().path() == WATCH_PATH;
-    if is_watch {
+    let gate = if is_watch {
+        Some(switch)
+    } else if req.uri().path() == TXN_PATH {
+        Some(txns)
+    } else {
+        None
+    };
+    if let Some(switch) = gate.as_ref().filter(|_| is_watch) {
         switch.watch_calls.fetch_add(1, Ordering::Relaxed);
     }
     let response = match sender.send_request(req).await {
@@ -223,15 +264,8 @@ async fn forward(
             return Ok(r);
         }
     };
-    Ok(if is_watch {
-        response.map(|inner| {
-            Gate {
-                inner,
-                switch: Arc::clone(&switch),
-            }
-            .boxed()
-        })
-    } else {
-        response.map(BodyExt::boxed)
+    Ok(match gate {
+        Some(switch) => response.map(|inner| Gate { inner, switch }.boxed()),
+        None => response.map(BodyExt::boxed),
     })
 }

@@ -20,6 +20,8 @@ mod procs;
 use procs::{bin, spawn, Proc};
 #[path = "exec/fence.rs"]
 mod fence;
+#[path = "exec/hangup.rs"]
+mod hangup;
 #[path = "exec/mixed.rs"]
 mod mixed;
 #[path = "exec/shutdown.rs"]
