@@ -28,6 +28,8 @@ mod mixed;
 mod shutdown;
 #[path = "exec/sigterm.rs"]
 mod sigterm;
+#[path = "exec/summary.rs"]
+mod summary;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -96,6 +98,8 @@ fn procs_with(marker: &str) -> Vec<u32> {
 struct World {
     etcd: chanwatch_testkit::EtcdFixture,
     dir: tempfile::TempDir,
+    /// The coordinator's admin API, `127.0.0.1:PORT`.
+    admin: String,
     _coord: Proc,
 }
 
@@ -103,13 +107,14 @@ impl World {
     async fn start() -> World {
         let etcd = chanwatch_testkit::EtcdFixture::start().await.expect("etcd");
         let dir = tempfile::tempdir().expect("tempdir");
+        let admin = format!("127.0.0.1:{}", free_port());
         let coord = spawn(
             dir.path(),
             "coord",
             &[
                 "coord".into(),
                 format!("--endpoints={}", etcd.endpoint()),
-                format!("--admin=127.0.0.1:{}", free_port()),
+                format!("--admin={admin}"),
                 "--session-ttl=2s".into(),
                 "--release-timeout=5s".into(),
                 "--balance-quiet=60s".into(),
@@ -118,6 +123,7 @@ impl World {
         World {
             etcd,
             dir,
+            admin,
             _coord: coord,
         }
     }
