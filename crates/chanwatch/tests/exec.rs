@@ -5,7 +5,9 @@
 //! The Rust consumer and the Python worker resuming each other's checkpoints: `exec/mixed.rs`;
 //! a node that fences itself killing its workers at once: `exec/fence.rs`; the Python worker
 //! exiting at once on SIGTERM while its commit hangs: `exec/sigterm.rs`; a worker's last commit
-//! on a node's shutdown answered at once: `exec/shutdown.rs`.
+//! on a node's shutdown answered at once: `exec/shutdown.rs`; a worker that hangs up mid-commit
+//! not fenced by its own write: `exec/hangup.rs`; a node cut off from etcd counted paused by the
+//! leader's summary: `exec/summary.rs`.
 //!
 //! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
