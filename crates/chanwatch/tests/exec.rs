@@ -140,12 +140,17 @@ impl World {
 
     /// `chanwatch node --exec CMD EXTRA…`, TTL 2 s, its log in `DIR/NAME.out`.
     fn node(&self, name: &str, exec: &str, extra: &[&str]) -> Proc {
+        self.node_via(name, self.etcd.endpoint(), "2s", exec, extra)
+    }
+
+    /// [`World::node`] reaching etcd at `etcd` (a proxy, say) with session TTL `ttl`.
+    fn node_via(&self, name: &str, etcd: &str, ttl: &str, exec: &str, extra: &[&str]) -> Proc {
         let mut args = vec![
             "node".to_owned(),
             // Port 0: several nodes share this machine (the default is 9871).
             "--admin=127.0.0.1:0".to_owned(),
-            self.endpoint(),
-            "--session-ttl=2s".into(),
+            format!("--endpoints={etcd}"),
+            format!("--session-ttl={ttl}"),
             format!("--exec={exec}"),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
@@ -762,18 +767,12 @@ done # {0}"#,
     );
     let proxy = Cut::start(w.etcd.endpoint()).await;
     let (log_a, log_b) = (w.path("a.log"), w.path("b.log"));
-    let a = spawn(
-        w.dir.path(),
+    let a = w.node_via(
         "node-a",
-        &[
-            "node".into(),
-            // Port 0: several nodes share this machine (the default is 9871).
-            "--admin=127.0.0.1:0".into(),
-            format!("--endpoints={}", proxy.addr),
-            "--session-ttl=2s".into(),
-            format!("--exec={worker}"),
-            format!("--handler-log={}", log_a.display()),
-        ],
+        &proxy.addr,
+        "2s",
+        &worker,
+        &[&format!("--handler-log={}", log_a.display())],
     );
     w.add_channel("q-0", &[]);
     let row = w.watched("q-0", 30);

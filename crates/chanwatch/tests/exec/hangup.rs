@@ -23,17 +23,7 @@ async fn a_worker_that_hangs_up_mid_commit_is_not_fenced_by_its_own_write() {
         "env > '{0}'/\"$CHANWATCH_CHANNEL\".env; curl -s -X POST -H \"Authorization: Bearer $CHANWATCH_AGENT_TOKEN\" \"$CHANWATCH_AGENT_URL/ready\"; while :; do sleep 0.2; done # {0}",
         w.dir.path().display()
     );
-    let node = spawn(
-        w.dir.path(),
-        "node",
-        &[
-            "node".into(),
-            "--admin=127.0.0.1:0".into(),
-            format!("--endpoints={}", proxy.endpoint()),
-            "--session-ttl=2s".into(),
-            format!("--exec={idle}"),
-        ],
-    );
+    let node = w.node_via("node", &proxy.endpoint(), "2s", &idle, &[]);
     w.add_channel("c-0", &[]);
     w.watched("c-0", 30);
     let env = env_file(&w.path("c-0.env"));

@@ -26,17 +26,7 @@ async fn the_leaders_summary_counts_a_node_cut_off_from_etcd_as_paused_then_runn
     // A node pauses when it has been cut off for its TTL less the fence margin (a fifth): from
     // 0.8 to 1 TTL after its last renewal, 9 s with this TTL, for the leader to ask it and
     // for the test to heal the cut before the lease runs out.
-    let node = spawn(
-        w.dir.path(),
-        "node",
-        &[
-            "node".into(),
-            "--admin=127.0.0.1:0".into(),
-            format!("--endpoints={}", proxy.addr),
-            "--session-ttl=45s".into(),
-            format!("--exec={idle}"),
-        ],
-    );
+    let node = w.node_via("node", &proxy.addr, "45s", idle, &[]);
     w.add_channel("p-0", &[]);
     let row = w.watched("p-0", 30);
     wait_for(
