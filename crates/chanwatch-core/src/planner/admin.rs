@@ -154,7 +154,10 @@ impl Planner {
                 state: Some(info.state),
                 epoch: info.epoch,
             }),
-            ops: vec![Op::Put { owner, info }],
+            ops: vec![Op::Put {
+                owner,
+                info: Box::new(info),
+            }],
         };
         Ok(self.pack(vec![change]).remove(0))
     }
@@ -190,7 +193,7 @@ impl Planner {
                 }),
                 ops: vec![Op::Put {
                     owner: e.owner,
-                    info,
+                    info: Box::new(info),
                 }],
             });
         }
@@ -383,7 +386,7 @@ mod tests {
             txn.ops,
             vec![Op::Put {
                 owner: n(2),
-                info: info("b", ChannelState::ToWatch, 1, 7)
+                info: Box::new(info("b", ChannelState::ToWatch, 1, 7))
             }]
         );
         assert_eq!(

@@ -90,7 +90,10 @@ impl Planner {
                         state: Some(info.state),
                         epoch: info.epoch,
                     }),
-                    ops: vec![Op::Put { owner, info }],
+                    ops: vec![Op::Put {
+                        owner,
+                        info: Box::new(info),
+                    }],
                 }
             })
             .collect();

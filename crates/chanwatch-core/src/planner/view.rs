@@ -436,7 +436,7 @@ impl Planner {
                         info.channel.clone(),
                         Entry {
                             owner: *owner,
-                            info: info.clone(),
+                            info: (**info).clone(),
                             mod_revision: revision,
                         },
                     );

@@ -272,6 +272,9 @@ pub struct BenchPlannerArgs {
     /// Live nodes in the view.
     #[arg(long, env = "CHANWATCH_BENCH_NODES", default_value_t = 1000)]
     pub nodes: usize,
+    /// Sessions that go at once before the timed failover round (their channels move).
+    #[arg(long, env = "CHANWATCH_BENCH_KILL", default_value_t = 1)]
+    pub kill: usize,
     /// Repetitions; medians are reported.
     #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 5)]
     pub runs: usize,

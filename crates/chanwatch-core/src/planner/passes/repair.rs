@@ -136,7 +136,7 @@ mod tests {
                 },
                 Op::Put {
                     owner: n(2),
-                    info: moved
+                    info: Box::new(moved)
                 }
             ]
         );

@@ -530,8 +530,9 @@ pub async fn ack(args: &BenchAckArgs) -> Result<()> {
 }
 
 /// The coordinator's view alone: bytes of RSS per channel once `channels` assignments are
-/// applied (as the coordinator holds them after its startup list), and the time of one
-/// steady-state plan round (nothing to change), which every store event batch and tick pays.
+/// applied (as the coordinator holds them after its startup list), the time of one
+/// steady-state plan round (nothing to change), which every store event batch and tick pays,
+/// and the time of the round that moves the channels of `kill` nodes whose sessions went.
 pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
     use chanwatch_core::planner::{Planner, PlannerConfig};
     use chanwatch_core::{ChannelInfo, ChannelName, ChannelOwner, ChannelState, Epoch, Keys};
@@ -544,28 +545,34 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
     // several is a fresh process of its own.
     if args.runs > 1 {
         let exe = std::env::current_exe()?;
-        let (mut bytes, mut plan_ms) = (Vec::new(), Vec::new());
+        let (mut bytes, mut plan_ms, mut failover_ms) = (Vec::new(), Vec::new(), Vec::new());
         for run in 1..=args.runs {
             let out = std::process::Command::new(&exe)
                 .args(["bench", "planner", "--runs", "1"])
                 .args(["--channels", &args.channels.to_string()])
                 .args(["--nodes", &args.nodes.to_string()])
+                .args(["--kill", &args.kill.to_string()])
                 .stderr(std::process::Stdio::null())
                 .output()?;
             anyhow::ensure!(out.status.success(), "run {run} failed");
             let line: serde_json::Value = serde_json::from_slice(&out.stdout)?;
             let b = line["rss_bytes_per_channel_median"].as_f64().unwrap_or(0.0);
             let p = line["plan_round_ms_median"].as_f64().unwrap_or(0.0);
-            eprintln!("  run {run}: {b:.0} B RSS/channel, plan round {p:.2} ms");
+            let f = line["failover_round_ms_median"].as_f64().unwrap_or(0.0);
+            eprintln!(
+                "  run {run}: {b:.0} B RSS/channel, plan round {p:.2} ms, failover round {f:.2} ms"
+            );
             bytes.push(b);
             plan_ms.push(p);
+            failover_ms.push(f);
         }
-        print_planner(args, bytes, plan_ms, "; one process per run");
+        print_planner(args, [bytes, plan_ms, failover_ms], "; one process per run");
         return Ok(());
     }
     let keys = Keys::default();
     let mut bytes = Vec::new();
     let mut plan_ms = Vec::new();
+    let mut failovers_ms = Vec::new();
     for run in 1..=args.runs.max(1) {
         let rss0 = rss_bytes();
         let mut state = Planner::new(keys.clone(), PlannerConfig::default());
@@ -605,36 +612,46 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
             );
         }
         let round = median(rounds);
-        // Then a failover: node 1's session goes, and one round plans its channels away.
+        // Then a failover: the sessions of nodes 1..=kill go, and one round plans their
+        // channels away.
         let t = std::time::Instant::now();
-        rev += 1;
-        state.apply_delete(&keys.session(NodeId(1)), rev);
+        for id in 1..=args.kill.min(args.nodes) as u64 {
+            rev += 1;
+            state.apply_delete(&keys.session(NodeId(id)), rev);
+        }
         let gone_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = std::time::Instant::now();
         let txns = state.plan(3);
         let failover_ms = t.elapsed().as_secs_f64() * 1e3;
         let moved: usize = txns.iter().map(|t| t.transitions.len()).sum();
         eprintln!(
-            "  run {run}: {per_channel:.0} B RSS/channel, plan round {round:.2} ms; a node's \
-             session gone {gone_ms:.2} ms, then its failover round {failover_ms:.2} ms ({moved} channels)"
+            "  run {run}: {per_channel:.0} B RSS/channel, plan round {round:.2} ms; {} \
+             sessions gone {gone_ms:.2} ms, then the failover round {failover_ms:.2} ms \
+             ({moved} channels, {} txns)",
+            args.kill,
+            txns.len()
         );
         bytes.push(per_channel);
         plan_ms.push(round);
+        failovers_ms.push(failover_ms);
         drop(state);
     }
-    print_planner(args, bytes, plan_ms, "");
+    print_planner(args, [bytes, plan_ms, failovers_ms], "");
     Ok(())
 }
 
 /// The planner bench's JSON line.
-fn print_planner(args: &BenchPlannerArgs, bytes: Vec<f64>, plan_ms: Vec<f64>, note: &str) {
+/// `figures` are, per run: RSS bytes per channel, steady round ms, failover round ms.
+fn print_planner(args: &BenchPlannerArgs, figures: [Vec<f64>; 3], note: &str) {
+    let [bytes, plan_ms, failover_ms] = figures;
     println!(
         "{}",
         json!({
             "bench": "planner", "channels": args.channels, "nodes": args.nodes,
-            "runs": bytes.len(),
+            "kill": args.kill, "runs": bytes.len(),
             "rss_bytes_per_channel_median": median(bytes).round(),
             "plan_round_ms_median": round3(median(plan_ms)),
+            "failover_round_ms_median": round3(median(failover_ms)),
             "note": format!("the coordinator's view only (Planner), no store, nodes or runtime{note}"),
         })
     );
