@@ -139,10 +139,11 @@ impl Term<'_> {
         let clock = self.clock;
         let pipeline = self.config.pipeline.max(1);
         let turn = self.bulk.turn.clone();
+        let encoder = self.encoder();
         let jobs: Vec<_> = txns
             .into_iter()
             .map(|t| {
-                let s = self.to_store(&t);
+                let s = encoder.txn(&t);
                 let store = store.clone();
                 async move {
                     let started = clock.now();

@@ -11,16 +11,28 @@
 use std::time::Duration;
 
 use chanwatch_core::planner::{Guard, Op, PlannedTxn};
-use chanwatch_core::NodeId;
-use chanwatch_store::{Compare, OpResponse, StoreError, Txn, TxnOp};
+use chanwatch_core::{Keys, NodeId};
+use chanwatch_store::{Clock, Compare, OpResponse, StoreError, Txn, TxnOp};
 use futures_util::StreamExt;
 use tracing::{debug, info, warn};
 
 use crate::term::Term;
 
-impl Term<'_> {
-    pub(crate) fn to_store(&self, t: &PlannedTxn) -> Txn {
-        let keys = &self.config.keys;
+/// What turns a planned txn into a store txn, cut loose from the term: a round's txns are
+/// each encoded by the future that sends it, so the first leaves as soon as its own values
+/// are serialized (encoded all before the first was sent, a failover's 16 txns of 62 moves
+/// held the first back by the serializing of all 1,000 values).
+pub(crate) struct Encoder {
+    keys: Keys,
+    leader_rev: i64,
+    /// Compares (and reads) a txn may hold.
+    room: usize,
+    clock: Clock,
+}
+
+impl Encoder {
+    pub(crate) fn txn(&self, t: &PlannedTxn) -> Txn {
+        let keys = &self.keys;
         let mut compares = Vec::with_capacity(t.guards.len() + 1);
         // The leader never rewrites its key, so its mod revision is the revision that created
         // it: any write to the key since — a blind overwrite keeps the create revision — and
@@ -82,6 +94,45 @@ impl Term<'_> {
         Txn::new().when(compares).and_then(ops).or_else(reads)
     }
 
+    /// Nodes a txn puts channel keys under: the txn also requires their sessions to exist,
+    /// so nothing is assigned to a node that died before the watch told us (a put on a dead
+    /// node is refused and the refusal's reads show the session gone). Empty when the
+    /// compare and read lists have no room left (big planned txns; the next plan fixes
+    /// those).
+    pub(crate) fn session_guards(&self, t: &PlannedTxn) -> Vec<NodeId> {
+        let nodes: std::collections::BTreeSet<NodeId> = t
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Put {
+                    owner: chanwatch_core::ChannelOwner::Node(n),
+                    ..
+                } => Some(*n),
+                _ => None,
+            })
+            .collect();
+        if t.guards.len() + 1 + nodes.len() > self.room {
+            return Vec::new();
+        }
+        nodes.into_iter().collect()
+    }
+}
+
+impl Term<'_> {
+    /// The encoder of this term's txns.
+    pub(crate) fn encoder(&self) -> Encoder {
+        Encoder {
+            keys: self.config.keys.clone(),
+            leader_rev: self.leader_rev,
+            room: self
+                .config
+                .planner
+                .max_txn_ops
+                .min(self.store.limits().max_txn_ops),
+            clock: self.clock,
+        }
+    }
+
     /// Brings the view up to date with what a refused txn read back. `Err` when the leader
     /// key is no longer ours.
     pub(crate) fn refresh(
@@ -115,7 +166,7 @@ impl Term<'_> {
                 _ => {}
             }
         }
-        for (n, r) in self.session_guards(t).into_iter().zip(reads) {
+        for (n, r) in self.encoder().session_guards(t).into_iter().zip(reads) {
             if matches!(r, OpResponse::Get { kv: None }) && self.state.nodes().contains_key(&n) {
                 self.state
                     .apply_delete(&self.config.keys.session(n), resp.revision);
@@ -123,34 +174,6 @@ impl Term<'_> {
             }
         }
         Ok(())
-    }
-
-    /// Nodes a txn puts channel keys under: the txn also requires their sessions to exist,
-    /// so nothing is assigned to a node that died before the watch told us (a put on a dead
-    /// node is refused and the refusal's reads show the session gone). Empty when the
-    /// compare and read lists have no room left (big planned txns; the next plan fixes
-    /// those).
-    pub(crate) fn session_guards(&self, t: &PlannedTxn) -> Vec<NodeId> {
-        let nodes: std::collections::BTreeSet<NodeId> = t
-            .ops
-            .iter()
-            .filter_map(|op| match op {
-                Op::Put {
-                    owner: chanwatch_core::ChannelOwner::Node(n),
-                    ..
-                } => Some(*n),
-                _ => None,
-            })
-            .collect();
-        let room = self
-            .config
-            .planner
-            .max_txn_ops
-            .min(self.store.limits().max_txn_ops);
-        if t.guards.len() + 1 + nodes.len() > room {
-            return Vec::new();
-        }
-        nodes.into_iter().collect()
     }
 
     /// Runs planned txns, up to `pipeline` at once, and returns how many were refused (the
@@ -161,17 +184,14 @@ impl Term<'_> {
             return Ok(0);
         }
         let store = self.store.clone();
-        let jobs: Vec<(PlannedTxn, Txn)> = txns
-            .into_iter()
-            .map(|t| {
-                let s = self.to_store(&t);
-                (t, s)
-            })
-            .collect();
+        let encoder = self.encoder();
         let clock = self.clock;
-        let mut results = futures_util::stream::iter(jobs.into_iter().map(|(t, s)| {
-            let store = store.clone();
+        // Each txn is encoded in its own future: the first is sent once its own values are
+        // serialized, while the others are still being encoded.
+        let mut results = futures_util::stream::iter(txns.into_iter().map(|t| {
+            let (store, encoder) = (store.clone(), &encoder);
             async move {
+                let s = encoder.txn(&t);
                 let started = clock.now();
                 (t, store.txn(s).await, started)
             }

@@ -697,7 +697,7 @@ impl<'a> Term<'a> {
             }
         };
         let started = self.clock.now();
-        let result = self.store.txn(self.to_store(&txn)).await;
+        let result = self.store.txn(self.encoder().txn(&txn)).await;
         self.record_txn(&result, started);
         match result {
             Ok(r) if r.succeeded => {
