@@ -297,7 +297,9 @@ async fn failover_case(args: &BenchFailoverArgs, kill: usize) -> Result<()> {
 /// under the new owner, each guarded by the old key's revision; packed as the coordinator
 /// packs them, all in flight), and per receiving node one ack txn of all its channels once
 /// its own watch (on a connection of its own, as a node has) has shown every put. Seconds
-/// from the revokes to the last ack: chanwatch's clock starts at the same revokes.
+/// from the revokes until a watch of the whole root (the coordinator's view, on a
+/// connection of its own) has shown every ack: chanwatch's clock starts at the same revokes
+/// and stops when its coordinator has seen every moved channel `Watched`.
 pub(super) async fn replay(
     store: Arc<dyn MetaStore>,
     connect: impl Fn() -> futures_util::future::BoxFuture<'static, Result<Arc<dyn MetaStore>>>,
@@ -353,12 +355,9 @@ pub(super) async fn replay(
     }
     super::system::compact_history(store.as_ref()).await?;
     let start = store.range("\0").await?.revision + 1;
-    // What the coordinator learns the loss from: a watch of the sessions, on a connection
-    // of its own, started before the clock.
-    let mut losses = connect()
-        .await?
-        .watch(&keys.sessions_prefix(), start)
-        .await?;
+    // What the coordinator learns the loss and the acks from: a watch of the root, on a
+    // connection of its own, started before the clock.
+    let mut root = connect().await?.watch(&keys.all_prefix(), start).await?;
     // Each receiving node's watch, started before the clock.
     let mut by_node: BTreeMap<chanwatch_core::NodeId, usize> = BTreeMap::new();
     for (_, _, to) in moves {
@@ -410,24 +409,48 @@ pub(super) async fn replay(
     let revokes = tokio::spawn(async move {
         futures_util::future::join_all(leases.iter().map(|l| revoker.revoke(*l))).await
     });
-    let seen = async {
-        let mut gone = 0;
-        while gone < dead.len() {
-            let batch = tokio::time::timeout(Duration::from_secs(60), losses.next())
+    // The coordinator's side: the losses, then every moved key's second put (the move puts
+    // it, the ack puts it again; the coordinator, too, decodes only the acks).
+    let (lost, losses_seen) = tokio::sync::oneshot::channel();
+    let (sessions, moved) = (dead.len(), moves.len());
+    let watcher = tokio::spawn(async move {
+        async fn next(
+            root: &mut chanwatch_store::WatchStream,
+        ) -> Result<chanwatch_store::WatchBatch> {
+            tokio::time::timeout(Duration::from_secs(60), root.next())
                 .await
-                .map_err(|_| anyhow::anyhow!("replay: the session deletes never all came"))?
-                .ok_or_else(|| anyhow::anyhow!("replay: the sessions' watch ended"))??;
-            gone += batch
+                .map_err(|_| anyhow::anyhow!("replay: the root's watch was silent for 60 s"))?
+                .ok_or_else(|| anyhow::anyhow!("replay: the root's watch ended"))?
+                .map_err(anyhow::Error::from)
+        }
+        let mut gone = 0;
+        while gone < sessions {
+            gone += next(&mut root)
+                .await?
                 .events
                 .iter()
                 .filter(|e| e.kind == EventKind::Delete)
                 .count();
         }
+        let _ = lost.send(t0.elapsed().as_secs_f64());
+        let mut puts: std::collections::HashMap<String, u8> = std::collections::HashMap::new();
+        let mut acked = 0;
+        while acked < moved {
+            for e in next(&mut root).await?.events {
+                if e.kind == EventKind::Put {
+                    let n = puts.entry(e.kv.key).or_default();
+                    *n += 1;
+                    acked += usize::from(*n == 2);
+                }
+            }
+        }
         anyhow::Ok(t0.elapsed().as_secs_f64())
-    };
+    });
     // Like the coordinator, it moves as soon as it has seen the losses, whether or not the
     // revokes have been answered yet.
-    let detected = seen.await?;
+    let detected = losses_seen
+        .await
+        .map_err(|_| anyhow::anyhow!("replay: the root's watch failed before the losses"))?;
     // Packed as the planner packs a failover: guards + 2 ops per move within max_txn_ops - 1.
     let per_txn = (max_ops - 1) / 2;
     let txns: Vec<Txn> = moves
@@ -466,7 +489,11 @@ pub(super) async fn replay(
     for a in acks {
         a.await??;
     }
-    let took = t0.elapsed().as_secs_f64();
+    let acks_landed = t0.elapsed().as_secs_f64();
+    let took = watcher.await??;
+    eprintln!(
+        "  replay: its acks landed after {acks_landed:.3} s, seen by its root watch after {took:.3} s"
+    );
     for r in revokes.await? {
         r?;
     }
