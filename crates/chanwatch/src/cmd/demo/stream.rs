@@ -144,7 +144,7 @@ pub(super) async fn committed(
     keys: &Keys,
     channel: &str,
 ) -> Result<(Position, StreamState)> {
-    let name = chanwatch_core::ChannelName::new(channel.to_owned())?;
+    let name = chanwatch_core::ChannelName::new(channel)?;
     let Some(kv) = store.get(&keys.checkpoint(&name)).await? else {
         return Ok((Position::START, StreamState::default()));
     };
@@ -226,8 +226,7 @@ mod tests {
             updated_at_ms: 0,
             extra: serde_json::Map::new(),
         };
-        let key =
-            keys.checkpoint(&chanwatch_core::ChannelName::new(channel.to_owned()).expect("a name"));
+        let key = keys.checkpoint(&chanwatch_core::ChannelName::new(channel).expect("a name"));
         store
             .txn(Txn::new().and_then([TxnOp::put(key, cp.encode())]))
             .await
