@@ -151,6 +151,27 @@ pub fn session_ttl(s: &str) -> Result<Duration, String> {
     Ok(ttl)
 }
 
+/// Checks a node's `--fence-margin` against its `--session-ttl`: from the default
+/// (`max(1s, ttl/5)`, below which a node cut off from etcd would run its channels too close
+/// to its lease's end) to half the TTL (beyond it a node would pause between two renewals,
+/// made every third of the TTL).
+///
+/// # Errors
+/// What is wrong and the range to use, in flag terms.
+pub fn check_fence_margin(ttl: Duration, margin: Duration) -> Result<(), String> {
+    let (least, most) = (chanwatch_store::fence_margin(ttl), ttl / 2);
+    if margin < least || margin > most {
+        return Err(format!(
+            "--fence-margin {} is outside {}..={} for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, a larger one than half the TTL would pause it between two renewals (made every third of the TTL); give a margin in that range, or a longer --session-ttl",
+            humantime::format_duration(margin),
+            humantime::format_duration(least),
+            humantime::format_duration(most),
+            humantime::format_duration(ttl),
+        ));
+    }
+    Ok(())
+}
+
 /// The root prefix of every key.
 #[derive(Debug, Clone, Args)]
 pub struct RootArg {
@@ -431,6 +452,20 @@ mod tests {
         assert!(humantime_secs("ten").is_err());
         assert!(humantime_secs("5 parsecs").is_err());
         assert!(humantime_secs("").is_err());
+    }
+
+    #[test]
+    fn a_fence_margin_runs_from_the_default_to_half_the_ttl() {
+        let s = Duration::from_secs;
+        assert!(check_fence_margin(s(20), s(4)).is_ok()); // the default, ttl / 5
+        assert!(check_fence_margin(s(20), s(10)).is_ok());
+        assert!(check_fence_margin(s(2), s(1)).is_ok()); // at 2s both ends are 1s
+        let low = check_fence_margin(s(20), s(3)).unwrap_err();
+        assert!(
+            low.contains("outside 4s..=10s for --session-ttl 20s"),
+            "{low}"
+        );
+        assert!(check_fence_margin(s(20), Duration::from_millis(10_001)).is_err());
     }
 
     #[test]

@@ -38,6 +38,11 @@ pub struct Args {
     /// Session lease TTL (minimum 2s): the node's channels move this long after it dies.
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = crate::flags::session_ttl, default_value = "10s")]
     pub session_ttl: Duration,
+    /// How long before its session lease could expire a node that cannot reach etcd pauses
+    /// its channels (default: a fifth of the TTL, at least 1s; at most half the TTL). A
+    /// larger margin pauses sooner: for networks where renewals can be late for long.
+    #[arg(long, env = "CHANWATCH_FENCE_MARGIN", value_parser = humantime_secs)]
+    pub fence_margin: Option<Duration>,
     /// How long the built-in simulated load of a channel takes.
     #[arg(long, env = "CHANWATCH_LOAD_DELAY", value_parser = humantime_secs, default_value = "0s")]
     pub load_delay: Duration,
@@ -83,6 +88,9 @@ pub enum PlantArg {
 /// unwritable `--handler-log`.
 pub async fn run(args: Args) -> Result<()> {
     let keys = args.root.keys()?;
+    if let Some(margin) = args.fence_margin {
+        crate::flags::check_fence_margin(args.session_ttl, margin).map_err(anyhow::Error::msg)?;
+    }
     let store = args.etcd.connect_waiting(&keys).await?;
     let (listener, admin_addr) = bind_admin(&args.admin).await?;
     let mut signals = counted_signals();
@@ -107,6 +115,7 @@ pub async fn run(args: Args) -> Result<()> {
         .config(chanwatch_node::NodeConfig {
             keys,
             session_ttl: args.session_ttl,
+            fence_margin: args.fence_margin,
             progress_interval: args.progress_interval,
             shutdown_timeout: args.shutdown_timeout,
             admin_addr,

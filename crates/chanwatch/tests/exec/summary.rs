@@ -23,10 +23,11 @@ async fn the_leaders_summary_counts_a_node_cut_off_from_etcd_as_paused_then_runn
     let w = World::start().await;
     let proxy = Cut::start(w.etcd.endpoint()).await;
     let idle = "curl -s -X POST -H \"Authorization: Bearer $CHANWATCH_AGENT_TOKEN\" \"$CHANWATCH_AGENT_URL/ready\"; while :; do sleep 0.2; done";
-    // A node pauses when it has been cut off for its TTL less the fence margin (a fifth): from
-    // 0.8 to 1 TTL after its last renewal, 9 s with this TTL, for the leader to ask it and
-    // for the test to heal the cut before the lease runs out.
-    let node = w.node_via("node", &proxy.addr, "45s", idle, &[]);
+    // A node pauses when it has been cut off for its TTL less the fence margin, here half
+    // the TTL (the most `--fence-margin` allows; the default, a fifth, made this test wait
+    // 36 s for a 9 s window): 10 s after its last renewal, 3–10 s after the cut; it then has
+    // 10 s, until its lease could run out, for the leader to ask it and the test to heal.
+    let node = w.node_via("node", &proxy.addr, "20s", idle, &["--fence-margin=10s"]);
     w.add_channel("p-0", &[]);
     let row = w.watched("p-0", 30);
     wait_for(
@@ -36,7 +37,7 @@ async fn the_leaders_summary_counts_a_node_cut_off_from_etcd_as_paused_then_runn
     );
     proxy.set(true);
     wait_for(
-        45,
+        15,
         || {
             format!(
                 "summary: the cut-off node paused: {:?}\n{}",
