@@ -460,7 +460,7 @@ mod tests {
         assert!(check_fence_margin(s(20), s(4)).is_ok()); // the default, ttl / 5
         assert!(check_fence_margin(s(20), s(10)).is_ok());
         assert!(check_fence_margin(s(2), s(1)).is_ok()); // at 2s both ends are 1s
-        let low = check_fence_margin(s(20), s(3)).unwrap_err();
+        let low = check_fence_margin(s(20), s(3)).expect_err("3s is below the default of 4s");
         assert!(
             low.contains("outside 4s..=10s for --session-ttl 20s"),
             "{low}"
