@@ -69,7 +69,8 @@ impl UnreachedRenewals {
 
 /// How long before a lease could expire its holder stops acting on it (a node pauses, a
 /// leader steps down) when renewals fail: `max(1 s, ttl / 5)`. The one definition for
-/// nodes and coordinators.
+/// coordinators, and the default and least value for nodes (`node --fence-margin` may
+/// raise it).
 #[must_use]
 pub fn fence_margin(ttl: Duration) -> Duration {
     (ttl / 5).max(Duration::from_secs(1))

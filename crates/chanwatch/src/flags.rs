@@ -151,18 +151,21 @@ pub fn session_ttl(s: &str) -> Result<Duration, String> {
     Ok(ttl)
 }
 
-/// Checks a node's `--fence-margin` against its `--session-ttl`: from the default
-/// (`max(1s, ttl/5)`, below which a node cut off from etcd would run its channels too close
-/// to its lease's end) to half the TTL (beyond it a node would pause between two renewals,
-/// made every third of the TTL).
+/// Checks a node's `--fence-margin` against its `--session-ttl`. At least the default
+/// (`max(1s, ttl/5)`): less would let a node cut off from etcd run its channels too close to
+/// its lease's end. At most a third of the TTL less 1s (or the default, when that is
+/// larger): a keepalive that hangs waits a third of the TTL for its answer, is retried
+/// 500 ms later, and comes a third of the TTL after the last one, so with a larger margin
+/// one hung keepalive would pause a healthy node.
 ///
 /// # Errors
 /// What is wrong and the range to use, in flag terms.
 pub fn check_fence_margin(ttl: Duration, margin: Duration) -> Result<(), String> {
-    let (least, most) = (chanwatch_store::fence_margin(ttl), ttl / 2);
+    let least = chanwatch_store::fence_margin(ttl);
+    let most = (ttl / 3).saturating_sub(Duration::from_secs(1)).max(least);
     if margin < least || margin > most {
         return Err(format!(
-            "--fence-margin {} is outside {}..={} for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, a larger one than half the TTL would pause it between two renewals (made every third of the TTL); give a margin in that range, or a longer --session-ttl",
+            "--fence-margin {} is outside {}..={} for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, and with a larger one a single keepalive that hangs (each waits a third of the TTL) would pause a healthy node; give a margin in that range, or a longer --session-ttl",
             humantime::format_duration(margin),
             humantime::format_duration(least),
             humantime::format_duration(most),
@@ -455,17 +458,18 @@ mod tests {
     }
 
     #[test]
-    fn a_fence_margin_runs_from_the_default_to_half_the_ttl() {
+    fn a_fence_margin_runs_from_the_default_to_a_third_of_the_ttl_less_a_second() {
         let s = Duration::from_secs;
-        assert!(check_fence_margin(s(20), s(4)).is_ok()); // the default, ttl / 5
-        assert!(check_fence_margin(s(20), s(10)).is_ok());
-        assert!(check_fence_margin(s(2), s(1)).is_ok()); // at 2s both ends are 1s
-        let low = check_fence_margin(s(20), s(3)).expect_err("3s is below the default of 4s");
+        assert!(check_fence_margin(s(30), s(6)).is_ok()); // the default, ttl / 5
+        assert!(check_fence_margin(s(30), s(9)).is_ok()); // 30 / 3 - 1
+        assert!(check_fence_margin(s(2), s(1)).is_ok()); // short TTLs: the default only
+        let low = check_fence_margin(s(30), s(5)).expect_err("5s is below the default of 6s");
         assert!(
-            low.contains("outside 4s..=10s for --session-ttl 20s"),
+            low.contains("outside 6s..=9s for --session-ttl 30s"),
             "{low}"
         );
-        assert!(check_fence_margin(s(20), Duration::from_millis(10_001)).is_err());
+        assert!(check_fence_margin(s(30), Duration::from_millis(9_001)).is_err());
+        assert!(check_fence_margin(s(2), Duration::from_millis(1_001)).is_err());
     }
 
     #[test]

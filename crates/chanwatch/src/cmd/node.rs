@@ -39,8 +39,10 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_SESSION_TTL", value_parser = crate::flags::session_ttl, default_value = "10s")]
     pub session_ttl: Duration,
     /// How long before its session lease could expire a node that cannot reach etcd pauses
-    /// its channels (default: a fifth of the TTL, at least 1s; at most half the TTL). A
-    /// larger margin pauses sooner: for networks where renewals can be late for long.
+    /// its channels (default: a fifth of the TTL, at least 1s). Larger pauses a cut-off node
+    /// sooner: room for a pause that is slow to take effect or a clock that runs slow. Never
+    /// below the default; at most a third of the TTL less 1s, beyond which one keepalive
+    /// that hangs would pause a healthy node.
     #[arg(long, env = "CHANWATCH_FENCE_MARGIN", value_parser = humantime_secs)]
     pub fence_margin: Option<Duration>,
     /// How long the built-in simulated load of a channel takes.

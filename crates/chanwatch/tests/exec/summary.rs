@@ -23,11 +23,12 @@ async fn the_leaders_summary_counts_a_node_cut_off_from_etcd_as_paused_then_runn
     let w = World::start().await;
     let proxy = Cut::start(w.etcd.endpoint()).await;
     let idle = "curl -s -X POST -H \"Authorization: Bearer $CHANWATCH_AGENT_TOKEN\" \"$CHANWATCH_AGENT_URL/ready\"; while :; do sleep 0.2; done";
-    // A node pauses when it has been cut off for its TTL less the fence margin, here half
-    // the TTL (the most `--fence-margin` allows; the default, a fifth, made this test wait
-    // 36 s for a 9 s window): 10 s after its last renewal, 3–10 s after the cut; it then has
-    // 10 s, until its lease could run out, for the leader to ask it and the test to heal.
-    let node = w.node_via("node", &proxy.addr, "20s", idle, &["--fence-margin=10s"]);
+    // A node pauses when it has been cut off for its TTL less the fence margin, here the
+    // most `--fence-margin` allows (a third of the TTL less 1s; the default, a fifth, made
+    // this test wait 36 s for a 9 s window): 19 s after its last renewal, 10–19 s after the
+    // cut; it then has 8 s, until its lease could run out, for the leader to ask it (every
+    // 3 s) and for the test to heal the cut.
+    let node = w.node_via("node", &proxy.addr, "27s", idle, &["--fence-margin=8s"]);
     w.add_channel("p-0", &[]);
     let row = w.watched("p-0", 30);
     wait_for(
@@ -37,7 +38,7 @@ async fn the_leaders_summary_counts_a_node_cut_off_from_etcd_as_paused_then_runn
     );
     proxy.set(true);
     wait_for(
-        15,
+        26,
         || {
             format!(
                 "summary: the cut-off node paused: {:?}\n{}",
