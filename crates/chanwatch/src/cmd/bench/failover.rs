@@ -409,10 +409,15 @@ pub(super) async fn replay(
     let revokes = tokio::spawn(async move {
         futures_util::future::join_all(leases.iter().map(|l| revoker.revoke(*l))).await
     });
-    // The coordinator's side: the losses, then every moved key's second put (the move puts
-    // it, the ack puts it again; the coordinator, too, decodes only the acks).
+    // The coordinator's side: the losses, then the second put of every moved channel's new
+    // key (the move puts it, the ack puts it again; the coordinator, too, decodes only the
+    // acks). Aborted if the replay ends early.
     let (lost, losses_seen) = tokio::sync::oneshot::channel();
-    let (sessions, moved) = (dead.len(), moves.len());
+    let sessions = dead.len();
+    let mut new_keys: std::collections::HashMap<String, u8> = moves
+        .iter()
+        .map(|(c, _, to)| (keys.channel(ChannelOwner::Node(*to), c), 0))
+        .collect();
     let watcher = tokio::spawn(async move {
         async fn next(
             root: &mut chanwatch_store::WatchStream,
@@ -433,12 +438,10 @@ pub(super) async fn replay(
                 .count();
         }
         let _ = lost.send(t0.elapsed().as_secs_f64());
-        let mut puts: std::collections::HashMap<String, u8> = std::collections::HashMap::new();
         let mut acked = 0;
-        while acked < moved {
+        while acked < new_keys.len() {
             for e in next(&mut root).await?.events {
-                if e.kind == EventKind::Put {
-                    let n = puts.entry(e.kv.key).or_default();
+                if let (EventKind::Put, Some(n)) = (e.kind, new_keys.get_mut(&e.kv.key)) {
                     *n += 1;
                     acked += usize::from(*n == 2);
                 }
@@ -446,11 +449,18 @@ pub(super) async fn replay(
         }
         anyhow::Ok(t0.elapsed().as_secs_f64())
     });
+    let mut watcher = AbortOnDrop(watcher);
     // Like the coordinator, it moves as soon as it has seen the losses, whether or not the
     // revokes have been answered yet.
-    let detected = losses_seen
-        .await
-        .map_err(|_| anyhow::anyhow!("replay: the root's watch failed before the losses"))?;
+    let Ok(detected) = losses_seen.await else {
+        // The watcher ended before it saw them: say why.
+        let why = match (&mut watcher.0).await {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => anyhow::anyhow!("the root's watcher ended"),
+            Err(e) => e.into(),
+        };
+        return Err(why.context("replay: waiting for the session deletes"));
+    };
     // Packed as the planner packs a failover: guards + 2 ops per move within max_txn_ops - 1.
     let per_txn = (max_ops - 1) / 2;
     let txns: Vec<Txn> = moves
@@ -490,7 +500,7 @@ pub(super) async fn replay(
         a.await??;
     }
     let acks_landed = t0.elapsed().as_secs_f64();
-    let took = watcher.await??;
+    let took = (&mut watcher.0).await??;
     eprintln!(
         "  replay: its acks landed after {acks_landed:.3} s, seen by its root watch after {took:.3} s"
     );
@@ -501,4 +511,14 @@ pub(super) async fn replay(
         .txn(Txn::new().and_then([TxnOp::delete_prefix(keys.all_prefix())]))
         .await?;
     Ok(took)
+}
+
+/// A task aborted when its handle is dropped (the replay's watcher, when the replay ends
+/// early with an error).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

@@ -537,6 +537,12 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
     use chanwatch_core::planner::{Planner, PlannerConfig};
     use chanwatch_core::{ChannelInfo, ChannelName, ChannelOwner, ChannelState, Epoch, Keys};
     use chanwatch_core::{NodeId, NodeSession, VChannelInfo};
+    ensure!(
+        (1..args.nodes).contains(&args.kill),
+        "--kill {} with --nodes {}: kill at least one node and leave at least one alive",
+        args.kill,
+        args.nodes
+    );
     eprintln!(
         "bench planner: {} channels on {} nodes, {} runs (no store, no nodes: the planner only)",
         args.channels, args.nodes, args.runs
@@ -615,7 +621,7 @@ pub fn planner(args: &BenchPlannerArgs) -> Result<()> {
         // Then a failover: the sessions of nodes 1..=kill go, and one round plans their
         // channels away.
         let t = std::time::Instant::now();
-        for id in 1..=args.kill.min(args.nodes) as u64 {
+        for id in 1..=args.kill as u64 {
             rev += 1;
             state.apply_delete(&keys.session(NodeId(id)), rev);
         }
