@@ -162,7 +162,9 @@ pub fn session_ttl(s: &str) -> Result<Duration, String> {
 /// What is wrong and the range to use, in flag terms.
 pub fn check_fence_margin(ttl: Duration, margin: Duration) -> Result<(), String> {
     let least = chanwatch_store::fence_margin(ttl);
-    let most = (ttl / 3).saturating_sub(Duration::from_secs(1)).max(least);
+    // In whole milliseconds, so that the error names a range one can type.
+    let third_ms = u64::try_from(ttl.as_millis() / 3).unwrap_or(u64::MAX);
+    let most = Duration::from_millis(third_ms.saturating_sub(1_000)).max(least);
     if margin < least || margin > most {
         return Err(format!(
             "--fence-margin {} is outside {}..={} for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, and with a larger one a single keepalive that hangs (each waits a third of the TTL) would pause a healthy node; give a margin in that range, or a longer --session-ttl",
