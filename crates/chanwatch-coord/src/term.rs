@@ -727,6 +727,20 @@ mod tests {
     use chanwatch_core::Keys;
     use chanwatch_store::{EmbeddedStore, KeyValue};
 
+    /// What a test's `Term` borrows or takes (it borrows the first two from its caller).
+    fn parts() -> (
+        CoordinatorConfig,
+        watch::Sender<CoordStatus>,
+        Arc<dyn MetaStore>,
+    ) {
+        let (status, _) = watch::channel(CoordStatus::default());
+        (
+            CoordinatorConfig::default(),
+            status,
+            Arc::new(EmbeddedStore::new()),
+        )
+    }
+
     fn leader_kv(keys: &Keys, create_revision: i64, lease: Option<LeaseId>) -> KeyValue {
         KeyValue {
             key: keys.leader(),
@@ -740,9 +754,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_full_list_deposes_the_leader_unless_the_key_is_its_own() {
-        let config = CoordinatorConfig::default();
-        let (status, _rx) = watch::channel(CoordStatus::default());
-        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let (config, status, store) = parts();
         let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
         let reset = |kvs: Vec<KeyValue>| Update::Reset { kvs, revision: 9 };
         let keys = &config.keys;
@@ -796,9 +808,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_burst_of_session_losses_is_planned_once_it_is_over() {
-        let config = CoordinatorConfig::default();
-        let (status, _rx) = watch::channel(CoordStatus::default());
-        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let (config, status, store) = parts();
         let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
         let now = || tokio::time::Instant::now();
         // Nothing lost: a plan may run when the gap allows.
