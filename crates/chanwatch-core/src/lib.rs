@@ -47,6 +47,6 @@ pub use keys::{ChannelKey, ChannelOwner, KeyKind, Keys};
 pub use natural::natural;
 pub use types::{
     ChannelInfo, ChannelName, ChannelState, Checkpoint, CoordSession, Epoch, NodeId, NodeSession,
-    Progress, VChannelInfo, CHANNEL_INFO_VERSION, COORDINATOR_FIELDS, MAX_CHANNEL_EXTRA_BYTES,
-    MAX_VCHANNEL_BYTES,
+    Progress, RoundHint, VChannelInfo, CHANNEL_INFO_VERSION, COORDINATOR_FIELDS,
+    MAX_CHANNEL_EXTRA_BYTES, MAX_VCHANNEL_BYTES,
 };

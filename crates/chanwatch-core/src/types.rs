@@ -322,9 +322,26 @@ pub struct ChannelInfo {
     /// Balance never moves a pinned channel (drains, failovers and manual moves still do).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pinned: bool,
+    /// Set by the coordinator on a `ToWatch` put when one plan round puts several channels on
+    /// the same node, so that the node can acknowledge them in one write (DESIGN §2). A node
+    /// takes it off what it keeps: no ack carries it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<RoundHint>,
     /// Fields this build does not know, kept verbatim.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+/// "This put is one of `puts` that plan round `id` writes to this node" (DESIGN §2): the
+/// coordinator's moves of a failover travel in many txns, and a node that acknowledged each
+/// batch its watch showed wrote two or three ack txns where one would do, each queueing in
+/// etcd behind the moves still in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RoundHint {
+    /// The round, unique among one leader's rounds.
+    pub id: u64,
+    /// How many `ToWatch` puts the round writes to this node.
+    pub puts: u32,
 }
 
 fn one() -> u32 {
@@ -366,6 +383,7 @@ impl ChannelInfo {
             weight: 1,
             group: None,
             pinned: false,
+            round: None,
             extra: Map::new(),
         }
     }

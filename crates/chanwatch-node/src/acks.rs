@@ -16,6 +16,8 @@ use crate::checkpoint::{CommitError, CommitRequest};
 use crate::config::PlantedBug;
 use crate::session::Session;
 
+pub(crate) mod hold;
+
 /// What a write is for.
 // Built and consumed within one write; boxing the assignment would add an allocation per ack.
 #[allow(clippy::large_enum_variant)]
@@ -137,9 +139,23 @@ impl Session {
     /// while acks travel; with the loop blocked on each ack, a node under a burst of
     /// assignments started its next channels only one ack round trip later, and ack
     /// latency grew with the burst (the `ack` bench).
+    ///
+    /// Acks alone (no commit queued, less than a txn of them) also wait while a plan round's
+    /// puts are still coming ([`hold`]): the session's loop calls again at `hold_until`.
     pub(crate) fn send_acks(&mut self) {
         if self.ack_in_flight || (self.ack_queue.is_empty() && self.commit_queue.is_empty()) {
             return;
+        }
+        // One compare slot is the session guard. Values (and checkpoint states) are capped at
+        // 64 KiB, so a byte budget of half the request limit also bounds a chunk.
+        let max_ops = self.store.limits().max_txn_ops.saturating_sub(1).max(2);
+        let max_bytes = self.store.limits().max_request_bytes / 2;
+        self.hold_until = None;
+        if self.commit_queue.is_empty() && self.ack_queue.len() < max_ops {
+            if let Some(until) = self.round_hold.wait_until(self.clock.now()) {
+                self.hold_until = Some(until);
+                return;
+            }
         }
         // A paused node claims nothing: `Watched` waits for the resume. Saying it has stopped
         // a channel (`Released`, `WatchFailed`) is true paused or not, and lets the channel
@@ -160,10 +176,6 @@ impl Session {
         }
         let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
         let session = (!unguarded).then(|| self.session_guard());
-        // One compare slot is the session guard. Values (and checkpoint states) are capped at
-        // 64 KiB, so a byte budget of half the request limit also bounds a chunk.
-        let max_ops = self.store.limits().max_txn_ops.saturating_sub(1).max(2);
-        let max_bytes = self.store.limits().max_request_bytes / 2;
         // In channel order: runners woken together (a resume) queue their acks in whatever
         // order the scheduler woke them (tokio's watch wakes its waiters through randomly
         // chosen shards), and a simulation must replay the same txns.

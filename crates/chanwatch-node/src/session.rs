@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chanwatch_core::node::leave::{Departure, DepartureStep};
 use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
-use chanwatch_core::{ChannelInfo, ChannelName, Keys};
+use chanwatch_core::{ChannelInfo, ChannelName, Keys, RoundHint};
 use chanwatch_store::{keep_lease, Clock, Compare, EventKind, ListWatch, MetaStore, Update};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -68,6 +68,9 @@ pub(crate) struct Session {
     /// Acks waiting for the write in flight to return.
     pub(crate) ack_queue: Vec<(ChannelInfo, i64)>,
     pub(crate) ack_in_flight: bool,
+    /// Plan rounds whose puts are still coming, and until when acks wait for them.
+    pub(crate) round_hold: crate::acks::hold::RoundHold,
+    pub(crate) hold_until: Option<tokio::time::Instant>,
     /// The write in flight; aborted with the session (its txn may still land: it is
     /// guarded by the session and the key's revision, so that is harmless).
     pub(crate) ack_task: Option<AbortOnDropHandle<()>>,
@@ -126,6 +129,8 @@ impl Session {
             seen_at: BTreeMap::new(),
             ack_queue: Vec::new(),
             ack_in_flight: false,
+            round_hold: Default::default(),
+            hold_until: None,
             ack_task: None,
             acks_done_tx,
             acks_done_rx,
@@ -200,6 +205,7 @@ impl Session {
         let mut restarts_seen = 0;
         metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let hold = self.hold_until;
             if let Some(d) = departure.as_mut() {
                 let held = self.machine.channels().len();
                 match d.step(self.clock.unix_ms(), held) {
@@ -337,6 +343,7 @@ impl Session {
                     self.execute_or_fence(cmds).await;
                 }
                 Some(outcomes) = self.acks_done_rx.recv() => self.acks_done(outcomes).await,
+                () = tokio::time::sleep_until(hold.unwrap_or_else(|| self.clock.now())), if hold.is_some() => self.send_acks(),
                 Some(first) = self.commits_rx.recv() => {
                     self.commit_queue.push(first);
                     while let Ok(more) = self.commits_rx.try_recv() {
@@ -348,7 +355,7 @@ impl Session {
                     Some(Update::Reset { kvs, revision }) => {
                         self.metrics.relists.inc();
                         debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
-                        let list: Vec<_> = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|i| (i, kv.mod_revision))).collect();
+                        let list: Vec<_> = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|(i, _)| (i, kv.mod_revision))).collect();
                         self.create_revisions = kvs.iter().filter_map(|kv| self.keys.parse_channel(&kv.key).ok().map(|ck| (ck.channel, kv.create_revision))).collect();
                         let cmds = self.machine.reset(list);
                         self.execute_or_fence(cmds).await;
@@ -358,7 +365,10 @@ impl Session {
                         for ev in events {
                             let event = match ev.kind {
                                 EventKind::Put => match self.decode(&ev.kv.key, &ev.kv.value) {
-                                    Some(info) => {
+                                    Some((info, round)) => {
+                                        if let Some(round) = round {
+                                            self.round_hold.saw(round, &info.channel, self.clock.now());
+                                        }
                                         self.create_revisions.insert(info.channel.clone(), ev.kv.create_revision);
                                         NodeEvent::Put { info, mod_revision: ev.kv.mod_revision }
                                     }
@@ -421,11 +431,15 @@ impl Session {
         self.machine.step(event)
     }
 
-    /// The assignment under `key`, or `None` (logged naming the key, counted) when the key or
-    /// value is bad — a value naming another channel than its key included (DESIGN.md §2).
-    fn decode(&self, key: &str, value: &[u8]) -> Option<ChannelInfo> {
+    /// The assignment under `key` and the round hint it came with (taken off: no ack carries
+    /// it), or `None` (logged naming the key, counted) when the key or value is bad — a value
+    /// naming another channel than its key included (DESIGN.md §2).
+    fn decode(&self, key: &str, value: &[u8]) -> Option<(ChannelInfo, Option<RoundHint>)> {
         match chanwatch_core::node::decode_assignment(&self.keys, key, value) {
-            Ok((_, info)) => Some(info),
+            Ok((_, mut info)) => {
+                let round = info.round.take();
+                Some((info, round))
+            }
             Err(e) => {
                 self.metrics.corrupt.inc();
                 error!(node = %self.reg.id, key, error = %e, "node: assignment does not decode; not running it, leaving the key alone");
@@ -460,7 +474,10 @@ impl Session {
                 NodeCommand::Ack {
                     info,
                     expect_mod_revision,
-                } => self.ack_queue.push((info, expect_mod_revision)),
+                } => {
+                    self.round_hold.acked(&info.channel, self.clock.now());
+                    self.ack_queue.push((info, expect_mod_revision));
+                }
             }
         }
         self.send_acks();
@@ -540,6 +557,8 @@ impl Session {
     /// are still written and answered: a release waits for its worker, and a commit left
     /// queued until the end of this would hold the worker until its stop grace ran out.
     async fn stop_all(&mut self, commits: bool) {
+        // Nothing waits for a round's puts any more; what is queued goes with the commits.
+        self.round_hold.clear();
         let runners: Vec<(ChannelName, Runner)> =
             std::mem::take(&mut self.runners).into_iter().collect();
         for (_, r) in &runners {

@@ -159,7 +159,7 @@ impl Planner {
                 info: Box::new(info),
             }],
         };
-        Ok(self.pack(vec![change]).remove(0))
+        Ok(self.pack(vec![change], None).remove(0))
     }
 
     /// Pins (`true`) or unpins a channel: rewrites its key with `pinned` set, guarded on
@@ -197,7 +197,7 @@ impl Planner {
                 }],
             });
         }
-        Ok(merge(self.pack(changes)))
+        Ok(merge(self.pack(changes, None)))
     }
 
     /// Asks for a balance: it runs (within the damping rules) even with `auto_balance` off,
@@ -240,7 +240,7 @@ impl Planner {
                 }),
             });
         }
-        Ok(merge(self.pack(changes)))
+        Ok(merge(self.pack(changes, None)))
     }
 
     /// Moves a channel to `to`, break-before-make (`ToRelease` first). A channel that is not
@@ -287,7 +287,7 @@ impl Planner {
             }
             _ => reassign(&e, ChannelOwner::Node(to), Cause::Manual, now_ms),
         };
-        Ok(self.pack(vec![change]).remove(0))
+        Ok(self.pack(vec![change], None).remove(0))
     }
 
     /// Marks a node as draining (a key in the store, so it survives a coordinator failover):

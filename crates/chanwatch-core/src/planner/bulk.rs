@@ -32,7 +32,7 @@ impl Planner {
     /// # Errors
     /// Every entry already registered, with its index in `infos`; then nothing is planned.
     pub fn add_channels(
-        &self,
+        &mut self,
         infos: Vec<ChannelInfo>,
         now_ms: u64,
     ) -> Result<Vec<PlannedTxn>, Vec<(usize, AdminError)>> {
@@ -97,7 +97,8 @@ impl Planner {
                 }
             })
             .collect();
-        Ok(self.pack(changes))
+        let round = self.round_id(now_ms);
+        Ok(self.pack(changes, Some(round)))
     }
 }
 
@@ -170,7 +171,7 @@ mod tests {
     /// Without a live node the list is parked under `remaining`.
     #[test]
     fn without_nodes_the_list_is_parked() {
-        let w = World::new(PlannerConfig::default());
+        let mut w = World::new(PlannerConfig::default());
         let txns = w.state.add_channels(vec![new("a")], 0).expect("fine");
         assert!(matches!(
             &txns[0].ops[0],

@@ -147,6 +147,8 @@ pub struct Planner {
     /// them meanwhile (a node that hangs every load would otherwise be fed by balance as
     /// fast as its channels time out; found from outside: 60 transitions in 30 s).
     troubled: BTreeMap<NodeId, u64>,
+    /// The last round id given to puts ([`Planner::round_id`]).
+    last_round_id: u64,
     /// When the last membership change, failure or timeout was seen: balance waits
     /// `balance_quiet_ms` after it.
     quiet_since_ms: u64,
@@ -189,6 +191,7 @@ impl Planner {
             fences: BTreeMap::new(),
             fence_requests: Vec::new(),
             troubled: BTreeMap::new(),
+            last_round_id: 0,
             quiet_since_ms: 0,
             disturbed: false,
             moved_at: BTreeMap::new(),

@@ -138,12 +138,14 @@ prop_compose! {
         progress in proptest::option::of((0u8..=100, any::<u64>())),
         extra in extra_strategy(&[]),
         placement in (any::<u32>(), proptest::option::of("[a-z0-9]{1,8}"), any::<bool>()),
+        round in proptest::option::of((any::<u64>(), any::<u32>())),
     ) -> ChannelInfo {
         ChannelInfo {
             v: CHANNEL_INFO_VERSION, channel, state, epoch: Epoch(epoch), start_time_ms: start,
             vchannel, reason,
             progress: progress.map(|(percent, updated_at_ms)| Progress { percent, updated_at_ms }),
             weight: placement.0, group: placement.1, pinned: placement.2,
+            round: round.map(|(id, puts)| RoundHint { id, puts }),
             extra,
         }
     }

@@ -87,7 +87,8 @@ impl Planner {
                 self.moved_at.insert(t.channel.clone(), now_ms);
             }
         }
-        self.pack(changes)
+        let round = self.round_id(now_ms);
+        self.pack(changes, Some(round))
     }
 
     /// Forgets cool-downs, troubled nodes and back-offs that are over, at most once a second

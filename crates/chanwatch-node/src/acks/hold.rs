@@ -1,0 +1,171 @@
+//! The round hold: a node's acks wait, briefly, for the rest of a plan round's puts, so that
+//! the round's channels are acknowledged in one write (DESIGN §2, "round").
+//!
+//! A failover's moves travel in many txns (62 moves fit etcd's 128 ops), and a node's watch
+//! shows its share of them in two or three batches: acknowledging each batch as it came made
+//! two or three ack txns per node, each queueing in etcd behind the moves still in flight,
+//! the second waiting for the first. The coordinator now says on each put how many it writes
+//! to the node in the round ([`RoundHint`]); acks wait until the node has seen them all and
+//! queued an ack for each (a load that ends at once acks in the same write) — or until
+//! nothing of the round happened for [`QUIET`] (a refused txn's puts never come; a slow load
+//! keeps the others waiting no longer), or [`CAP`] after its first put.
+//!
+//! Owns: which rounds are incomplete and until when acks wait for them. Must not: write, or
+//! decide what to ack (the node machine does) — and never holds commits (the session sends
+//! them at once, acks riding along).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chanwatch_core::{ChannelName, RoundHint};
+use tokio::time::Instant;
+
+/// How long acks wait for a round's next put or ack before going without the rest: a
+/// failover's move txns land ~1–3 ms apart on a loaded etcd of this machine's kind.
+pub(crate) const QUIET: Duration = Duration::from_millis(20);
+/// The longest acks wait for any one round, however its puts trickle in.
+pub(crate) const CAP: Duration = Duration::from_millis(200);
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct RoundHold {
+    rounds: HashMap<u64, Round>,
+}
+
+#[derive(Debug)]
+struct Round {
+    puts: u32,
+    seen: HashSet<ChannelName>,
+    /// Seen, and no ack queued yet.
+    loading: HashSet<ChannelName>,
+    first: Instant,
+    last: Instant,
+}
+
+impl Round {
+    fn complete(&self) -> bool {
+        self.seen.len() >= self.puts as usize && self.loading.is_empty()
+    }
+
+    fn deadline(&self) -> Instant {
+        (self.last + QUIET).min(self.first + CAP)
+    }
+}
+
+impl RoundHold {
+    /// The watch showed a put of `channel` carrying `hint`, at `now`.
+    pub(crate) fn saw(&mut self, hint: RoundHint, channel: &ChannelName, now: Instant) {
+        if hint.puts <= 1 {
+            return;
+        }
+        let r = self.rounds.entry(hint.id).or_insert_with(|| Round {
+            puts: hint.puts,
+            seen: HashSet::new(),
+            loading: HashSet::new(),
+            first: now,
+            last: now,
+        });
+        if r.seen.insert(channel.clone()) {
+            r.loading.insert(channel.clone());
+        }
+        r.last = now;
+    }
+
+    /// An ack of `channel` was queued at `now`.
+    pub(crate) fn acked(&mut self, channel: &ChannelName, now: Instant) {
+        for r in self.rounds.values_mut() {
+            if r.loading.remove(channel) {
+                r.last = now;
+            }
+        }
+    }
+
+    /// `Some(when)` while acks should wait: some round is incomplete and not yet given up
+    /// (`when` is the earliest moment one of them is); forgets complete and given-up rounds.
+    pub(crate) fn wait_until(&mut self, now: Instant) -> Option<Instant> {
+        self.rounds
+            .retain(|_, r| !r.complete() && r.deadline() > now);
+        self.rounds.values().map(Round::deadline).min()
+    }
+
+    /// Forgets every round: nothing waits any more (the session is stopping).
+    pub(crate) fn clear(&mut self) {
+        self.rounds.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hint(id: u64, puts: u32) -> RoundHint {
+        RoundHint { id, puts }
+    }
+
+    fn name(s: &str) -> ChannelName {
+        ChannelName::new(s).expect("name")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn acks_wait_until_every_put_of_the_round_is_seen_and_acked() {
+        let mut h = RoundHold::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(h.wait_until(t0), None, "nothing seen: nothing waits");
+        h.saw(hint(7, 3), &name("a"), t0);
+        h.saw(hint(7, 3), &name("b"), t0);
+        h.acked(&name("a"), t0);
+        // The same put seen again (an event replayed) does not count twice, nor load again.
+        h.saw(hint(7, 3), &name("a"), t0 + ms(1));
+        assert_eq!(h.wait_until(t0 + ms(2)), Some(t0 + ms(1) + QUIET));
+        h.saw(hint(7, 3), &name("c"), t0 + ms(3));
+        h.acked(&name("c"), t0 + ms(3));
+        assert_eq!(
+            h.wait_until(t0 + ms(3)),
+            Some(t0 + ms(3) + QUIET),
+            "every put seen, b still loading"
+        );
+        h.acked(&name("b"), t0 + ms(4));
+        assert_eq!(h.wait_until(t0 + ms(4)), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_round_whose_puts_stop_coming_is_given_up_after_the_quiet_period_or_the_cap() {
+        let mut h = RoundHold::default();
+        let t0 = Instant::now();
+        h.saw(hint(1, 10), &name("a"), t0);
+        h.acked(&name("a"), t0);
+        let quiet = t0 + QUIET;
+        assert_eq!(h.wait_until(quiet - Duration::from_millis(1)), Some(quiet));
+        assert_eq!(h.wait_until(quiet), None, "no put for QUIET: acks go");
+        // Puts that keep trickling in hold acks no longer than CAP after the first.
+        let mut t = t0;
+        h.saw(hint(2, 1_000), &name("a"), t);
+        for i in 0.. {
+            if t >= t0 + CAP {
+                break;
+            }
+            assert!(h.wait_until(t).is_some());
+            t += QUIET / 2;
+            h.saw(hint(2, 1_000), &name(&format!("c{i}")), t);
+        }
+        assert_eq!(h.wait_until(t0 + CAP), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_single_put_and_a_cleared_hold_make_nothing_wait() {
+        let mut h = RoundHold::default();
+        let t0 = Instant::now();
+        h.saw(hint(3, 1), &name("a"), t0);
+        assert_eq!(h.wait_until(t0), None);
+        h.saw(hint(4, 2), &name("a"), t0);
+        h.saw(hint(5, 2), &name("b"), t0 + Duration::from_millis(5));
+        assert_eq!(
+            h.wait_until(t0),
+            Some(t0 + QUIET),
+            "the earlier deadline first"
+        );
+        h.clear();
+        assert_eq!(h.wait_until(t0), None);
+    }
+}
