@@ -8,3 +8,4 @@ mod example;
 mod exec;
 mod liveness;
 mod metrics;
+mod rounds;
