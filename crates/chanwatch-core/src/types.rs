@@ -29,7 +29,7 @@ pub const MAX_CHANNEL_NAME_BYTES: usize = 255;
 
 /// Fields of a [`ChannelInfo`] the coordinator sets; a registration (one channel or a bulk
 /// list) may not give them.
-pub const COORDINATOR_FIELDS: [&str; 7] = [
+pub const COORDINATOR_FIELDS: [&str; 8] = [
     "v",
     "channel",
     "state",
@@ -37,6 +37,7 @@ pub const COORDINATOR_FIELDS: [&str; 7] = [
     "start_time_ms",
     "reason",
     "progress",
+    "round",
 ];
 
 /// Most bytes, encoded, of a registered channel's fields besides `name` and `vchannel`

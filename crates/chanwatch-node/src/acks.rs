@@ -140,8 +140,11 @@ impl Session {
     /// assignments started its next channels only one ack round trip later, and ack
     /// latency grew with the burst (the `ack` bench).
     ///
-    /// Acks alone (no commit queued, less than a txn of them) also wait while a plan round's
-    /// puts are still coming ([`hold`]): the session's loop calls again at `hold_until`.
+    /// Acks of loads alone (`Watched` and progress reports; no commit queued, less than a txn
+    /// of them) also wait while a plan round's puts are still coming ([`hold`]): the
+    /// session's loop calls again at `hold_until`. A progress report followed in the queue
+    /// by another ack of its channel is dropped: nothing waits for its outcome, and the later
+    /// ack compares the revision it would have changed.
     pub(crate) fn send_acks(&mut self) {
         if self.ack_in_flight || (self.ack_queue.is_empty() && self.commit_queue.is_empty()) {
             return;
@@ -151,12 +154,17 @@ impl Session {
         let max_ops = self.store.limits().max_txn_ops.saturating_sub(1).max(2);
         let max_bytes = self.store.limits().max_request_bytes / 2;
         self.hold_until = None;
-        if self.commit_queue.is_empty() && self.ack_queue.len() < max_ops {
+        let loads_only = self
+            .ack_queue
+            .iter()
+            .all(|(info, _)| matches!(info.state, ChannelState::Watched | ChannelState::ToWatch));
+        if self.commit_queue.is_empty() && loads_only && self.ack_queue.len() < max_ops {
             if let Some(until) = self.round_hold.wait_until(self.clock.now()) {
                 self.hold_until = Some(until);
                 return;
             }
         }
+        self.round_hold.sent();
         // A paused node claims nothing: `Watched` waits for the resume. Saying it has stopped
         // a channel (`Released`, `WatchFailed`) is true paused or not, and lets the channel
         // move without a fence when the node can write but not watch (a stalled watch).
@@ -179,7 +187,18 @@ impl Session {
         // In channel order: runners woken together (a resume) queue their acks in whatever
         // order the scheduler woke them (tokio's watch wakes its waiters through randomly
         // chosen shards), and a simulation must replay the same txns.
-        let mut queue = now;
+        let mut later = std::collections::HashSet::new();
+        let mut queue: Vec<_> = now
+            .into_iter()
+            .rev()
+            .filter(|(info, _)| {
+                let superseded =
+                    info.state == ChannelState::ToWatch && later.contains(&info.channel);
+                later.insert(info.channel.clone());
+                !superseded
+            })
+            .collect();
+        queue.reverse();
         queue.sort_by(|a, b| a.0.channel.cmp(&b.0.channel));
         let mut writes: Vec<(usize, AckWrite)> = Vec::with_capacity(queue.len() + commits.len());
         for (info, expect) in queue {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chanwatch_core::node::leave::{Departure, DepartureStep};
 use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
-use chanwatch_core::{ChannelInfo, ChannelName, Keys, RoundHint};
+use chanwatch_core::{ChannelInfo, ChannelName, ChannelState, Keys, RoundHint};
 use chanwatch_store::{keep_lease, Clock, Compare, EventKind, ListWatch, MetaStore, Update};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -366,7 +366,7 @@ impl Session {
                             let event = match ev.kind {
                                 EventKind::Put => match self.decode(&ev.kv.key, &ev.kv.value) {
                                     Some((info, round)) => {
-                                        if let Some(round) = round {
+                                        if let (Some(round), ChannelState::ToWatch) = (round, info.state) {
                                             self.round_hold.saw(round, &info.channel, self.clock.now());
                                         }
                                         self.create_revisions.insert(info.channel.clone(), ev.kv.create_revision);
@@ -475,7 +475,10 @@ impl Session {
                     info,
                     expect_mod_revision,
                 } => {
-                    self.round_hold.acked(&info.channel, self.clock.now());
+                    // A progress report (still `ToWatch`) is not the load's outcome.
+                    if info.state != ChannelState::ToWatch {
+                        self.round_hold.acked(&info.channel, self.clock.now());
+                    }
                     self.ack_queue.push((info, expect_mod_revision));
                 }
             }

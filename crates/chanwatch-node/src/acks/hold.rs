@@ -5,14 +5,16 @@
 //! shows its share of them in two or three batches: acknowledging each batch as it came made
 //! two or three ack txns per node, each queueing in etcd behind the moves still in flight,
 //! the second waiting for the first. The coordinator now says on each put how many it writes
-//! to the node in the round ([`RoundHint`]); acks wait until the node has seen them all and
-//! queued an ack for each (a load that ends at once acks in the same write) — or until
-//! nothing of the round happened for [`QUIET`] (a refused txn's puts never come; a slow load
-//! keeps the others waiting no longer), or [`CAP`] after its first put.
+//! to the node in the round ([`RoundHint`]); `Watched` acks wait until the node has seen them
+//! all and queued the load's outcome of each (a load that ends at once acks in the same
+//! write; a progress report is not an outcome) — or until nothing of the round happened for
+//! [`QUIET`] (a refused txn's puts never come; a slow load keeps the others waiting no
+//! longer), or [`CAP`] after its first put. No ack waits more than [`CAP`] however rounds
+//! overlap, and a round given up is not waited for again when its late puts come.
 //!
 //! Owns: which rounds are incomplete and until when acks wait for them. Must not: write, or
-//! decide what to ack (the node machine does) — and never holds commits (the session sends
-//! them at once, acks riding along).
+//! decide what to ack (the node machine does) — and never holds commits or acks that say a
+//! channel stopped (the session sends them at once, held acks riding along).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -30,6 +32,10 @@ pub(crate) const CAP: Duration = Duration::from_millis(200);
 #[derive(Debug, Default)]
 pub(crate) struct RoundHold {
     rounds: HashMap<u64, Round>,
+    /// Rounds completed or given up, until `CAP` after: their late puts start no new wait.
+    finished: HashMap<u64, Instant>,
+    /// Since when acks have been waiting (the first `wait_until` that said wait).
+    waiting_since: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -53,9 +59,10 @@ impl Round {
 }
 
 impl RoundHold {
-    /// The watch showed a put of `channel` carrying `hint`, at `now`.
+    /// The watch showed a `ToWatch` put of `channel` carrying `hint`, at `now`.
     pub(crate) fn saw(&mut self, hint: RoundHint, channel: &ChannelName, now: Instant) {
-        if hint.puts <= 1 {
+        self.prune(now);
+        if hint.puts <= 1 || self.finished.contains_key(&hint.id) {
             return;
         }
         let r = self.rounds.entry(hint.id).or_insert_with(|| Round {
@@ -71,7 +78,8 @@ impl RoundHold {
         r.last = now;
     }
 
-    /// An ack of `channel` was queued at `now`.
+    /// The outcome of `channel`'s load (`Watched` or `WatchFailed`, not a progress report)
+    /// or its `Released` was queued for acknowledgement at `now`.
     pub(crate) fn acked(&mut self, channel: &ChannelName, now: Instant) {
         for r in self.rounds.values_mut() {
             if r.loading.remove(channel) {
@@ -80,17 +88,43 @@ impl RoundHold {
         }
     }
 
-    /// `Some(when)` while acks should wait: some round is incomplete and not yet given up
-    /// (`when` is the earliest moment one of them is); forgets complete and given-up rounds.
+    /// `Some(when)` while acks should wait: some round is incomplete and not yet given up,
+    /// and acks have not waited `CAP` yet (`when`: the earliest moment one of those ends).
     pub(crate) fn wait_until(&mut self, now: Instant) -> Option<Instant> {
-        self.rounds
-            .retain(|_, r| !r.complete() && r.deadline() > now);
-        self.rounds.values().map(Round::deadline).min()
+        self.prune(now);
+        let until = self.rounds.values().map(Round::deadline).min();
+        let since = *self.waiting_since.get_or_insert(now);
+        match until {
+            Some(until) if now < since + CAP => Some(until.min(since + CAP)),
+            _ => {
+                self.waiting_since = None;
+                None
+            }
+        }
+    }
+
+    /// The queued acks went (with a commit, or a full txn of them): the next wait starts now.
+    pub(crate) fn sent(&mut self) {
+        self.waiting_since = None;
     }
 
     /// Forgets every round: nothing waits any more (the session is stopping).
     pub(crate) fn clear(&mut self) {
         self.rounds.clear();
+        self.waiting_since = None;
+    }
+
+    /// Moves complete and given-up rounds to `finished`, and forgets those finished `CAP` ago.
+    fn prune(&mut self, now: Instant) {
+        let finished = &mut self.finished;
+        self.rounds.retain(|id, r| {
+            let keep = !r.complete() && r.deadline() > now;
+            if !keep {
+                finished.insert(*id, now);
+            }
+            keep
+        });
+        finished.retain(|_, at| *at + CAP > now);
     }
 }
 
@@ -150,6 +184,35 @@ mod tests {
             h.saw(hint(2, 1_000), &name(&format!("c{i}")), t);
         }
         assert_eq!(h.wait_until(t0 + CAP), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_given_up_round_is_not_waited_for_again_and_overlapping_rounds_wait_at_most_the_cap()
+    {
+        let mut h = RoundHold::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        h.saw(hint(1, 3), &name("a"), t0);
+        assert_eq!(h.wait_until(t0 + QUIET), None, "given up");
+        // Its last puts come late: nothing waits for the rest of it any more.
+        h.saw(hint(1, 3), &name("b"), t0 + QUIET + ms(1));
+        assert_eq!(h.wait_until(t0 + QUIET + ms(1)), None);
+        // A chain of rounds, each new one before the last is given up: acks wait from the
+        // first "wait" on, and never more than CAP.
+        let t1 = t0 + QUIET + ms(2);
+        let mut t = t1;
+        let mut id = 10;
+        while t < t1 + CAP {
+            h.saw(hint(id, 2), &name("x"), t);
+            assert!(h.wait_until(t).is_some_and(|until| until <= t1 + CAP));
+            id += 1;
+            t += ms(15);
+        }
+        assert_eq!(h.wait_until(t1 + CAP), None);
+        // Acks sent meanwhile (a commit took them): the next wait counts from then.
+        h.sent();
+        h.saw(hint(99, 2), &name("y"), t1 + CAP);
+        assert!(h.wait_until(t1 + CAP).is_some());
     }
 
     #[tokio::test(start_paused = true)]
