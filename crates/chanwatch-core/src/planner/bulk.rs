@@ -108,6 +108,7 @@ mod tests {
     use super::super::PlannerConfig;
     use super::*;
     use crate::types::{ChannelName, VChannelInfo};
+    use std::collections::BTreeSet;
 
     fn new(name: &str) -> ChannelInfo {
         ChannelInfo::new(
@@ -138,6 +139,7 @@ mod tests {
             [10, 10, 9]
         );
         let mut per_node = std::collections::BTreeMap::new();
+        let mut rounds = BTreeSet::new();
         for t in &txns {
             assert!(t.guards.iter().all(|g| g.mod_revision == 0));
             for op in &t.ops {
@@ -149,10 +151,27 @@ mod tests {
                     (Epoch(1), ChannelState::ToWatch, 5)
                 );
                 *per_node.entry(*owner).or_insert(0) += 1;
+                rounds.insert((*owner, info.round.map(|r| (r.id, r.puts))));
             }
         }
         // 30 channels over 3 nodes, node 1 already holding one.
-        assert_eq!(per_node.into_values().collect::<Vec<_>>(), [9, 10, 10]);
+        assert_eq!(per_node.values().copied().collect::<Vec<_>>(), [9, 10, 10]);
+        // Each put says how many the list writes to its node, under one id (DESIGN §2).
+        let id = rounds
+            .iter()
+            .find_map(|(_, r)| r.map(|r| r.0))
+            .expect("the puts carry a round");
+        let want: BTreeSet<_> = per_node
+            .iter()
+            .map(|(owner, k)| (*owner, Some((id, *k))))
+            .collect();
+        assert_eq!(rounds, want);
+        // A list of one puts one channel on its node: no hint.
+        let txns = w.state.add_channels(vec![new("single")], 6).expect("new");
+        assert!(txns[0]
+            .ops
+            .iter()
+            .all(|op| matches!(op, Op::Put { info, .. } if info.round.is_none())));
     }
 
     /// One registered name refuses the whole list, naming every such entry by index.
