@@ -4,9 +4,10 @@
 //! channels pinned with `ctl pin` stay put (same key, same epoch) through the balance a new
 //! node sets off; and after most nodes die, `--max-load` keeps the survivor at its cap and
 //! parks the overflow under `remaining` with the reason, placing it once a node with room
-//! joins.
+//! joins. And a failover whose moves come in many txns is acknowledged in one write per
+//! receiving node (DESIGN §2 `round`, §4), counted from the revisions of the test's watch.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 #[path = "chaos/audit.rs"]
@@ -172,6 +173,84 @@ async fn capacity_pins_and_max_load_shape_placement_from_outside() {
     .await;
     let rows = c.node_rows().expect("ctl nodes");
     assert!(rows.iter().all(|r| r.load <= 3.0), "{rows:?}");
+    for (name, p) in &mut c.procs {
+        assert!(p.running(), "{name} exited:\n{}", p.output());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_spread_over_many_txns_is_acknowledged_in_one_write_per_receiving_node() {
+    let mut c = Cluster::new("chanwatch-rounds").await;
+    let ttl = format!("--session-ttl={TTL}s");
+    // One move per txn (a delete and a put, within 3 ops and the leader guard): the
+    // failover of ~100 channels is ~100 txns, landing over many of etcd's commits. No balance.
+    c.coord(&[&ttl, "--balance-quiet=300s", "--max-txn-ops=4"]);
+    let endpoint = c.etcd.endpoint().to_owned();
+    for name in ["a", "b", "c"] {
+        c.node(name, &endpoint, &[&ttl]);
+    }
+    let a = c.node_id("a").await;
+    c.wait_coord_nodes(3).await;
+    let names: Vec<String> = (0..300).map(|i| format!("r-{i:03}")).collect();
+    c.add_channels(&names).await;
+    let placed = wait_for(60, "300 channels Watched", || c.settled(300, |_, _| true)).await;
+    let on_a = placed.values().filter(|(n, _)| *n == a).count();
+    assert!(on_a >= 50, "a holds {on_a} of 300: {:?}", per_node(&c));
+
+    let before = c.history.changes().len();
+    c.procs.retain(|(n, _)| n != "a"); // dropped: killed, its lease expires
+    wait_for(40, "a's channels Watched elsewhere", || {
+        c.settled(300, |_, n| n != a)
+    })
+    .await;
+    let changes = c.history.changes()[before..].to_vec();
+    let moved: BTreeMap<String, u64> = changes
+        .iter()
+        .filter(|x| x.created && x.epoch == 2)
+        .filter_map(|x| x.node.map(|n| (x.channel.clone(), n)))
+        .collect();
+    assert_eq!(
+        moved.len(),
+        on_a,
+        "each of a's channels moved once: {moved:?}"
+    );
+    let move_txns: BTreeSet<i64> = changes
+        .iter()
+        .filter(|x| x.created && moved.contains_key(&x.channel))
+        .map(|x| x.revision)
+        .collect();
+    let mut ack_writes: BTreeMap<u64, BTreeSet<i64>> = BTreeMap::new();
+    for x in &changes {
+        if x.state == Some(ChannelState::Watched) && moved.get(&x.channel) == x.node.as_ref() {
+            if let Some(n) = x.node {
+                ack_writes.entry(n).or_default().insert(x.revision);
+            }
+        }
+    }
+    println!(
+        "{} moves in {} txns; ack writes per receiving node: {:?}",
+        moved.len(),
+        move_txns.len(),
+        ack_writes
+            .iter()
+            .map(|(n, r)| (n, r.len()))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        move_txns.len() >= 10,
+        "the moves came in {} txns",
+        move_txns.len()
+    );
+    assert_eq!(ack_writes.len(), 2, "b and c received: {ack_writes:?}");
+    // One write each; a second if etcd spaced two of the move txns by more than the hold's
+    // 20 ms quiet period (a slow disk). With the hold planted away: 3 to 11 writes a node.
+    for (node, writes) in &ack_writes {
+        assert!(
+            writes.len() <= 2,
+            "node {node} acknowledged its share of the failover in {} writes: {writes:?}",
+            writes.len()
+        );
+    }
     for (name, p) in &mut c.procs {
         assert!(p.running(), "{name} exited:\n{}", p.output());
     }

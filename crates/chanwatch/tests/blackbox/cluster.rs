@@ -46,6 +46,9 @@ pub struct Change {
     pub epoch: u64,
     /// The key was created (a new assignment), not updated.
     pub created: bool,
+    /// The revision of the write (one txn, one revision).
+    #[allow(dead_code)] // read by placement.rs, not by every test binary that shares this
+    pub revision: i64,
 }
 
 /// Every change of `{root}/channel/` since [`History::start`], in order.
@@ -103,6 +106,7 @@ impl History {
                         },
                         epoch: info.map_or(0, |i| i.epoch.0),
                         created: !deleted && kv.version() == 1,
+                        revision: kv.mod_revision(),
                     });
                 }
             }
