@@ -563,6 +563,9 @@ impl<'a> Term<'a> {
     /// When the next plan may run: not before `not_before`, nor while it waits for more
     /// session losses of the same burst.
     fn plan_at(&self, not_before: tokio::time::Instant) -> tokio::time::Instant {
+        if self.config.planner.planted_bug == Some(PlannerBug::NoLossHold) {
+            return not_before;
+        }
         match self.losses {
             Some((first, last)) => not_before.max((last + LOSS_QUIET).min(first + LOSS_HOLD)),
             None => not_before,

@@ -60,6 +60,10 @@ pub enum PlannerBug {
     /// silent stall goes unnoticed until the resync (read by the coordinator's term, not by
     /// the planner).
     NoWatchStallCheck,
+    /// The leader plans as soon as it sees a session loss, not once a burst of losses is over
+    /// (read by the coordinator's term): a round may put channels on a node whose loss the
+    /// next watch batch shows, and its txn is refused or the channels move twice.
+    NoLossHold,
 }
 
 impl Default for PlannerConfig {

@@ -106,6 +106,8 @@ pub enum PlantArg {
     BalanceIgnoresBackoff,
     /// The leader does not check its watch against its keepalives' revisions.
     NoWatchStallCheck,
+    /// The leader plans at the first session loss of a burst, not once the burst is over.
+    NoLossHold,
 }
 
 impl PlantArg {
@@ -117,6 +119,7 @@ impl PlantArg {
                 chanwatch_core::planner::PlannerBug::BalanceIgnoresBackoff
             }
             PlantArg::NoWatchStallCheck => chanwatch_core::planner::PlannerBug::NoWatchStallCheck,
+            PlantArg::NoLossHold => chanwatch_core::planner::PlannerBug::NoLossHold,
         }
     }
 }
@@ -224,6 +227,7 @@ mod tests {
             ("force-without-fence", PlannerBug::ForceWithoutFence),
             ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
             ("no-watch-stall-check", PlannerBug::NoWatchStallCheck),
+            ("no-loss-hold", PlannerBug::NoLossHold),
         ] {
             let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
             let Command::Coord(args) = cli.command else {
