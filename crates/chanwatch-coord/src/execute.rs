@@ -280,17 +280,16 @@ impl Term<'_> {
     }
 
     pub(crate) fn record_txn(
-        &self,
+        &mut self,
         r: &Result<chanwatch_store::TxnResponse, StoreError>,
         started: tokio::time::Instant,
     ) {
+        let took = self.clock.now().saturating_duration_since(started);
+        if r.is_ok() {
+            self.losses.wrote(took);
+        }
         let m = &self.config.metrics;
-        m.txn_seconds.observe(
-            self.clock
-                .now()
-                .saturating_duration_since(started)
-                .as_secs_f64(),
-        );
+        m.txn_seconds.observe(took.as_secs_f64());
         m.txn(match r {
             Ok(resp) if resp.succeeded => "committed",
             Ok(_) => "refused",

@@ -81,6 +81,7 @@ mod election;
 pub mod events;
 mod execute;
 mod handle;
+mod losses;
 pub mod metrics;
 pub mod probe;
 pub mod summary;

@@ -24,20 +24,11 @@ use crate::availability::StoreAvailability;
 use crate::coordinator::CoordinatorConfig;
 use crate::execute::millis;
 use crate::handle::{refuse, ApiError, CoordStatus, Request};
+use crate::losses::LossHold;
 use crate::watch_health::{resync_wait, stall_limit, StallCheck};
 
 /// Least time between two plans driven by store events (ticks and admin requests aside).
 const PLAN_EVERY: Duration = Duration::from_millis(10);
-
-/// After a node's session is seen gone, the next plan waits until no other loss has been
-/// seen for `LOSS_QUIET` (and no longer than `LOSS_HOLD` after the first): nodes that die
-/// together (a rack; etcd revokes the expired leases it finds together, each in a revoke of
-/// its own) are seen in several watch batches a millisecond apart, and a round planned on
-/// the first batch put channels on nodes the next batch showed dead — refused by their
-/// session guards, or worse committed and moved a second time (the failover bench: runs
-/// whose losses were seen in two batches took 72 ms instead of 36–46).
-const LOSS_QUIET: Duration = Duration::from_millis(2);
-const LOSS_HOLD: Duration = Duration::from_millis(25);
 
 /// Most admin requests served in one turn of the leader loop. Every turn ends by draining
 /// the watch and planning when a plan is due, so a burst of requests delays a watch batch
@@ -73,9 +64,8 @@ pub(crate) struct Term<'a> {
     pub(crate) status: &'a watch::Sender<CoordStatus>,
     /// Sessions seen gone, with the channels they held, until those are all Watched again.
     pub(crate) failovers: Vec<Failover>,
-    /// When the first and the last of a burst of session losses were seen (see
-    /// [`LOSS_QUIET`]); `None` once the hold is over.
-    pub(crate) losses: Option<(tokio::time::Instant, tokio::time::Instant)>,
+    /// The hold over a burst of session losses, and the store's commit pace that sets it.
+    pub(crate) losses: LossHold,
     /// A request (drain, balance) wants a plan round; the loop runs it when its view is
     /// fresh (found by the simulation: a balance request right after an etcd outage planned
     /// from the stale view and fenced a node that was releasing).
@@ -115,7 +105,7 @@ impl<'a> Term<'a> {
             state: Planner::new(config.keys.clone(), config.planner.clone()),
             status,
             failovers: Vec::new(),
-            losses: None,
+            losses: LossHold::default(),
             replan: false,
             availability: StoreAvailability::new(
                 config.session_ttl,
@@ -317,7 +307,7 @@ impl<'a> Term<'a> {
                 && self.clock.now() >= self.plan_at(last_plan + plan_gap)
                 && blind.borrow().is_none()
             {
-                self.losses = None;
+                self.losses.planned();
                 last_plan = self.clock.now();
                 dirty = false;
                 // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand
@@ -536,7 +526,13 @@ impl<'a> Term<'a> {
     /// of every channel.
     pub(crate) fn session_gone(&mut self, id: NodeId, how: &str) {
         let held: Vec<ChannelName> = self.state.held_by_gone(id);
-        info!(node = %id, channels = held.len(), seen_by = how, "coord: node session gone; its channels fail over");
+        info!(
+            node = %id,
+            channels = held.len(),
+            seen_by = how,
+            wait_for_more_ms = self.losses.quiet().as_secs_f64() * 1e3,
+            "coord: node session gone; its channels fail over once no other loss is seen for wait_for_more_ms"
+        );
         self.events.node(
             id,
             "left",
@@ -546,8 +542,7 @@ impl<'a> Term<'a> {
             )),
         );
         if !held.is_empty() {
-            let now = self.clock.now();
-            self.losses = Some((self.losses.map_or(now, |(first, _)| first), now));
+            self.losses.lost(self.clock.now());
         }
         // Bounded: a storm of dead nodes must not grow this without limit.
         if !held.is_empty() && self.failovers.len() < 1024 {
@@ -566,10 +561,7 @@ impl<'a> Term<'a> {
         if self.config.planner.planted_bug == Some(PlannerBug::NoLossHold) {
             return not_before;
         }
-        match self.losses {
-            Some((first, last)) => not_before.max((last + LOSS_QUIET).min(first + LOSS_HOLD)),
-            None => not_before,
-        }
+        self.losses.plan_at(not_before)
     }
 
     /// Records a node event when `key` is the session of a node the view does not know yet.
@@ -727,6 +719,7 @@ impl<'a> Term<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::losses::{HOLD_MAX, QUIET_MIN};
     use chanwatch_core::Keys;
     use chanwatch_store::{EmbeddedStore, KeyValue};
 
@@ -819,21 +812,42 @@ mod tests {
         // A node that held nothing is no failover: no hold.
         lose(&mut term, 9, "", 10);
         assert_eq!(term.plan_at(now()), now());
-        // A loss holds the plan until LOSS_QUIET has passed without another.
+        // A loss holds the plan until the quiet period (QUIET_MIN: no txn timed yet) has
+        // passed without another.
         let first = now();
         lose(&mut term, 1, "c1", 20);
-        assert_eq!(term.plan_at(now()), first + LOSS_QUIET);
+        assert_eq!(term.plan_at(now()), first + QUIET_MIN);
         tokio::time::advance(Duration::from_millis(2)).await;
         lose(&mut term, 2, "c2", 30);
-        assert_eq!(term.plan_at(now()), now() + LOSS_QUIET);
+        assert_eq!(term.plan_at(now()), now() + QUIET_MIN);
         // A plan gap that ends later still rules.
-        assert_eq!(term.plan_at(now() + LOSS_HOLD), now() + LOSS_HOLD);
-        // Losses that keep coming hold it no longer than LOSS_HOLD after the first.
-        for n in 3..20 {
+        assert_eq!(term.plan_at(now() + HOLD_MAX), now() + HOLD_MAX);
+        // Losses that keep coming hold it no longer than HOLD_MAX after the first.
+        for n in 3..30 {
             tokio::time::advance(Duration::from_millis(2)).await;
             lose(&mut term, n, &format!("c{n}"), 10 * n as i64 + 40);
         }
-        assert!(now() > first + LOSS_HOLD);
-        assert_eq!(term.plan_at(first), first + LOSS_HOLD);
+        assert!(now() > first + HOLD_MAX);
+        assert_eq!(term.plan_at(first), first + HOLD_MAX);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_leaders_txns_set_how_long_a_burst_is_waited_for() {
+        let (config, status, store) = parts();
+        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
+        let now = || tokio::time::Instant::now();
+        // The store commits in 5 ms (etcd on a slow disk): a loss is waited on 10 ms.
+        for _ in 0..8 {
+            let started = now();
+            tokio::time::advance(Duration::from_millis(5)).await;
+            let answer = chanwatch_store::TxnResponse {
+                succeeded: true,
+                revision: 9,
+                responses: Vec::new(),
+            };
+            term.record_txn(&Ok(answer), started);
+        }
+        lose(&mut term, 1, "c1", 20);
+        assert_eq!(term.plan_at(now()), now() + Duration::from_millis(10));
     }
 }

@@ -245,20 +245,37 @@ fn data_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
     }
 }
 
-/// `N` distinct free ports (port 0 bound, then released: a small race with other processes,
-/// acceptable for tests; a collision shows up as "not healthy" with the server's log
-/// explaining it): all bound at once before any is released, so one process's
-/// ports never collide with each other (two `free_port` calls in a row can return the same
-/// port: CI saw nats-server fail with its client and monitor ports equal).
-fn free_ports<const N: usize>() -> std::io::Result<[u16; N]> {
-    let listeners = (0..N)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let mut ports = [0u16; N];
-    for (p, l) in ports.iter_mut().zip(&listeners) {
-        *p = l.local_addr()?.port();
+/// A loopback TCP port nothing listens on right now, for a process to be started on it.
+///
+/// Taken from below Linux's ephemeral range (32768–60999), not by binding port 0: a port
+/// from that range, released, can be the local port of the next outgoing connection of any
+/// process before the server binds it (CI saw a node's `--admin` fail with "address already
+/// in use" that way, under load). Successive calls in one process walk the range from a
+/// point set by the process ID, so one test binary's ports never repeat (two port-0 binds in a
+/// row could: CI saw nats-server start with its client and monitor ports equal) and two test
+/// binaries start far apart.
+///
+/// # Panics
+/// When no port in 20000–32767 can be bound (the loopback is full).
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 32_768 - LOW;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7919) % SPAN;
+    for _ in 0..SPAN {
+        let i = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(LOW + (start + i) % SPAN).expect("below 32768");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
     }
-    Ok(ports)
+    panic!("no free loopback port in 20000-32767");
+}
+
+/// `N` distinct free ports ([`free_port`]).
+fn free_ports<const N: usize>() -> std::io::Result<[u16; N]> {
+    Ok(std::array::from_fn(|_| free_port()))
 }
 
 impl EtcdFixture {

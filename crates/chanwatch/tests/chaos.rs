@@ -74,12 +74,7 @@ const QUOTA_BYTES: u64 = 32 << 20;
 /// Where the quota fault writes its junk: outside chanwatch's root.
 const JUNK_PREFIX: &str = "chaos-junk/";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
+use chanwatch_testkit::free_port;
 
 fn unix_ms() -> u64 {
     SystemTime::now()

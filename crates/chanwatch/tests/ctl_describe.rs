@@ -28,8 +28,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const TTL: u64 = 3;
 
 fn free_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").to_string()
+    format!("127.0.0.1:{}", chanwatch_testkit::free_port())
 }
 
 /// A process of the binary, its output in a file; killed on drop.

@@ -33,12 +33,7 @@ mod sigterm;
 #[path = "exec/summary.rs"]
 mod summary;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
+use chanwatch_testkit::free_port;
 
 /// The repository's `examples/workers/`.
 fn workers() -> PathBuf {

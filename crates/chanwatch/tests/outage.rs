@@ -254,10 +254,7 @@ async fn run(s: Scenario) -> (String, Vec<String>) {
     let mut etcd = Etcd::start(s).await;
     let endpoints = etcd.endpoints();
     let joined = endpoints.join(",");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = chanwatch_testkit::free_port();
     let admin = format!("127.0.0.1:{port}");
     let ttl = format!("--session-ttl={TTL_SECS}s");
     let mut procs = vec![(

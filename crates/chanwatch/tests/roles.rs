@@ -99,10 +99,7 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
             .expect("user and role");
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = chanwatch_testkit::free_port();
     let mut coord_args = vec![
         "coord".to_owned(),
         format!("--admin=127.0.0.1:{port}"),

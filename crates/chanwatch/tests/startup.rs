@@ -16,10 +16,7 @@ async fn a_coordinator_and_a_node_started_while_etcd_is_down_wait_for_it() {
     let endpoint = format!("--endpoints={}", fixture.endpoint());
     fixture.kill();
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = chanwatch_testkit::free_port();
     let mut coord = spawn(
         dir.path(),
         "coord",

@@ -26,10 +26,7 @@ pub fn unix_ms() -> u64 {
 }
 
 fn free_addr() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = chanwatch_testkit::free_port();
     format!("127.0.0.1:{port}")
 }
 
@@ -116,6 +113,25 @@ impl History {
 
     pub fn changes(&self) -> Vec<Change> {
         self.0.lock().expect("history").clone()
+    }
+
+    /// `Ok` once this watch has seen every channel of `settled` (channel → (node, epoch),
+    /// as [`Cluster::settled`] gives) created where it is; the watch may lag behind what
+    /// `ctl` shows on a busy machine. Else which channel it has not seen yet.
+    #[allow(dead_code)] // used by the placement tests, not by every binary that includes this
+    pub fn seen(&self, settled: &BTreeMap<String, (u64, u64)>) -> Result<(), String> {
+        let mut last = BTreeMap::new();
+        for c in self.changes() {
+            if let (true, Some(n)) = (c.created, c.node) {
+                last.insert(c.channel, (n, c.epoch));
+            }
+        }
+        match settled.iter().find(|(ch, at)| last.get(*ch) != Some(*at)) {
+            Some((ch, at)) => Err(format!(
+                "the test's watch has not seen {ch} created at {at:?}"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Assignments (key creations under a node), as (ms, channel, node, epoch).

@@ -90,10 +90,6 @@ pub fn ctl(endpoint: &str, args: &[&str]) -> Output {
         .expect("run ctl")
 }
 
-/// A loopback port nothing listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
+#[allow(unused_imports)]
+// not every test binary that includes this module starts processes on a port
+pub use chanwatch_testkit::free_port;
