@@ -187,7 +187,8 @@ impl Term<'_> {
         let mut failed: Option<String> = None;
         let mut lost = None;
         for (t, r, started) in outcomes {
-            self.record_txn(&r, started);
+            // Not the store's pace: timed when the whole list had landed.
+            self.record_txn(&r, started, false);
             match r {
                 Ok(resp) if resp.succeeded => {
                     // The watch may have shown these puts already, and the nodes' acks

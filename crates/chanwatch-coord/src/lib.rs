@@ -58,7 +58,8 @@
 //!
 //! `election.rs` (campaign, leader lease, standby), `term.rs` (one term as leader: the loop
 //! that drives the planner), `execute.rs` (planned txns to store txns, fencing),
-//! `availability.rs` (how long the store was away, so timers stand still), `handle.rs`
+//! `losses.rs` (after a session loss, when the next plan may run), `availability.rs` (how
+//! long the store was away, so timers stand still), `handle.rs`
 //! ([`CoordHandle`]), `coordinator.rs` ([`Coordinator`], its builder and
 //! [`CoordinatorConfig`]), [`api`] (the admin HTTP API), [`summary`] (the status page's reads) with
 //! `probe.rs` (asks the nodes' admin HTTP whether they paused) and [`metrics`].

@@ -33,9 +33,11 @@ pub(crate) const HOLD_MAX: Duration = Duration::from_millis(40);
 pub(crate) struct LossHold {
     /// When the first and the last loss of the current burst were seen.
     burst: Option<(Instant, Instant)>,
-    /// How long the leader's last [`PACE_TXNS`] txns took, oldest overwritten first; the
-    /// least of them is the store's commit time (txns of a round queue behind each other, a
-    /// slow one among fast ones is not the store's pace; a busy spell shows in every one).
+    /// How long the leader's last [`PACE_TXNS`] small txns sent alone took (the caller
+    /// picks them: txns of a round queue behind each other, and a large one times etcd's
+    /// apply as much as its commit), oldest overwritten first; the least of them is the
+    /// store's commit time (a slow one among fast ones is not the store's pace; a busy spell
+    /// shows in every one). Kept over idle spells: a new term starts from [`QUIET_MIN`].
     recent: Vec<Duration>,
     /// Where the next txn's time goes in `recent` once it is full.
     next: usize,

@@ -365,11 +365,13 @@ impl<'a> Term<'a> {
                     );
                 }
                 match result {
-                    // Re-plan on the refreshed view at once, without waiting for another
-                    // event or the plan gap: a refusal's read-back fixed the view (found by
-                    // the failover bench: sessions lost together but seen in two watch
-                    // batches made the first round's txns fail on the second batch's dead
-                    // nodes, and the retry waited out the gap, ~10 ms).
+                    // Re-plan on the refreshed view without waiting for another event or
+                    // the plan gap: a refusal's read-back fixed the view (found by the
+                    // failover bench: sessions lost together but seen in two watch batches
+                    // made the first round's txns fail on the second batch's dead nodes, and
+                    // the retry waited out the gap, ~10 ms). At once — unless the read-back
+                    // found more sessions gone: the burst is not over, and the retry waits
+                    // for its quiet period (`losses.rs`) like any loss.
                     // Once in a row: a view the read-back cannot fix retries at the gap's
                     // pace, not in a tight loop.
                     Ok(refused) if refused > 0 => {
@@ -526,13 +528,17 @@ impl<'a> Term<'a> {
     /// of every channel.
     pub(crate) fn session_gone(&mut self, id: NodeId, how: &str) {
         let held: Vec<ChannelName> = self.state.held_by_gone(id);
-        info!(
-            node = %id,
-            channels = held.len(),
-            seen_by = how,
-            wait_for_more_ms = self.losses.quiet().as_secs_f64() * 1e3,
-            "coord: node session gone; its channels fail over once no other loss is seen for wait_for_more_ms"
-        );
+        if held.is_empty() {
+            info!(node = %id, seen_by = how, "coord: node session gone; it held no channel");
+        } else {
+            info!(
+                node = %id,
+                channels = held.len(),
+                seen_by = how,
+                wait_for_more_ms = self.losses.quiet().as_secs_f64() * 1e3,
+                "coord: node session gone; its channels fail over once no other loss is seen for wait_for_more_ms (at most 40 ms after the first of a burst)"
+            );
+        }
         self.events.node(
             id,
             "left",
@@ -693,7 +699,7 @@ impl<'a> Term<'a> {
         };
         let started = self.clock.now();
         let result = self.store.txn(self.encoder().txn(&txn)).await;
-        self.record_txn(&result, started);
+        self.record_txn(&result, started, txn.ops.len() <= crate::execute::PACE_OPS);
         match result {
             Ok(r) if r.succeeded => {
                 self.state.applied(&txn, r.revision);
@@ -845,7 +851,18 @@ mod tests {
                 revision: 9,
                 responses: Vec::new(),
             };
-            term.record_txn(&Ok(answer), started);
+            term.record_txn(&Ok(answer), started, true);
+        }
+        // Txns that do not time the commit (large, pipelined, bulk) change nothing.
+        for _ in 0..8 {
+            let started = now();
+            tokio::time::advance(Duration::from_millis(50)).await;
+            let answer = chanwatch_store::TxnResponse {
+                succeeded: true,
+                revision: 10,
+                responses: Vec::new(),
+            };
+            term.record_txn(&Ok(answer), started, false);
         }
         lose(&mut term, 1, "c1", 20);
         assert_eq!(term.plan_at(now()), now() + Duration::from_millis(10));

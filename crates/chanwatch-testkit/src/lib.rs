@@ -247,30 +247,41 @@ fn data_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
 
 /// A loopback TCP port nothing listens on right now, for a process to be started on it.
 ///
-/// Taken from below Linux's ephemeral range (32768–60999), not by binding port 0: a port
-/// from that range, released, can be the local port of the next outgoing connection of any
-/// process before the server binds it (CI saw a node's `--admin` fail with "address already
-/// in use" that way, under load). Successive calls in one process walk the range from a
-/// point set by the process ID, so one test binary's ports never repeat (two port-0 binds in a
-/// row could: CI saw nats-server start with its client and monitor ports equal) and two test
-/// binaries start far apart.
+/// Taken from below the machine's ephemeral range (`ip_local_port_range`, 32768–60999 by
+/// default), not by binding port 0: a port from that range, released, can be the local port
+/// of the next outgoing connection of any process before the server binds it (CI saw a node's
+/// `--admin` fail with "address already in use" that way, under load). Successive calls in
+/// one process walk the 12,000 ports below that range from a point set by the process ID, so
+/// one test binary's ports never repeat (two port-0 binds in a row could: CI saw nats-server
+/// start with its client and monitor ports equal); two test binaries at once (cargo runs one
+/// at a time) most likely start far apart, and a port either took first is skipped by the
+/// other's bind check — only a port probed by both before either server binds can clash.
 ///
 /// # Panics
-/// When no port in 20000–32767 can be bound (the loopback is full).
+/// When no port in the range can be bound (the loopback is full).
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
-    const LOW: u32 = 20_000;
-    const SPAN: u32 = 32_768 - LOW;
+    const SPAN: u32 = 12_000;
     static NEXT: AtomicU32 = AtomicU32::new(0);
+    // The ephemeral range's low end; a range that starts too low for a span below it (some
+    // containers use 1024–65535) leaves no safe ports: take the default's.
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .filter(|low| *low >= 1024 + SPAN && *low <= 65_536)
+        .unwrap_or(32_768);
+    let low = ephemeral_low - SPAN;
     let start = std::process::id().wrapping_mul(7919) % SPAN;
     for _ in 0..SPAN {
         let i = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = u16::try_from(LOW + (start + i) % SPAN).expect("below 32768");
+        let Ok(port) = u16::try_from(low + (start + i) % SPAN) else {
+            continue;
+        };
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }
-    panic!("no free loopback port in 20000-32767");
+    panic!("no free loopback port in {low}-{}", low + SPAN - 1);
 }
 
 /// `N` distinct free ports ([`free_port`]).
