@@ -416,7 +416,7 @@ impl<H: ChannelHandler> ChannelHandler for AuditLog<H> {
 pub mod consumer;
 pub use consumer::{ConsumerOptions, StreamConsumer, StreamState};
 pub mod exec;
-pub use exec::{ExecError, ExecHandler, ExecOptions, WorkerScheduling};
+pub use exec::{ExecError, ExecHandler, ExecOptions};
 
 #[cfg(any(test, feature = "testing"))]
 mod recording;

@@ -70,8 +70,7 @@ pub use checkpoint::CommitError;
 pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug, Stop};
 pub use embed::{Node, NodeBuilder, NodeHandle, NodeStopper};
 pub use handler::{
-    AuditLog, ChannelContext, ChannelHandler, ExecHandler, ExecOptions, NamePatterns,
-    SimulatedLoad, WorkerScheduling,
+    AuditLog, ChannelContext, ChannelHandler, ExecHandler, ExecOptions, NamePatterns, SimulatedLoad,
 };
 /// Test fixtures (feature `testing`): a handler that records who ran what, when.
 #[cfg(any(test, feature = "testing"))]

@@ -390,30 +390,6 @@ pub struct HandlerArgs {
     /// An --exec worker's load is done once it is spawned (do not wait for its POST /ready).
     #[arg(long, env = "CHANWATCH_READY_ON_START")]
     pub ready_on_start: bool,
-    /// The scheduling policy of --exec workers: `batch` (SCHED_BATCH: a worker keeps its CPU
-    /// share but does not preempt the node each time an answer wakes it) or `normal` (the
-    /// node's own policy, for workers that need the lowest wake-up latency).
-    #[arg(long, env = "CHANWATCH_WORKER_SCHED", value_enum, default_value_t = WorkerSched::Batch)]
-    pub worker_sched: WorkerSched,
-}
-
-/// `--worker-sched`: the scheduling policy of `--exec` workers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum WorkerSched {
-    /// SCHED_BATCH.
-    #[default]
-    Batch,
-    /// SCHED_OTHER, as the node.
-    Normal,
-}
-
-impl From<WorkerSched> for chanwatch_node::WorkerScheduling {
-    fn from(w: WorkerSched) -> Self {
-        match w {
-            WorkerSched::Batch => chanwatch_node::WorkerScheduling::Batch,
-            WorkerSched::Normal => chanwatch_node::WorkerScheduling::Normal,
-        }
-    }
 }
 
 impl HandlerArgs {
@@ -435,13 +411,12 @@ impl HandlerArgs {
             command: command.clone(),
             stop_grace: self.stop_grace,
             ready_on_start: self.ready_on_start,
-            scheduling: self.worker_sched.into(),
         };
         let mut handler = chanwatch_node::ExecHandler::bind(options, &self.agent).await?;
         if self.log.log.is_some() {
             handler = handler.with_log(self.log.open(keys, None).await?);
         }
-        tracing::info!(agent = handler.agent_url(), command = %command, scheduling = ?self.worker_sched, "exec: workers will be spawned per channel");
+        tracing::info!(agent = handler.agent_url(), command = %command, "exec: workers will be spawned per channel");
         Ok(Some(handler))
     }
 

@@ -72,33 +72,15 @@ pub struct ExecOptions {
     /// Count the load done as soon as the worker is spawned, without waiting for
     /// `POST /ready`.
     pub ready_on_start: bool,
-    /// The scheduling policy workers run under (default [`WorkerScheduling::Batch`]).
-    pub scheduling: WorkerScheduling,
-}
-
-/// The Linux scheduling policy an [`ExecHandler`] starts its workers under.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WorkerScheduling {
-    /// `SCHED_BATCH`: a worker keeps its full share of the CPU, but waking up (an agent
-    /// answer, a message) does not preempt whatever runs — above all its node, which wakes a
-    /// worker with each commit's answer and, preempted each time, spent a third of its CPU
-    /// switching (`bench exec`, 1,000 workers on 2 cores). A woken worker runs when the CPU's
-    /// current task blocks or its slice ends: well under a millisecond later on a machine
-    /// that is not saturated.
-    #[default]
-    Batch,
-    /// `SCHED_OTHER`, the node's own policy (workers that need the lowest wake-up latency).
-    Normal,
 }
 
 impl ExecOptions {
-    /// Options for `command` with the defaults: 10 s grace, wait for `/ready`, `SCHED_BATCH`.
+    /// Options for `command` with the defaults: 10 s grace, wait for `/ready`.
     pub fn new(command: impl Into<String>) -> Self {
         ExecOptions {
             command: command.into(),
             stop_grace: Duration::from_secs(10),
             ready_on_start: false,
-            scheduling: WorkerScheduling::Batch,
         }
     }
 }
@@ -334,9 +316,6 @@ impl ChannelHandler for ExecHandler {
             .stderr(Stdio::piped())
             .process_group(0);
         sys::die_with_node(&mut cmd);
-        if self.options.scheduling == WorkerScheduling::Batch {
-            sys::batch_scheduling(&mut cmd);
-        }
         let spawning = std::time::Instant::now();
         let mut proc = spawn(cmd)
             .await

@@ -247,9 +247,6 @@ pub struct BenchExecArgs {
     /// Repetitions of the commits/s figures; medians are reported.
     #[arg(long, env = "CHANWATCH_BENCH_RUNS", default_value_t = 3)]
     pub runs: usize,
-    /// The children's scheduling policy, as `node --worker-sched`.
-    #[arg(long, env = "CHANWATCH_WORKER_SCHED", value_enum, default_value_t = crate::flags::WorkerSched::Batch)]
-    pub worker_sched: crate::flags::WorkerSched,
     /// Which store the coordinator and node run on: the embedded one (the floor is then an
     /// in-memory commit) or etcd (`--endpoints`; each cluster under a root of its own).
     #[arg(long, env = "CHANWATCH_BENCH_STORE", value_enum, default_value_t = StoreKind::Embedded)]

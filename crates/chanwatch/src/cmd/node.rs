@@ -281,27 +281,6 @@ mod tests {
         );
         assert_eq!(args.handler.stop_grace, Duration::from_millis(1500));
         assert!(args.handler.ready_on_start);
-        assert_eq!(args.handler.worker_sched, crate::flags::WorkerSched::Batch);
-        let normal = Cli::try_parse_from([
-            "chanwatch",
-            "node",
-            "--exec",
-            "w",
-            "--worker-sched",
-            "normal",
-        ])
-        .expect("parses");
-        let Command::Node(normal) = normal.command else {
-            panic!("not the node command");
-        };
-        assert_eq!(
-            normal.handler.worker_sched,
-            crate::flags::WorkerSched::Normal
-        );
-        assert!(
-            Cli::try_parse_from(["chanwatch", "node", "--worker-sched", "fifo"]).is_err(),
-            "a policy that is not offered"
-        );
         let keys = chanwatch_core::Keys::default();
         let exec = args
             .handler
@@ -330,8 +309,6 @@ mod tests {
             "/commit",
             "--stop-grace",
             "--agent",
-            "--worker-sched",
-            "SCHED_BATCH",
         ] {
             assert!(help.contains(want), "--help lacks {want}:\n{help}");
         }

@@ -1,8 +1,8 @@
 //! The exec handler's only `unsafe` code (the node crate denies `unsafe_code` everywhere
-//! else): the `pre_exec` hooks that tie a worker's life to the node's and set its scheduling
-//! policy, and `kill(2)` of a worker's process group.
+//! else): the `pre_exec` hook that ties a worker's life to the node's, and `kill(2)` of a
+//! worker's process group.
 //!
-//! Owns: those system calls. Must not: grow — anything that can be done safely is done in
+//! Owns: those two system calls. Must not: grow — anything that can be done safely is done in
 //! `exec.rs`.
 #![allow(unsafe_code)]
 
@@ -26,23 +26,6 @@ pub(super) fn die_with_node(cmd: &mut std::process::Command) {
             if libc::getppid() != node {
                 return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
-            Ok(())
-        });
-    }
-}
-
-/// Makes the child spawned by `cmd` run under `SCHED_BATCH` (see
-/// [`super::WorkerScheduling::Batch`]). Any process may switch itself from `SCHED_OTHER` to
-/// `SCHED_BATCH`; should the call still fail (a seccomp filter), the worker runs under the
-/// node's policy rather than not at all.
-pub(super) fn batch_scheduling(cmd: &mut std::process::Command) {
-    // SAFETY: the closure runs in the forked child before `exec` and calls only
-    // `sched_setscheduler` (a plain system call, async-signal-safe) on a parameter it owns;
-    // it touches no lock or memory shared with the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            let param = libc::sched_param { sched_priority: 0 };
-            libc::sched_setscheduler(0, libc::SCHED_BATCH, &param);
             Ok(())
         });
     }

@@ -325,10 +325,7 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
             }
             let h = Arc::new(
                 ExecHandler::bind(
-                    ExecOptions {
-                        scheduling: site.args.worker_sched.into(),
-                        ..ExecOptions::new(format!("exec '{}' -c '{PYTHON}'", python()))
-                    },
+                    ExecOptions::new(format!("exec '{}' -c '{PYTHON}'", python())),
                     "127.0.0.1:0",
                 )
                 .await?,
@@ -345,13 +342,7 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
             };
             let h = Arc::new(
                 ExecHandler::bind(
-                    ExecOptions {
-                        scheduling: site.args.worker_sched.into(),
-                        ..ExecOptions::new(format!(
-                            "exec '{}' bench exec-worker{tcp}",
-                            exe.display()
-                        ))
-                    },
+                    ExecOptions::new(format!("exec '{}' bench exec-worker{tcp}", exe.display())),
                     "127.0.0.1:0",
                 )
                 .await?,
@@ -516,7 +507,6 @@ async fn start(site: &Site<'_>, args: &BenchExecArgs) -> Result<()> {
         ExecHandler::bind(
             ExecOptions {
                 ready_on_start: true,
-                scheduling: args.worker_sched.into(),
                 ..ExecOptions::new("exec sleep 3600")
             },
             "127.0.0.1:0",
@@ -602,7 +592,6 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
         println!(
             "{}",
             json!({"bench": "exec-commits", "via": via.name(), "channels": args.commit_channels,
-                   "worker_sched": format!("{:?}", args.worker_sched).to_lowercase(),
                    "runs": fs.len(), "commits_per_s": rate.round(),
                    "commits_per_txn": (per_txn * 10.0).round() / 10.0,
                    "node_cpu_us_per_commit": node_us.round(),
@@ -621,11 +610,6 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
                     "agent / in-process commit throughput ({}): {:.2}",
                     via.name(),
                     rate / inproc.max(1.0)
-                );
-                println!(
-                    "{}",
-                    json!({"bench": "exec-ratio", "via": via.name(),
-                           "agent_over_in_process": (rate / inproc.max(1.0) * 100.0).round() / 100.0})
                 );
             }
         }
