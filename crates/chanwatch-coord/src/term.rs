@@ -842,28 +842,23 @@ mod tests {
         let (config, status, store) = parts();
         let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
         let now = || tokio::time::Instant::now();
+        // Eight txns that took `ms` each, timing the commit (`pace`) or not.
+        async fn txns(term: &mut Term<'_>, ms: u64, pace: bool) {
+            for _ in 0..8 {
+                let started = tokio::time::Instant::now();
+                tokio::time::advance(Duration::from_millis(ms)).await;
+                let answer = chanwatch_store::TxnResponse {
+                    succeeded: true,
+                    revision: 9,
+                    responses: Vec::new(),
+                };
+                term.record_txn(&Ok(answer), started, pace);
+            }
+        }
         // The store commits in 5 ms (etcd on a slow disk): a loss is waited on 10 ms.
-        for _ in 0..8 {
-            let started = now();
-            tokio::time::advance(Duration::from_millis(5)).await;
-            let answer = chanwatch_store::TxnResponse {
-                succeeded: true,
-                revision: 9,
-                responses: Vec::new(),
-            };
-            term.record_txn(&Ok(answer), started, true);
-        }
+        txns(&mut term, 5, true).await;
         // Txns that do not time the commit (large, pipelined, bulk) change nothing.
-        for _ in 0..8 {
-            let started = now();
-            tokio::time::advance(Duration::from_millis(50)).await;
-            let answer = chanwatch_store::TxnResponse {
-                succeeded: true,
-                revision: 10,
-                responses: Vec::new(),
-            };
-            term.record_txn(&Ok(answer), started, false);
-        }
+        txns(&mut term, 50, false).await;
         lose(&mut term, 1, "c1", 20);
         assert_eq!(term.plan_at(now()), now() + Duration::from_millis(10));
     }

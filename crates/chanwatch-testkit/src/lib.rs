@@ -13,8 +13,8 @@
 //! of this process ([`inproc::Cluster`]), which the binary's `demo`, `standalone` and benches
 //! use too.
 //!
-//! Must not: be used outside tests (the `inproc` harness excepted), or bind anything but
-//! 127.0.0.1.
+//! Must not: be used outside tests (the `inproc` harness and [`free_port`] excepted: the
+//! binary's benches use them), or bind anything but 127.0.0.1.
 //!
 //! The binary is `$CHANWATCH_ETCD_BIN` if set, else `etcd` on `PATH`, else `/usr/bin/etcd`.
 //! A missing binary is an error that says how to install it: integration tests fail rather

@@ -44,13 +44,6 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn free_addr() -> Result<String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    Ok(format!("127.0.0.1:{port}"))
-}
-
 fn spawn(dir: &Path, name: &str, args: &[String]) -> Result<Proc> {
     let out = std::fs::File::create(dir.join(format!("{name}.out")))?;
     let child = Command::new(std::env::current_exe()?)
@@ -175,7 +168,9 @@ async fn one_run(
 ) -> Result<RunResult> {
     let dir = std::env::temp_dir().join(format!("chanwatch-{}", keys.root()));
     std::fs::create_dir_all(&dir)?;
-    let admin = free_addr()?;
+    // From below the ephemeral range: a port-0 probe, released, can become an outgoing
+    // connection's local port before the coordinator binds it.
+    let admin = format!("127.0.0.1:{}", chanwatch_testkit::free_port());
     let quiet = args.balance_quiet + Duration::from_secs(2);
     let ttl = format!("--session-ttl={}s", args.session_ttl.as_secs());
     let common = vec![
