@@ -382,17 +382,24 @@ async fn a_worker_runs_per_channel_with_its_assignment_in_its_environment_and_st
         || format!("x-0's worker gone: {}", node.output()),
         || (groups_with(&marker).len() == 1).then_some(()),
     );
-    let lines = std::fs::read_to_string(&log).expect("handler log");
-    assert!(
-        lines
-            .lines()
-            .any(|l| l.starts_with("start ") && l.contains(" x-0 ")),
-        "{lines}"
+    // The node writes `stop` once it has reaped the worker: a moment after the group is gone
+    // (CI saw the log read in between).
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let lines = wait_for(
+        10,
+        || format!("a stop of x-0 in the handler log: {}", read_log()),
+        || {
+            let lines = read_log();
+            lines
+                .lines()
+                .any(|l| l.starts_with("stop ") && l.contains(" x-0 "))
+                .then_some(lines)
+        },
     );
     assert!(
         lines
             .lines()
-            .any(|l| l.starts_with("stop ") && l.contains(" x-0 ")),
+            .any(|l| l.starts_with("start ") && l.contains(" x-0 ")),
         "{lines}"
     );
     assert!(
