@@ -410,6 +410,9 @@ async fn ctl_admin_reads_a_standalone_which_has_no_etcd() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(rows[0]["channel"], "ch-000");
+    // The admin list carries no vchannel: null, not a made-up default (a newcomer saw
+    // `{"collection_id": 0}` for a channel added with collection 7).
+    assert!(rows.iter().all(|r| r["vchannel"].is_null()), "{rows:?}");
     let table = ctl(&["channels"]);
     assert!(String::from_utf8_lossy(&table.stdout).contains("3 channel(s)"));
     let nodes = ctl(&["nodes"]);
@@ -423,6 +426,7 @@ async fn ctl_admin_reads_a_standalone_which_has_no_etcd() {
     let get = ctl(&["get", "channel", "ch-002", "-o", "json"]);
     let v: Value = serde_json::from_slice(&get.stdout).expect("json");
     assert_eq!(v["channel"], "ch-002");
+    assert!(v["vchannel"].is_null(), "{v}");
 }
 
 /// etcd holding node 1's session, `orders-10` on it (vchannel, checkpoint) with fixed times.

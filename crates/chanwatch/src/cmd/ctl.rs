@@ -103,13 +103,14 @@ pub enum Command {
     Move {
         /// Channel name.
         name: String,
-        /// Target node ID.
-        #[arg(long, env = "CHANWATCH_CTL_TO")]
+        /// Target node ID (the ID column of `ctl nodes`).
+        #[arg(long, env = "CHANWATCH_CTL_TO", value_parser = node_id)]
         to: u64,
     },
     /// Move every channel off a node and stop assigning to it.
     Drain {
-        /// Node ID.
+        /// Node ID (the ID column of `ctl nodes`).
+        #[arg(value_parser = node_id)]
         node: u64,
     },
     /// Even out load over nodes (weights over capacity, until the spread is within one
@@ -137,7 +138,8 @@ pub enum Command {
     },
     /// Let a drained node take channels again (balance may then fill it).
     Undrain {
-        /// Node ID.
+        /// Node ID (the ID column of `ctl nodes`).
+        #[arg(value_parser = node_id)]
         node: u64,
     },
     /// Print a shell completion script: `source <(chanwatch ctl completion bash)`.
@@ -590,6 +592,13 @@ fn paused_lines(live: &BTreeMap<u64, live::Live>) -> String {
     out
 }
 
+/// A node ID as `ctl` arguments take it: the number in the ID column of `ctl nodes`.
+pub(crate) fn node_id(s: &str) -> Result<u64, String> {
+    s.trim().parse().map_err(|_| {
+        format!("'{s}' is not a node ID: give the number in the ID column of `ctl nodes` (node names are not accepted here)")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use chanwatch_core::planner::PlannedMove;
@@ -601,6 +610,28 @@ mod tests {
             r#"[{"channel":"orders-2","cause":"manual","from":1,"to":3,"state":"ToWatch","epoch":4}]"#,
         )
         .expect("a transition")
+    }
+
+    /// A node name where an ID is wanted says what to give instead (a newcomer tried
+    /// `ctl move orders-0 --to a` and read "invalid digit found in string").
+    #[test]
+    fn a_node_name_where_an_id_is_wanted_says_what_to_give() {
+        use clap::Parser;
+        for args in [
+            &["chanwatch", "ctl", "move", "orders-0", "--to", "a"][..],
+            &["chanwatch", "ctl", "drain", "a"],
+            &["chanwatch", "ctl", "undrain", "a"],
+            &["chanwatch", "ctl", "describe", "node", "a"],
+        ] {
+            let e = crate::cli::Cli::try_parse_from(args).expect_err("a name is not an ID");
+            assert!(
+                e.to_string().contains(
+                    "'a' is not a node ID: give the number in the ID column of `ctl nodes`"
+                ),
+                "{args:?}: {e}"
+            );
+        }
+        assert!(crate::cli::Cli::try_parse_from(["chanwatch", "ctl", "drain", "7"]).is_ok());
     }
 
     /// The writes print their answer in every format: a line each for a person, the typed

@@ -50,8 +50,9 @@ pub struct Line {
     pub row: ChannelRow,
     /// Whether its node says it is paused (`null`: parked, or the node did not say).
     pub paused: Option<bool>,
-    /// What a node needs to restore it.
-    pub vchannel: VChannelInfo,
+    /// What a node needs to restore it; `null` when read through `--admin`, whose list does
+    /// not carry it (`describe channel` shows it).
+    pub vchannel: Option<VChannelInfo>,
     /// Its checkpoint, `null` when none was committed yet.
     pub checkpoint: Option<CheckpointLine>,
 }
@@ -113,9 +114,7 @@ pub fn lines(
                 .node
                 .and_then(|n| live.get(&n))
                 .and_then(|l| l.fields().0.as_bool()),
-            vchannel: vchannels
-                .remove(&(row.channel.clone(), row.node))
-                .unwrap_or_default(),
+            vchannel: vchannels.remove(&(row.channel.clone(), row.node)),
             checkpoint: checkpoints.get(&row.channel).cloned(),
             row,
         })
@@ -188,7 +187,11 @@ pub fn table(lines: &[Line], wide: bool, age: impl Fn(u64) -> String, now_ms: u6
                 r.group.clone().unwrap_or_else(|| "-".into()),
                 if r.pinned { "pinned" } else { "-" }.to_owned(),
             ]);
-            cells.push(vchannel_cell(&l.vchannel));
+            cells.push(
+                l.vchannel
+                    .as_ref()
+                    .map_or_else(|| "-".to_owned(), vchannel_cell),
+            );
             match &l.checkpoint {
                 Some(cp) => {
                     cells.extend([cp.position.clone(), cp.epoch.to_string(), age(cp.age_ms)])

@@ -53,7 +53,8 @@ pub enum DescribeWhat {
     },
     /// A node: session, drain mark, channels, last events.
     Node {
-        /// Node ID.
+        /// Node ID (the ID column of `ctl nodes`).
+        #[arg(value_parser = super::node_id)]
         node: u64,
     },
 }
@@ -213,7 +214,8 @@ fn get_channel(name: &ChannelName, lines: &[Line], format: Format) -> Result<Str
 }
 
 /// `ctl channels` with `--admin`: rows and checkpoints from the admin API (no vchannel: the
-/// list does not carry it; `describe channel` shows it).
+/// list does not carry it, so it is `null` in `-o json`/`yaml` and `-` in `-o wide`;
+/// `describe channel` shows it).
 pub async fn remote_channels(leader: &Leader, filter: &Filter, format: Format) -> Result<String> {
     let lines = remote_lines(leader, filter).await?;
     Ok(match machine(format, &lines)? {
