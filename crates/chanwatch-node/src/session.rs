@@ -224,7 +224,13 @@ impl Session {
                         if left != last_left
                             && self.clock.now() >= last_left_log + Duration::from_secs(1)
                         {
-                            info!(node = %self.reg.id, left, of = d.initial, "node: leaving: channels still here");
+                            info!(
+                                node = %self.reg.id,
+                                left,
+                                of = d.initial,
+                                timeout = ?self.shutdown_timeout,
+                                "node: leaving: channels still here, waiting for the coordinator to move them (with no other live node that has room, or no coordinator, they stay until the shutdown timeout, then fail over; a second SIGTERM stops at once)"
+                            );
                             last_left = left;
                             last_left_log = self.clock.now();
                         }
