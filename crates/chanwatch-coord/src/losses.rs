@@ -13,9 +13,11 @@
 //!
 //! Why the pace: those revokes reach the leader one etcd commit apart (proposals that arrive
 //! while one is being committed wait for the next), so how long "together" lasts is etcd's
-//! commit time — under 1 ms on a fast disk, several ms on a slow or busy one. A fixed 2 ms
-//! quiet period split bursts on a disk-backed etcd under load (the burst-of-losses black-box
-//! test in CI: revokes 2+ ms apart, a round planned on the first, its txn refused).
+//! commit time — under 1 ms on a fast disk, several ms on a slow one, where a fixed 2 ms
+//! quiet period would split every burst. What the pace does not cover: revokes that run late
+//! on a CPU-starved machine (the burst-of-losses black-box test under three CPU hogs saw
+//! them ~10 ms apart with the pace at 2 ms). Such a split burst costs a refused round and its
+//! retry — the session guards keep every put off a node already gone.
 
 use std::time::Duration;
 
