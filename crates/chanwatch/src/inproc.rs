@@ -83,11 +83,13 @@ impl InProc {
         self.cluster.spawn_node()
     }
 
-    /// A node on the common store whose session says `capacity`.
-    pub fn spawn_node_with_capacity(&self, capacity: u32) -> NodeProc {
+    /// A node on the common store whose session says `capacity` and the address of its
+    /// admin HTTP (`admin_addr`, which the caller serves; empty: none).
+    pub fn spawn_node_at(&self, capacity: u32, admin_addr: String) -> NodeProc {
         let cluster = &self.cluster;
         let mut config = cluster.node_config.clone();
         config.capacity = capacity;
+        config.admin_addr = admin_addr;
         cluster.spawn_node_with(cluster.node_store(), cluster.handler.clone(), config)
     }
 

@@ -417,6 +417,26 @@ async fn ctl_admin_reads_a_standalone_which_has_no_etcd() {
     assert!(String::from_utf8_lossy(&table.stdout).contains("3 channel(s)"));
     let nodes = ctl(&["nodes"]);
     assert!(String::from_utf8_lossy(&nodes.stdout).contains("2 node(s)"));
+    // Each in-process node serves an admin HTTP of its own: ctl asks it and hears "running"
+    // (a newcomer saw `NODE SAYS ?` and "status unknown (the node serves no admin HTTP)").
+    let nodes = ctl(&["nodes", "-o", "json"]);
+    let rows: Vec<Value> = serde_json::from_slice(&nodes.stdout).expect("ctl nodes -o json");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for row in &rows {
+        assert_eq!(row["paused"], Value::Bool(false), "{row}");
+        let addr = row["admin_addr"].as_str().unwrap_or_default();
+        assert!(addr.starts_with("127.0.0.1:"), "{row}");
+    }
+    let says = ctl(&["channels"]);
+    let (out, err) = (
+        String::from_utf8_lossy(&says.stdout),
+        String::from_utf8_lossy(&says.stderr),
+    );
+    assert!(
+        !err.contains("status unknown") && !out.contains(" ?"),
+        "{out}{err}"
+    );
+    assert!(out.contains("running"), "{out}");
     let d = ctl(&["describe", "channel", "ch-001"]);
     assert!(
         String::from_utf8_lossy(&d.stdout).contains("Channel:     ch-001"),

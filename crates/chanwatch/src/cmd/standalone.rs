@@ -2,9 +2,9 @@
 //! the admin API, until Ctrl-C or SIGTERM.
 //!
 //! Owns: its flags (`Args`), wiring the in-process cluster to the admin API and one
-//! `/metrics` (the nodes' labelled `node`, build and process metrics as `coord` has), and the
+//! `/metrics` (the nodes' labelled `node`, build and process metrics as `coord` has), the
 //! read-only `GET /api/v1/checkpoints` it serves beside it (the embedded store's checkpoints,
-//! for `audit --admin`).
+//! for `audit --admin`), and each node's own admin HTTP on a loopback port of its own.
 //! Must not: hold control-plane logic, or flags other subcommands share (those are in
 //! `crate::flags`).
 
@@ -43,7 +43,7 @@ pub struct Args {
     #[command(flatten)]
     pub test_load: TestLoadArgs,
     /// Relative capacity of each in-process node (written in its session).
-    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub capacity: u32,
 }
 
@@ -87,7 +87,7 @@ pub async fn run(args: Args) -> Result<()> {
     let api = chanwatch_coord::api::router(
         cluster.handle.clone(),
         chanwatch_coord::api::ApiOptions {
-            registry,
+            registry: registry.clone(),
             token,
             allowed_hosts: args.access.admin_host,
         },
@@ -101,9 +101,10 @@ pub async fn run(args: Args) -> Result<()> {
         api,
         wait_true(stop.clone()),
     ));
-    let nodes: Vec<_> = (0..args.nodes)
-        .map(|_| cluster.spawn_node_with_capacity(args.capacity))
-        .collect();
+    let mut nodes = Vec::with_capacity(args.nodes);
+    for _ in 0..args.nodes {
+        nodes.push(spawn_node(&cluster, args.capacity, &registry, &stop).await?);
+    }
     cluster.ready().await?;
     for i in 0..args.channels {
         let name = ChannelName::new(format!("ch-{i:03}"))?;
@@ -120,13 +121,45 @@ pub async fn run(args: Args) -> Result<()> {
         "standalone running on the embedded store; try: curl http://{admin_addr}/api/v1/channels ; Ctrl-C stops"
     );
     wait_true(stop).await;
-    for n in nodes {
+    for (n, admin) in nodes {
         n.stop().await;
+        let _ = admin.await;
     }
     cluster.shutdown().await;
     server.await??;
     info!("standalone stopped");
     Ok(())
+}
+
+/// A node with an admin HTTP of its own on a free loopback port (`/status`, `/readyz`,
+/// `/metrics`), as a `node` process has: its session carries the address, so `ctl nodes`,
+/// `ctl channels` (NODE SAYS) and the status page ask it whether it runs or has paused,
+/// where without one they could only say "unknown".
+///
+/// # Errors
+/// No loopback port to bind.
+async fn spawn_node(
+    cluster: &crate::inproc::InProc,
+    capacity: u32,
+    registry: &prometheus::Registry,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> Result<(
+    crate::inproc::NodeProc,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+)> {
+    use anyhow::Context;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding a loopback port for an in-process node's admin HTTP")?;
+    let addr = listener.local_addr()?.to_string();
+    let node = cluster.spawn_node_at(capacity, addr);
+    let router = chanwatch_node::admin::router(node.status.clone(), registry.clone());
+    let server = tokio::spawn(chanwatch_coord::api::serve(
+        listener,
+        router,
+        wait_true(stop.clone()),
+    ));
+    Ok((node, server))
 }
 
 /// One `/metrics` for the whole process, as `coord` and `node` export theirs: the
