@@ -44,7 +44,7 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_COMPACT_INTERVAL", value_parser = humantime_secs, default_value = "10m")]
     pub compact_interval: Duration,
     /// Most operations in one etcd txn (etcd's --max-txn-ops).
-    #[arg(long, env = "CHANWATCH_MAX_TXN_OPS", default_value_t = 128, value_parser = clap::value_parser!(u32).range(4..=10_000))]
+    #[arg(long, env = "CHANWATCH_MAX_TXN_OPS", default_value_t = 128, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(4..=10_000))]
     pub max_txn_ops: u32,
     /// Most balance/drain moves in flight at once.
     #[arg(long, env = "CHANWATCH_MAX_CONCURRENT_MOVES", default_value_t = 16)]

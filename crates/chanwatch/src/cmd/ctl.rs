@@ -78,7 +78,7 @@ pub enum Command {
         vchannel: Option<String>,
         /// Its relative load (1 to 1000000; default 1): a node's load is the weights of its
         /// channels over its --capacity.
-        #[arg(long, env = "CHANWATCH_CTL_WEIGHT", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        #[arg(long, env = "CHANWATCH_CTL_WEIGHT", allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         weight: Option<u32>,
         /// A group (e.g. the collection) whose channels placement spreads across nodes.
         #[arg(long, env = "CHANWATCH_CTL_GROUP")]
@@ -632,6 +632,29 @@ mod tests {
             );
         }
         assert!(crate::cli::Cli::try_parse_from(["chanwatch", "ctl", "drain", "7"]).is_ok());
+    }
+
+    /// A negative number gets the range it must be in (a newcomer's `--weight -1` got clap's
+    /// "to pass '-1' as a value, use '-- -1'", which then failed anyway).
+    #[test]
+    fn a_negative_number_is_told_its_range() {
+        use clap::Parser;
+        for (args, range) in [
+            (
+                &["chanwatch", "ctl", "add-channel", "x", "--weight", "-1"][..],
+                "1..=1000000",
+            ),
+            (&["chanwatch", "node", "--capacity", "-2"], "1..=1000000"),
+            (
+                &["chanwatch", "standalone", "--capacity", "-2"],
+                "1..=1000000",
+            ),
+            (&["chanwatch", "coord", "--max-txn-ops", "-4"], "4..=10000"),
+        ] {
+            let e = crate::cli::Cli::try_parse_from(args).expect_err("out of range");
+            assert!(e.to_string().contains(range), "{args:?}: {e}");
+            assert!(!e.to_string().contains("-- -"), "{args:?}: {e}");
+        }
     }
 
     /// The writes print their answer in every format: a line each for a person, the typed

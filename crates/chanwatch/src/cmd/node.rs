@@ -67,7 +67,7 @@ pub struct Args {
     pub shutdown_timeout: Duration,
     /// This node's relative capacity: it gets channels of total weight in proportion (a
     /// node of capacity 2 takes twice what a node of 1 takes). Written in its session.
-    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub capacity: u32,
     /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
     /// check what stands behind it (tests/blackbox.rs). Never in production.

@@ -20,7 +20,7 @@ use clap::Args as ClapArgs;
 #[derive(Debug, Clone, ClapArgs)]
 pub struct Args {
     /// How many seeds to run (seeds START, START+1, ...).
-    #[arg(long, env = "CHANWATCH_SIM_SEEDS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "CHANWATCH_SIM_SEEDS", default_value_t = 100, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     pub seeds: u64,
     /// First seed.
     #[arg(long, env = "CHANWATCH_SIM_START", default_value_t = 0)]
@@ -32,10 +32,10 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_SIM_TRACE", requires = "seed")]
     pub trace: bool,
     /// Fault steps per seed before the faults stop and the cluster must settle.
-    #[arg(long, env = "CHANWATCH_SIM_STEPS", default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, env = "CHANWATCH_SIM_STEPS", default_value_t = 300, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub steps: u32,
     /// Seeds run at once (default: one per core).
-    #[arg(long, env = "CHANWATCH_SIM_JOBS", value_parser = clap::value_parser!(u64).range(1..=256))]
+    #[arg(long, env = "CHANWATCH_SIM_JOBS", allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..=256))]
     pub jobs: Option<u64>,
     /// Also print the summary as one JSON line on stdout.
     #[arg(long, env = "CHANWATCH_SIM_JSON")]
