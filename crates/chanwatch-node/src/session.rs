@@ -267,7 +267,7 @@ impl Session {
                 }
                 Some(landed) = announced_rx.recv() => {
                     if let Some(d) = departure.as_mut() {
-                        d.announce_done(landed);
+                        d.announce_done(landed, self.clock.unix_ms());
                         if landed {
                             info!(node = %self.reg.id, channels = self.machine.channels().len(), "node: leaving: announced; the coordinator drains us");
                         }

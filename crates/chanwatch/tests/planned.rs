@@ -192,6 +192,45 @@ async fn sigterm_moves_a_nodes_channels_off_while_it_runs_and_a_second_one_stops
     keep(c);
 }
 
+/// A node asked to leave while etcd is down cannot announce it: it retries the `leaving`
+/// write with a back-off (100 ms doubling to 2 s), keeping its channels, instead of in a loop
+/// (a newcomer saw ~10,000 warnings a second and the node at 100 % CPU); a second SIGTERM
+/// still stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_leaving_while_etcd_is_down_retries_with_a_back_off_not_in_a_loop() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::new("chanwatch-leave-down-").await;
+    let endpoint = c.etcd.endpoint().to_owned();
+    c.coord(&[TTL]);
+    c.node("a", &endpoint, &[TTL]);
+    c.wait_coord_nodes(1).await;
+    let names: Vec<String> = (0..5).map(|i| format!("ch-{i}")).collect();
+    c.add_channels(&names).await;
+    c.wait_settled(5, Duration::from_secs(60), |_, _| true)
+        .await
+        .expect("settled");
+    c.etcd.kill();
+    let sent = Instant::now();
+    proc_of(&mut c, "a").signal("TERM");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let out = c.output("a");
+    let tries = out.matches("leaving: cannot read our session yet").count();
+    println!("{tries} leaving writes tried in 4 s with etcd down");
+    assert!(
+        (1..=10).contains(&tries),
+        "{tries} leaving writes tried in 4 s (a back-off makes ~6); the node's output:\n{}",
+        &out[out.len().saturating_sub(4_000)..]
+    );
+    assert!(
+        proc_of(&mut c, "a").exit_code().is_none(),
+        "node a exited on its first SIGTERM with etcd down"
+    );
+    proc_of(&mut c, "a").signal("TERM");
+    let (code, took) = exit_of(&mut c, "a", sent, Duration::from_secs(30)).await;
+    println!("node a exited with {code} {took:?} after the first SIGTERM");
+    keep(c);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cold_start_with_expected_nodes_places_every_parked_channel_once_and_evenly() {
     let _serial = SERIAL.lock().await;
