@@ -715,6 +715,9 @@ impl<'a> Term<'a> {
                 Ok(())
             }
             Err(e) => {
+                // The asker hears it (503), and so does the operator of this process: a
+                // newcomer's leader whose credentials etcd refused logged nothing at all.
+                warn!(error = %e, channels = txn.transitions.len(), "coord: the txn of an admin request failed; answered 503 (the asker may retry)");
                 drop(reply.send(Err(ApiError::Store(e.to_string()))));
                 Ok(())
             }

@@ -180,4 +180,35 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
     );
     assert!(coord.running(), "coordinator exited:\n{}", coord.output());
     assert!(node.running(), "node exited:\n{}", node.output());
+
+    // The leader's write permission on the channels taken away while it leads: ctl's add is
+    // answered with etcd's own words, and the coordinator logs it as well (a newcomer's
+    // leader whose writes etcd refused logged nothing, and ctl said it waited for a leader).
+    fixture
+        .etcdctl(&[
+            "role",
+            "revoke-permission",
+            "chanwatch-coord",
+            &format!("{ROOT}/channel/"),
+            "--prefix=true",
+        ])
+        .expect("revoke the coordinator's write permission");
+    let out = ctl(&fixture, &["--timeout=2s", "add-channel", "c2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "add-channel c2 succeeded: {stderr}");
+    assert!(stderr.contains("permission denied"), "{stderr}");
+    assert!(
+        stderr.contains("retrying for up to 2 s (--timeout): the coordinator answered 503"),
+        "{stderr}"
+    );
+    eventually("the leader's own log line", Duration::from_secs(5), || {
+        let log = coord.output();
+        log.lines()
+            .any(|l| {
+                l.contains("WARN")
+                    && l.contains("the txn of an admin request failed")
+                    && l.contains("permission denied")
+            })
+            .then_some(())
+    });
 }

@@ -119,6 +119,9 @@ struct MoveTo {
     to: NodeId,
 }
 
+/// How a 503's reason to retry begins.
+const ANSWERED_503: &str = "the coordinator answered 503";
+
 /// What the API says when it refuses.
 #[derive(Deserialize)]
 struct Refusal {
@@ -318,7 +321,7 @@ impl Leader {
                 return Failed::Redirect;
             }
         }
-        Failed::Retry(format!("the coordinator answered 503: {msg}"))
+        Failed::Retry(format!("{ANSWERED_503}: {msg}"))
     }
 
     /// A followed leader that does not answer is forgotten: the next try asks `--admin`
@@ -358,8 +361,20 @@ impl Leader {
                         );
                     }
                     if !said {
+                        // A coordinator that answered 503 is there: it is not a leader
+                        // that ctl waits for, but the change it could not make.
+                        let wait = if why.starts_with(ANSWERED_503) {
+                            "retrying for up to"
+                        } else {
+                            "waiting up to"
+                        };
+                        let what = if why.starts_with(ANSWERED_503) {
+                            ""
+                        } else {
+                            " for a leader"
+                        };
                         eprintln!(
-                            "waiting up to {} s (--timeout) for a leader: {why}",
+                            "{wait} {} s (--timeout){what}: {why}",
                             self.timeout.as_secs_f64()
                         );
                         said = true;
