@@ -289,6 +289,43 @@ fn the_systemd_units_pass_systemd_analyze_verify() {
         ok && out.trim().is_empty(),
         "systemd-analyze verify:\n{out}"
     );
+    // A node's SIGTERM drains it for up to its --shutdown-timeout (60 s by default): the
+    // unit must wait longer before SIGKILL (it said 60, cutting the drain's last step off).
+    let node = std::fs::read_to_string(units.join("chanwatch-node.service")).expect("unit");
+    let stop: u64 = node
+        .lines()
+        .find_map(|l| l.strip_prefix("TimeoutStopSec="))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("TimeoutStopSec=SECONDS in the node's unit");
+    assert!(stop > node_shutdown_timeout_secs(), "TimeoutStopSec={stop}");
+    for unit in [
+        &node,
+        &std::fs::read_to_string(units.join("chanwatch-coord.service")).expect("unit"),
+    ] {
+        assert!(
+            unit.contains("#operating-and-deploying"),
+            "the README anchor"
+        );
+    }
+}
+
+/// The node's default `--shutdown-timeout`, in seconds, as `chanwatch node --help` says.
+fn node_shutdown_timeout_secs() -> u64 {
+    let out = std::process::Command::new(bin())
+        .args(["node", "--help"])
+        .output()
+        .expect("chanwatch node --help");
+    let help = String::from_utf8_lossy(&out.stdout);
+    let after = help
+        .split("--shutdown-timeout <")
+        .nth(1)
+        .expect("--shutdown-timeout in node --help");
+    after
+        .split("[default: ")
+        .nth(1)
+        .and_then(|d| d.split("s]").next())
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("no default in seconds for --shutdown-timeout: {after}"))
 }
 
 #[test]
@@ -321,6 +358,13 @@ fn every_deploy_manifest_parses_and_the_kubernetes_objects_are_the_ones_document
     assert_eq!(kind("PodDisruptionBudget").len(), 1);
     let sts = kind("StatefulSet");
     assert_eq!(sts.len(), 1);
+    let grace = sts[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        .as_u64()
+        .expect("the nodes' terminationGracePeriodSeconds");
+    assert!(
+        grace > node_shutdown_timeout_secs(),
+        "the kubelet would SIGKILL a draining node at {grace} s"
+    );
     let env = &sts[0]["spec"]["template"]["spec"]["containers"][0]["env"];
     assert!(
         env.as_array()
