@@ -124,7 +124,8 @@ impl EtcdStore {
     /// Connects and checks that etcd answers.
     ///
     /// # Errors
-    /// `Config` for unreadable TLS files or no endpoints; `Unavailable` when etcd does not
+    /// `Config` for unreadable TLS files, no endpoints, or endpoints that can never connect
+    /// (a scheme other than http/https; http with TLS files); `Unavailable` when etcd does not
     /// answer within the connect timeout; `Unauthenticated` for refused credentials;
     /// `PermissionDenied` when the user may not read the probe key.
     pub async fn connect(config: EtcdConfig) -> StoreResult<Self> {
@@ -133,6 +134,7 @@ impl EtcdStore {
                 "no etcd endpoints given; pass --endpoints http://HOST:2379".into(),
             ));
         }
+        crate::etcd_error::check_endpoints(&config.endpoints, config.tls.is_some())?;
         let endpoints = config.endpoints.join(",");
         let mut options = ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)

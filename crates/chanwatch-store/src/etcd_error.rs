@@ -132,3 +132,61 @@ pub(crate) fn cancel_error(endpoints: &str, user: &str, key: &str, reason: &str)
     };
     StoreError::WatchClosed(why)
 }
+
+/// Endpoints that can never connect, said at once instead of retried for ever (a newcomer's
+/// `htp://…` and an `http://` endpoint with `--etcd-ca` were "unavailable" every few seconds):
+/// a scheme other than `http://` or `https://` (none: `HOST:PORT` is plain HTTP), and, when
+/// TLS files are given (`tls`), an `http://` endpoint.
+pub(crate) fn check_endpoints(endpoints: &[String], tls: bool) -> Result<(), StoreError> {
+    for e in endpoints {
+        let scheme = e.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+        match scheme.as_deref() {
+            None | Some("https") => {}
+            Some("http") if !tls => {}
+            Some("http") => {
+                return Err(StoreError::Config(format!(
+                    "etcd endpoint {e} is plain HTTP but TLS files were given (--etcd-ca, \
+                     --etcd-cert, --etcd-key): use https://, or drop the TLS flags"
+                )))
+            }
+            Some(other) => {
+                return Err(StoreError::Config(format!(
+                    "bad etcd endpoint URL {e}: the scheme {other}:// is neither http:// nor \
+                     https://"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_that_can_never_connect_are_a_configuration_error() {
+        let list = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert!(
+            check_endpoints(&list(&["http://127.0.0.1:2379", "127.0.0.1:2380"]), false).is_ok()
+        );
+        assert!(
+            check_endpoints(&list(&["https://etcd-1:2379", "HTTPS://etcd-2:2379"]), true).is_ok()
+        );
+        for (bad, tls, says) in [
+            ("htp://127.0.0.1:2379", false, "the scheme htp://"),
+            ("ftp://127.0.0.1:2379", true, "the scheme ftp://"),
+            (
+                "http://127.0.0.1:2379",
+                true,
+                "plain HTTP but TLS files were given",
+            ),
+        ] {
+            let e = check_endpoints(&list(&["https://ok:2379", bad]), tls).expect_err(bad);
+            assert!(
+                matches!(&e, StoreError::Config(m) if m.contains(says) && m.contains(bad)),
+                "{e}"
+            );
+        }
+    }
+}

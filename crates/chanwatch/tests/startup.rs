@@ -122,3 +122,56 @@ fn a_node_with_a_fence_margin_out_of_range_exits_at_once_naming_the_range() {
         assert!(err.contains(&want), "{err}");
     }
 }
+
+/// Runs `chanwatch ARGS` and waits up to 10 s for it to exit: its success and stderr.
+fn exit_of(args: &[&str]) -> (bool, String) {
+    let mut p = Command::new(bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run chanwatch");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = p.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = p.kill();
+            panic!("{args:?} did not exit within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut p.stderr.take().expect("stderr"), &mut err)
+        .expect("read stderr");
+    (status.success(), err)
+}
+
+/// An endpoint that can never connect is a configuration error, said at once: a newcomer's
+/// `htp://` and an `http://` endpoint with `--etcd-ca` were retried as "unavailable" for ever.
+#[test]
+fn an_endpoint_that_can_never_connect_ends_the_process_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, "not read: the endpoint is refused first").expect("ca file");
+    let ca = ca_file.to_str().expect("utf-8 path");
+    for part in ["node", "coord"] {
+        for (flags, says) in [
+            (
+                vec!["--endpoints=htp://127.0.0.1:1"],
+                "the scheme htp:// is neither http:// nor https://",
+            ),
+            (
+                vec!["--endpoints=http://127.0.0.1:1", "--etcd-ca", ca],
+                "is plain HTTP but TLS files were given",
+            ),
+        ] {
+            let mut args = vec![part, "--admin=127.0.0.1:0"];
+            args.extend(flags);
+            let (ok, err) = exit_of(&args);
+            assert!(!ok && err.contains(says), "{args:?}: {err}");
+        }
+    }
+}
