@@ -198,6 +198,16 @@ impl EventLog {
 
     /// Records committed transitions.
     pub fn transitions(&self, transitions: &[Transition]) {
+        self.transitions_with(transitions, |_| None);
+    }
+
+    /// Records `transitions`, each with the detail `detail` gives it (a failed channel's
+    /// reason: what its node said).
+    pub fn transitions_with(
+        &self,
+        transitions: &[Transition],
+        detail: impl Fn(&Transition) -> Option<String>,
+    ) {
         let time_ms = self.clock.unix_ms();
         for t in transitions {
             self.record(Event {
@@ -212,7 +222,7 @@ impl EventLog {
                 to: t.to.map(|o| o.to_string()),
                 state: t.state,
                 epoch: Some(t.epoch.0),
-                detail: None,
+                detail: detail(t),
             });
         }
     }

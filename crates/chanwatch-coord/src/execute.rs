@@ -307,7 +307,22 @@ impl Term<'_> {
     /// One log line, one counter and one event per channel transition; an event per drain
     /// or fence mark written or deleted.
     pub(crate) fn log_transitions(&self, t: &PlannedTxn) {
-        self.events.transitions(&t.transitions);
+        // A failed channel's new value says why (`failed: …`, the node's words): the event
+        // and the log line carry it, so `ctl events` tells the operator.
+        let failed_why = |tr: &chanwatch_core::planner::Transition| -> Option<String> {
+            if tr.cause != chanwatch_core::planner::Cause::Failed {
+                return None;
+            }
+            t.ops.iter().find_map(|op| match op {
+                Op::Put { info, .. } if info.channel == tr.channel => info
+                    .reason
+                    .as_deref()
+                    .and_then(|r| r.strip_prefix("failed: "))
+                    .map(str::to_owned),
+                _ => None,
+            })
+        };
+        self.events.transitions_with(&t.transitions, failed_why);
         for op in &t.ops {
             match op {
                 Op::Drain { node } => self.events.node(*node, "drained", None),
@@ -332,6 +347,7 @@ impl Term<'_> {
                 to = tr.to.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
                 state = tr.state.map_or("deleted", |s| s.as_str()),
                 epoch = %tr.epoch,
+                reason = failed_why(tr).unwrap_or_default(),
                 "coord: channel transition"
             );
         }

@@ -456,6 +456,19 @@ async fn a_worker_that_exits_1_fails_its_channel_and_it_runs_on_the_other_node()
         out.contains("crashing"),
         "the worker's stdout is in the node's log: {out}"
     );
+    // Why it failed reaches the operator: the `failed` event carries the node's reason (a
+    // newcomer saw only `failed f-0: 11 -> 10`).
+    let (ok, events, err) = w.ctl(&["events", "-o", "json"]);
+    assert!(ok, "ctl events: {err}");
+    let events: Vec<serde_json::Value> = serde_json::from_str(&events).expect("events json");
+    assert!(
+        events.iter().any(|e| e["cause"] == "failed"
+            && e["channel"] == "f-0"
+            && e["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("exit code 1"))),
+        "{events:?}"
+    );
     // Not respawned in a loop on a: it stays on b.
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(

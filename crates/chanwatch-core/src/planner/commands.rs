@@ -211,7 +211,14 @@ pub(super) fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -
     info.epoch = info.epoch.next();
     info.start_time_ms = now_ms;
     info.progress = None;
-    info.reason = Some(cause.as_str().to_owned());
+    info.reason = Some(match (&e.info.reason, e.info.state) {
+        // What the node said when it failed the channel goes along (`ctl describe`, the
+        // coordinator's event and log line), cut to a bound.
+        (Some(why), ChannelState::WatchFailed) if cause == Cause::Failed => {
+            format!("{}: {}", cause.as_str(), bounded(why))
+        }
+        _ => cause.as_str().to_owned(),
+    });
     let mut ops = Vec::with_capacity(2);
     if e.owner != to {
         ops.push(Op::Delete {
@@ -235,6 +242,16 @@ pub(super) fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -
         guards: vec![guard(e)],
         ops,
         transition: Some(transition),
+    }
+}
+
+/// Most characters of a node's reason a reassignment carries on.
+const REASON_MAX: usize = 1_000;
+
+fn bounded(why: &str) -> &str {
+    match why.char_indices().nth(REASON_MAX) {
+        Some((at, _)) => &why[..at],
+        None => why,
     }
 }
 
@@ -346,6 +363,29 @@ mod tests {
             50,
         );
         assert!(matches!(&c.ops[..], [Op::Put { owner, .. }] if *owner == n(1)));
+        // A failed channel's new value carries what its node said (bounded).
+        let mut failed = entry(n(1), ChannelState::WatchFailed, 3);
+        failed.info.reason = Some("the worker exited before POST /ready (exit code 2)".into());
+        let c = reassign(&failed, n(2), Cause::Failed, 50);
+        let Some(Op::Put { info, .. }) = c.ops.last() else {
+            panic!("a put");
+        };
+        assert_eq!(
+            info.reason.as_deref(),
+            Some("failed: the worker exited before POST /ready (exit code 2)")
+        );
+        failed.info.reason = Some("é".repeat(5_000));
+        let c = reassign(&failed, n(2), Cause::Failed, 50);
+        let Some(Op::Put { info, .. }) = c.ops.last() else {
+            panic!("a put");
+        };
+        assert_eq!(info.reason.as_ref().map(|r| r.chars().count()), Some(1_008));
+        // Other causes say only themselves.
+        let c = reassign(&failed, n(2), Cause::Failover, 50);
+        let Some(Op::Put { info, .. }) = c.ops.last() else {
+            panic!("a put");
+        };
+        assert_eq!(info.reason.as_deref(), Some("failover"));
     }
 
     #[test]
