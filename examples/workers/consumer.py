@@ -84,6 +84,12 @@ class AgentLog:
     def read(self, max_records):
         """The next messages, as (position, payload); waits up to 1 s for one."""
         status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=1000")
+        if status == 404:
+            # The node serves no log (it was started without --log): this never changes, so
+            # say so and fail the channel rather than consume nothing in silence.
+            why = "the node serves no log to read (GET /read: 404): start it with --log file:DIR or nats://HOST:PORT"
+            call("POST", "/fail", {"reason": why})
+            sys.exit(why)
         if status != 200:
             time.sleep(0.2)
             return []

@@ -705,3 +705,25 @@ fn the_dockerfile_copies_what_exists_and_ships_the_binary_cargo_builds() {
         );
     }
 }
+
+/// The README shows the example workers whole, as they are in `examples/workers/` (its
+/// listings had drifted from the files: a newcomer found lines missing).
+#[test]
+fn the_readme_shows_the_example_workers_as_they_are() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
+    for (anchor, fence, file) in [
+        ("A worker in a dozen lines of shell", "```sh\n", "worker.sh"),
+        ("A complete consumer in Python", "```python\n", "consumer.py"),
+    ] {
+        let from = readme.find(anchor).unwrap_or_else(|| panic!("{anchor:?} in README"));
+        let start = readme[from..].find(fence).expect("the listing") + from + fence.len();
+        let end = readme[start..].find("\n```\n").expect("its end") + start;
+        let path = repo().join("examples/workers").join(file);
+        let text = std::fs::read_to_string(&path).expect("the example");
+        assert_eq!(
+            &readme[start..end],
+            text.trim_end_matches('\n'),
+            "README's listing of {file} differs from the file"
+        );
+    }
+}
