@@ -35,13 +35,15 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 pub enum CoordError {
     /// The store configuration is unusable (bad endpoint, unreadable TLS file) and the store
     /// never answered: fix the flags and start again. Every other store error is retried.
+    /// (The store's words are in the message, so it is not also the `source`: an error
+    /// chain printed them twice.)
     #[error("store refused the coordinator at start-up: {0}")]
-    Store(#[source] StoreError),
+    Store(StoreError),
     /// The metrics registry given to the builder refused the coordinator's metrics (it holds
     /// metrics of the same names already, e.g. another coordinator's): give each coordinator
     /// a registry of its own.
     #[error("the metrics registry refused the coordinator's metrics: {0}; give each coordinator a registry of its own")]
-    Metrics(#[source] prometheus::Error),
+    Metrics(prometheus::Error),
     /// [`crate::CoordinatorBuilder::spawn`] was called outside a tokio runtime: call it from
     /// async code (e.g. under `#[tokio::main]`), or use `build()` and run the coordinator on
     /// a runtime of your choice.

@@ -102,8 +102,10 @@ pub enum NodeError {
     Config(String),
     /// At start-up, the store refused the node's credentials or role (a configuration
     /// error; see [`StoreError::is_config`]). Every other store error is retried.
+    /// (The store's words are in the message, so it is not also the `source`: an error
+    /// chain printed them twice.)
     #[error("store refused the node: {0}")]
-    Store(#[source] StoreError),
+    Store(StoreError),
     /// The node's task panicked or was cancelled (a bug: please report it with the log).
     #[error("the node's task ended abnormally: {0}")]
     Task(String),

@@ -96,8 +96,18 @@ impl EtcdArgs {
         };
         let store = EtcdStore::connect(config)
             .await
-            .with_context(|| format!("etcd at {}", self.endpoints.join(",")))?;
+            .map_err(|e| self.naming_endpoints(e))?;
         Ok(Arc::new(store))
+    }
+
+    /// `e`, saying which endpoints unless its words do already (they said the URL twice).
+    fn naming_endpoints(&self, e: chanwatch_store::StoreError) -> anyhow::Error {
+        let at = self.endpoints.join(",");
+        if e.to_string().contains(&at) {
+            anyhow::Error::new(e)
+        } else {
+            anyhow::Error::new(e).context(format!("etcd at {at}"))
+        }
     }
 
     /// Like [`Self::connect_under`], for long-running processes: while etcd is down, out of
@@ -121,9 +131,7 @@ impl EtcdArgs {
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(Duration::from_secs(10));
                 }
-                Err(e) => {
-                    return Err(e).with_context(|| format!("etcd at {}", self.endpoints.join(",")))
-                }
+                Err(e) => return Err(self.naming_endpoints(e)),
             }
         }
     }
@@ -167,7 +175,7 @@ pub fn check_fence_margin(ttl: Duration, margin: Duration) -> Result<(), String>
     let most = Duration::from_millis(third_ms.saturating_sub(1_000)).max(least);
     if margin < least || margin > most {
         return Err(format!(
-            "--fence-margin {} is outside {}..={} for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, and with a larger one a single keepalive that hangs (each waits a third of the TTL) would pause a healthy node; give a margin in that range, or a longer --session-ttl",
+            "--fence-margin {} is outside {} to {} (inclusive) for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, and with a larger one a single keepalive that hangs (each waits a third of the TTL) would pause a healthy node; give a margin in that range, or a longer --session-ttl",
             humantime::format_duration(margin),
             humantime::format_duration(least),
             humantime::format_duration(most),
@@ -467,7 +475,7 @@ mod tests {
         assert!(check_fence_margin(s(2), s(1)).is_ok()); // short TTLs: the default only
         let low = check_fence_margin(s(30), s(5)).expect_err("5s is below the default of 6s");
         assert!(
-            low.contains("outside 6s..=9s for --session-ttl 30s"),
+            low.contains("outside 6s to 9s (inclusive) for --session-ttl 30s"),
             "{low}"
         );
         assert!(check_fence_margin(s(30), Duration::from_millis(9_001)).is_err());

@@ -226,6 +226,17 @@ async fn ctl_channels_filters_by_node_and_by_state() {
     );
     let bad = ctl(&fixture, &["channels", "--node", "x"]);
     assert!(!bad.status.success(), "{bad:?}");
+    // A root nothing runs under says so (a mistyped --root looked like an empty cluster);
+    // the seeded root does not.
+    let empty = ctl(&fixture, &["--root", "chanwatch2", "channels"]);
+    assert!(ok(&empty).contains("0 channel(s)"));
+    let note = String::from_utf8_lossy(&empty.stderr);
+    assert!(
+        note.contains("etcd holds nothing under chanwatch2/"),
+        "{note}"
+    );
+    let seeded = ctl(&fixture, &["channels"]);
+    assert!(!String::from_utf8_lossy(&seeded.stderr).contains("holds nothing"));
 }
 
 /// `ctl channels | head -1`: the reader goes away before ctl writes; ctl ends quietly (it

@@ -713,9 +713,15 @@ fn the_readme_shows_the_example_workers_as_they_are() {
     let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
     for (anchor, fence, file) in [
         ("A worker in a dozen lines of shell", "```sh\n", "worker.sh"),
-        ("A complete consumer in Python", "```python\n", "consumer.py"),
+        (
+            "A complete consumer in Python",
+            "```python\n",
+            "consumer.py",
+        ),
     ] {
-        let from = readme.find(anchor).unwrap_or_else(|| panic!("{anchor:?} in README"));
+        let from = readme
+            .find(anchor)
+            .unwrap_or_else(|| panic!("{anchor:?} in README"));
         let start = readme[from..].find(fence).expect("the listing") + from + fence.len();
         let end = readme[start..].find("\n```\n").expect("its end") + start;
         let path = repo().join("examples/workers").join(file);

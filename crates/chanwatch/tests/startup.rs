@@ -117,8 +117,9 @@ fn a_node_with_a_fence_margin_out_of_range_exits_at_once_naming_the_range() {
         std::io::Read::read_to_string(&mut node.stderr.take().expect("stderr"), &mut err)
             .expect("read stderr");
         assert!(!status.success(), "--fence-margin {margin} accepted: {err}");
-        let want =
-            format!("--fence-margin {margin} is outside 4s..=5s 666ms for --session-ttl 20s");
+        let want = format!(
+            "--fence-margin {margin} is outside 4s to 5s 666ms (inclusive) for --session-ttl 20s"
+        );
         assert!(err.contains(&want), "{err}");
     }
 }

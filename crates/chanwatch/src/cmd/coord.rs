@@ -159,6 +159,15 @@ pub async fn run(args: Args) -> Result<()> {
         ..CoordinatorConfig::default()
     };
     info!(admin = %admin_addr, store = %store.describe(), id = %config.id, "coordinator starting");
+    if args.release_timeout <= args.session_ttl {
+        // Accepted (nodes may run a shorter TTL than this coordinator), but said: a node
+        // whose release outlasts the timeout is fenced while it may still be stopping.
+        tracing::warn!(
+            release_timeout = ?args.release_timeout,
+            session_ttl = ?args.session_ttl,
+            "coord: --release-timeout is not longer than --session-ttl: it must exceed the nodes' TTL, or a node still releasing a channel is fenced (its lease revoked); give it more, e.g. 3 x the TTL"
+        );
+    }
     let stop = shared_shutdown();
     let registry = prometheus::Registry::new();
     super::lifecycle::register_process_metrics(&registry)?;

@@ -409,6 +409,14 @@ async fn snapshot(
 ) -> Result<(Planner, Vec<KeyValue>)> {
     let store = store.ok_or_else(|| anyhow!("this needs etcd; drop --admin"))?;
     let list = store.range(&keys.all_prefix()).await?;
+    if list.kvs.is_empty() {
+        // An empty answer under a mistyped --root looked like an empty cluster.
+        eprintln!(
+            "note: etcd holds nothing under {}: no coordinator or node has run with this \
+             --root (check --root, CHANWATCH_ROOT or the config file)",
+            keys.all_prefix()
+        );
+    }
     let mut state = Planner::new(keys.clone(), PlannerConfig::default());
     state.reset(
         list.kvs
