@@ -340,16 +340,19 @@ impl Term<'_> {
             if tr.state != Some(chanwatch_core::ChannelState::ToRelease) {
                 self.config.metrics.reassigned(tr.cause.as_str());
             }
-            info!(
-                channel = %tr.channel,
-                cause = tr.cause.as_str(),
-                from = tr.from.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
-                to = tr.to.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
-                state = tr.state.map_or("deleted", |s| s.as_str()),
-                epoch = %tr.epoch,
-                reason = failed_why(tr).unwrap_or_default(),
-                "coord: channel transition"
+            let (from, to) = (
+                tr.from.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
+                tr.to.map(|o| o.to_string()).unwrap_or_else(|| "-".into()),
             );
+            let state = tr.state.map_or("deleted", |s| s.as_str());
+            match failed_why(tr) {
+                Some(reason) => {
+                    info!(channel = %tr.channel, cause = tr.cause.as_str(), from, to, state, epoch = %tr.epoch, reason, "coord: channel transition")
+                }
+                None => {
+                    info!(channel = %tr.channel, cause = tr.cause.as_str(), from, to, state, epoch = %tr.epoch, "coord: channel transition")
+                }
+            }
         }
     }
 }

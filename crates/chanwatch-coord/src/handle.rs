@@ -44,7 +44,8 @@ pub enum ApiError {
         /// The leader's admin address, if known.
         leader_addr: Option<String>,
     },
-    /// The change could not be written (503, retry).
+    /// The change could not be written (503, retry). (`ctl` tells it from a standby's 503 by
+    /// the start of this message: keep it.)
     #[error("the store refused or failed the change: {0}; retry")]
     Store(String),
 }

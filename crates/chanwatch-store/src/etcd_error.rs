@@ -135,18 +135,30 @@ pub(crate) fn cancel_error(endpoints: &str, user: &str, key: &str, reason: &str)
 
 /// Endpoints that can never connect, said at once instead of retried for ever (a newcomer's
 /// `htp://…` and an `http://` endpoint with `--etcd-ca` were "unavailable" every few seconds):
-/// a scheme other than `http://` or `https://` (none: `HOST:PORT` is plain HTTP), and, when
-/// TLS files are given (`tls`), an `http://` endpoint.
+/// a space in one (a list is comma-separated), a scheme other than `http://` or `https://` in
+/// lower case (etcd's client reads no other: it put `http://` before `HTTPS://…`), and, when
+/// TLS files are given (`tls`), an `http://` endpoint. None (`HOST:PORT`) is fine: the client
+/// adds `http://`, or `https://` with TLS files.
 pub(crate) fn check_endpoints(endpoints: &[String], tls: bool) -> Result<(), StoreError> {
     for e in endpoints {
-        let scheme = e.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
-        match scheme.as_deref() {
+        if e.chars().any(char::is_whitespace) {
+            return Err(StoreError::Config(format!(
+                "etcd endpoint {e:?} holds a space: separate endpoints with commas only"
+            )));
+        }
+        match e.split_once("://").map(|(s, _)| s) {
             None | Some("https") => {}
             Some("http") if !tls => {}
             Some("http") => {
                 return Err(StoreError::Config(format!(
                     "etcd endpoint {e} is plain HTTP but TLS files were given (--etcd-ca, \
                      --etcd-cert, --etcd-key): use https://, or drop the TLS flags"
+                )))
+            }
+            Some(other) if matches!(other.to_ascii_lowercase().as_str(), "http" | "https") => {
+                return Err(StoreError::Config(format!(
+                    "bad etcd endpoint URL {e}: write the scheme in lower case ({}://)",
+                    other.to_ascii_lowercase()
                 )))
             }
             Some(other) => {
@@ -170,9 +182,7 @@ mod tests {
         assert!(
             check_endpoints(&list(&["http://127.0.0.1:2379", "127.0.0.1:2380"]), false).is_ok()
         );
-        assert!(
-            check_endpoints(&list(&["https://etcd-1:2379", "HTTPS://etcd-2:2379"]), true).is_ok()
-        );
+        assert!(check_endpoints(&list(&["https://etcd-1:2379", "[::1]:2379"]), true).is_ok());
         for (bad, tls, says) in [
             ("htp://127.0.0.1:2379", false, "the scheme htp://"),
             ("ftp://127.0.0.1:2379", true, "the scheme ftp://"),
@@ -181,6 +191,12 @@ mod tests {
                 true,
                 "plain HTTP but TLS files were given",
             ),
+            (
+                "HTTPS://etcd-2:2379",
+                true,
+                "write the scheme in lower case (https://)",
+            ),
+            (" http://b:2379", false, "holds a space"),
         ] {
             let e = check_endpoints(&list(&["https://ok:2379", bad]), tls).expect_err(bad);
             assert!(

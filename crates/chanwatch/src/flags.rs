@@ -80,7 +80,7 @@ impl EtcdArgs {
     pub async fn connect(&self) -> Result<Arc<dyn MetaStore>> {
         let store = EtcdStore::connect(self.config())
             .await
-            .with_context(|| format!("etcd unreachable at {}", self.endpoints.join(",")))?;
+            .map_err(|e| self.naming_endpoints(e))?;
         Ok(Arc::new(store))
     }
 

@@ -248,11 +248,12 @@ pub(super) fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -
 /// Most characters of a node's reason a reassignment carries on.
 const REASON_MAX: usize = 1_000;
 
-fn bounded(why: &str) -> &str {
-    match why.char_indices().nth(REASON_MAX) {
-        Some((at, _)) => &why[..at],
-        None => why,
-    }
+/// `why` cut to [`REASON_MAX`] characters, on one line (`ctl events` prints one per event).
+fn bounded(why: &str) -> String {
+    why.chars()
+        .take(REASON_MAX)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
 }
 
 /// Park under `remaining`, saying `why`: no node owns it, so the epoch stays.
@@ -374,12 +375,14 @@ mod tests {
             info.reason.as_deref(),
             Some("failed: the worker exited before POST /ready (exit code 2)")
         );
-        failed.info.reason = Some("é".repeat(5_000));
+        failed.info.reason = Some(format!("line 1\nline 2{}", "é".repeat(5_000)));
         let c = reassign(&failed, n(2), Cause::Failed, 50);
         let Some(Op::Put { info, .. }) = c.ops.last() else {
             panic!("a put");
         };
-        assert_eq!(info.reason.as_ref().map(|r| r.chars().count()), Some(1_008));
+        let reason = info.reason.as_deref().unwrap_or_default();
+        assert_eq!(reason.chars().count(), 1_008);
+        assert!(reason.starts_with("failed: line 1 line 2é"), "{reason}");
         // Other causes say only themselves.
         let c = reassign(&failed, n(2), Cause::Failover, 50);
         let Some(Op::Put { info, .. }) = c.ops.last() else {

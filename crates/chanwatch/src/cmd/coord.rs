@@ -165,7 +165,7 @@ pub async fn run(args: Args) -> Result<()> {
         tracing::warn!(
             release_timeout = ?args.release_timeout,
             session_ttl = ?args.session_ttl,
-            "coord: --release-timeout is not longer than --session-ttl: it must exceed the nodes' TTL, or a node still releasing a channel is fenced (its lease revoked); give it more, e.g. 3 x the TTL"
+            "coord: --release-timeout is not longer than this coordinator's --session-ttl: if the nodes run that TTL too, it must be longer (a node still releasing a channel would be fenced: its lease revoked); e.g. 3 x the TTL"
         );
     }
     let stop = shared_shutdown();

@@ -119,8 +119,10 @@ struct MoveTo {
     to: NodeId,
 }
 
-/// How a 503's reason to retry begins.
-const ANSWERED_503: &str = "the coordinator answered 503";
+/// How the reason to retry begins when the leader answered but etcd failed its change (a 503
+/// whose message is `chanwatch_coord::ApiError::Store`'s); a standby's or a new leader's 503
+/// is a wait for a leader instead.
+const STORE_FAILED: &str = "the leader could not make the change";
 
 /// What the API says when it refuses.
 #[derive(Deserialize)]
@@ -321,7 +323,11 @@ impl Leader {
                 return Failed::Redirect;
             }
         }
-        Failed::Retry(format!("{ANSWERED_503}: {msg}"))
+        if msg.starts_with("the store refused or failed the change") {
+            Failed::Retry(format!("{STORE_FAILED} (503): {msg}"))
+        } else {
+            Failed::Retry(format!("the coordinator answered 503: {msg}"))
+        }
     }
 
     /// A followed leader that does not answer is forgotten: the next try asks `--admin`
@@ -354,24 +360,26 @@ impl Leader {
                     self.timeout.as_secs_f64()
                 ),
                 Err(Failed::Retry(why)) => {
+                    let store = why.starts_with(STORE_FAILED);
                     if Instant::now() + RETRY_EVERY >= deadline {
+                        if store {
+                            bail!(
+                                "gave up after {} s (--timeout): {why}",
+                                self.timeout.as_secs_f64()
+                            );
+                        }
                         bail!(
                             "no leader answered within {} s (--timeout): {why}",
                             self.timeout.as_secs_f64()
                         );
                     }
                     if !said {
-                        // A coordinator that answered 503 is there: it is not a leader
-                        // that ctl waits for, but the change it could not make.
-                        let wait = if why.starts_with(ANSWERED_503) {
-                            "retrying for up to"
+                        // A leader that answered is there: ctl does not wait for one, it
+                        // retries the change etcd failed.
+                        let (wait, what) = if store {
+                            ("retrying for up to", "")
                         } else {
-                            "waiting up to"
-                        };
-                        let what = if why.starts_with(ANSWERED_503) {
-                            ""
-                        } else {
-                            " for a leader"
+                            ("waiting up to", " for a leader")
                         };
                         eprintln!(
                             "{wait} {} s (--timeout){what}: {why}",
