@@ -212,8 +212,9 @@ pub(super) fn reassign(e: &Entry, to: ChannelOwner, cause: Cause, now_ms: u64) -
     info.start_time_ms = now_ms;
     info.progress = None;
     info.reason = Some(match (&e.info.reason, e.info.state) {
-        // What the node said when it failed the channel goes along (`ctl describe`, the
-        // coordinator's event and log line), cut to a bound.
+        // What the node said when it failed the channel goes along — into the coordinator's
+        // event (`ctl events`) and log line, and the value until the next node acks — cut
+        // to a bound.
         (Some(why), ChannelState::WatchFailed) if cause == Cause::Failed => {
             format!("{}: {}", cause.as_str(), bounded(why))
         }
