@@ -102,7 +102,9 @@ fn standalone_consumes_what_produce_appends_through_a_drain_and_audit_finds_it_e
         .args([
             "audit",
             &format!("--log={log}"),
-            &format!("--admin=http://{admin}"),
+            // The bare HOST:PORT, as `ctl --admin` takes it (audit waited its whole --wait,
+            // then said "relative URL without a base").
+            &format!("--admin={admin}"),
             &format!("--produced={}", produced.display()),
             "--wait=30s",
         ])
@@ -125,6 +127,23 @@ fn standalone_consumes_what_produce_appends_through_a_drain_and_audit_finds_it_e
     assert!(audit.status.success(), "{stdout}");
     assert!(started.elapsed() < Duration::from_secs(60));
     eprintln!("drained node {drained} mid-stream\n{stdout}");
+
+    // Mistakes say what they are: a log dir with nothing in it, and an admin address where
+    // nothing listens (said at once, not after the whole --wait in silence).
+    let audit_with = |log: &str, admin: &str, wait: &str| {
+        run(&[
+            "audit".into(),
+            format!("--log={log}"),
+            format!("--admin={admin}"),
+            format!("--produced={}", produced.display()),
+            format!("--wait={wait}"),
+        ])
+    };
+    let empty = format!("file:{}", dir.path().join("no-such-log").display());
+    let (ok, _, err) = audit_with(&empty, &admin, "5s");
+    assert!(!ok && err.contains("is --log right?"), "{err}");
+    let (ok, _, err) = audit_with(&log, &format!("127.0.0.1:{}", free_port()), "1s");
+    assert!(!ok && err.contains("waiting up to 1 s (--wait):"), "{err}");
 }
 
 /// Runs `chanwatch ARGS` to its end; (success, stdout, stderr).

@@ -108,6 +108,9 @@ async fn fold_upto(
     while at < upto {
         let batch = log.read(channel, at, 4096, Duration::ZERO).await?;
         if batch.is_empty() {
+            if at == Position::START {
+                bail!("{channel}: the log holds nothing for this channel, but its checkpoint or produce says {upto}: is --log right?");
+            }
             bail!("{channel}: the log ends at {at}, before {upto}");
         }
         for m in batch {
@@ -156,7 +159,9 @@ pub async fn run(args: Args) -> Result<()> {
     let default_log = Some(produced.log.clone());
     let log = args.log.open(&keys, default_log).await?;
     let source = match &args.admin {
-        Some(url) => Source::Admin(reqwest::Client::new(), url.clone()),
+        // `127.0.0.1:9870` as ctl takes it (the bare form waited its whole --wait, then
+        // said "relative URL without a base").
+        Some(url) => Source::Admin(reqwest::Client::new(), super::ctl::leader::admin_url(url)),
         None => Source::Etcd(args.etcd.connect_under(&keys).await?, keys.clone()),
     };
     let names: Vec<String> = produced.channels.keys().cloned().collect();
@@ -167,22 +172,50 @@ pub async fn run(args: Args) -> Result<()> {
     };
 
     let started = Instant::now();
+    let mut said = false;
     let checkpoints = loop {
         let cps = source.checkpoints(&names).await;
-        if let Ok(cps) = &cps {
-            let all = produced
-                .channels
-                .iter()
-                .all(|(c, p)| target(p).is_ok_and(|t| position(cps.get(c)) >= t));
-            if all {
-                break cps.clone();
+        let why = match &cps {
+            Ok(cps) => {
+                let behind = produced
+                    .channels
+                    .iter()
+                    .filter(|(c, p)| target(p).map_or(true, |t| position(cps.get(*c)) < t))
+                    .count();
+                if behind == 0 {
+                    break cps.clone();
+                }
+                format!("{behind} channel(s) not committed up to what produce wrote yet")
             }
-        }
+            Err(e) => format!("{e:#}"),
+        };
         if started.elapsed() >= args.wait {
             break cps?;
         }
+        // Said once, so a long --wait is not silence.
+        if !said {
+            eprintln!(
+                "waiting up to {} s (--wait): {why}",
+                args.wait.as_secs_f64()
+            );
+            said = true;
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
+    if !produced.channels.is_empty()
+        && produced
+            .channels
+            .keys()
+            .all(|c| !checkpoints.contains_key(c))
+    {
+        eprintln!(
+            "note: no channel has a checkpoint{}: is --root (or --admin) right?",
+            match &args.admin {
+                Some(a) => format!(" at {a}"),
+                None => format!(" under {}", keys.checkpoints_prefix()),
+            }
+        );
+    }
 
     let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
     println!(

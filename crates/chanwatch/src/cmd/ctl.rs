@@ -26,7 +26,7 @@ mod bulk;
 mod channels;
 mod describe;
 mod events;
-mod leader;
+pub(crate) mod leader;
 mod live;
 mod output;
 mod status;
