@@ -558,12 +558,15 @@ async fn add_channels_from_a_file_registers_all_or_names_every_bad_line_and_regi
         "{json}"
     );
 
-    std::fs::write(&file, "bulk-new\nbulk-007\n").expect("write the file");
+    std::fs::write(&file, "bulk-new\nbulk-007\nbad name\n").expect("write the file");
     let err = c
         .ctl(&["add-channels", "--from-file", &path])
         .expect_err("a registered channel refuses the file");
+    // Named together with the bad line, in line order (it was named only once the bad line
+    // was fixed).
     assert!(
-        err.contains("line 2: channel bulk-007 is already registered"),
+        err.contains("2 bad line(s)")
+            && err.contains("line 2: channel bulk-007 is already registered\n  line 3: bad name"),
         "{err}"
     );
     assert_eq!(c.channels().map(|r| r.len()), Ok(300));

@@ -295,7 +295,17 @@ pub async fn run(args: Args) -> Result<()> {
     // Validate input before touching the network.
     let what = Checked::new(args.what)?;
     let format = args.output.format();
-    let (leader, store) = describe::reach(&args.reach, &args.etcd, &keys, args.admin_token).await?;
+    let (leader, store) =
+        match describe::reach(&args.reach, &args.etcd, &keys, args.admin_token).await {
+            Ok(reached) => reached,
+            // A file's bad lines are known without etcd: they come first.
+            Err(e) => {
+                if let Checked::AddMany(file) = &what {
+                    bulk::refuse_bad(file)?;
+                }
+                return Err(e);
+            }
+        };
     let text = match what {
         Checked::More(ask) => describe::run(ask, &leader, store.as_deref(), format).await?,
         // `--admin`: no etcd; reads go through the admin API.
@@ -386,8 +396,9 @@ pub async fn run(args: Args) -> Result<()> {
             now_ms(),
         )?,
         Checked::AddMany(file) => {
-            if let Some(store) = store.as_deref() {
-                bulk::check_registered(&file, store, &keys).await?;
+            match store.as_deref() {
+                Some(store) => bulk::check_registered(&file, store, &keys).await?,
+                None => bulk::refuse_bad(&file)?,
             }
             bulk::send(
                 &file,

@@ -42,6 +42,9 @@ pub struct File {
     pub source: String,
     /// Its channels, in file order.
     pub lines: Vec<Line>,
+    /// Its bad lines (number, why), refused together with the lines naming channels already
+    /// registered ([`check_registered`]) or alone ([`refuse_bad`]): nothing is sent if any.
+    pub bad: Vec<(usize, String)>,
 }
 
 /// Reads and checks `path` (`-`: stdin): every bad line named, or the channels.
@@ -59,14 +62,27 @@ pub fn read(path: &str) -> Result<File> {
         std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?
     };
     let source = if path == "-" { "stdin" } else { path }.to_owned();
-    parse(&source, &text)
+    parse_keeping_bad(&source, &text)
 }
 
 /// Checks the text of a file (see [`read`]).
 ///
 /// # Errors
 /// Every bad line, with its number and why; nothing is sent.
+#[cfg(test)]
 pub fn parse(source: &str, text: &str) -> Result<File> {
+    let file = parse_keeping_bad(source, text)?;
+    refuse_bad(&file)?;
+    Ok(file)
+}
+
+/// The lines of a file, its bad lines kept aside in [`File::bad`] so that the lines naming
+/// registered channels can be named with them (a newcomer fixed three bad lines, then learnt
+/// of a fourth).
+///
+/// # Errors
+/// No line at all.
+fn parse_keeping_bad(source: &str, text: &str) -> Result<File> {
     let mut lines = Vec::new();
     let mut bad: Vec<(usize, String)> = Vec::new();
     let mut seen: HashMap<ChannelName, usize> = HashMap::new();
@@ -95,14 +111,22 @@ pub fn parse(source: &str, text: &str) -> Result<File> {
             Err(why) => bad.push((number, why)),
         }
     }
-    refuse(source, &bad)?;
-    if lines.is_empty() {
+    if lines.is_empty() && bad.is_empty() {
         bail!("{source}: no channels (every line is blank or a # comment); nothing was sent");
     }
     Ok(File {
         source: source.to_owned(),
         lines,
+        bad,
     })
+}
+
+/// `Err` naming every bad line of `file`, if any.
+///
+/// # Errors
+/// The bad lines.
+pub fn refuse_bad(file: &File) -> Result<()> {
+    refuse(&file.source, &file.bad)
 }
 
 /// `Err` naming every bad line, if any.
@@ -162,10 +186,11 @@ fn parse_line(line: &str) -> Result<(ChannelName, Value), String> {
     Ok((name, Value::Object(fields)))
 }
 
-/// Refuses the lines naming channels already registered (read from etcd).
+/// Refuses the bad lines and the lines naming channels already registered (read from etcd),
+/// all named together in line order.
 ///
 /// # Errors
-/// etcd unreachable, or registered channels (every such line named).
+/// etcd unreachable, or bad lines or registered channels (every such line named).
 pub async fn check_registered(file: &File, store: &dyn MetaStore, keys: &Keys) -> Result<()> {
     let range = chanwatch_store::KeyRange::prefix(keys.channels_prefix());
     let list = store.range_keys(&range).await?;
@@ -175,7 +200,7 @@ pub async fn check_registered(file: &File, store: &dyn MetaStore, keys: &Keys) -
         .filter_map(|kv| keys.parse_channel(&kv.key).ok())
         .map(|ck| ck.channel.to_string())
         .collect();
-    let bad: Vec<(usize, String)> = file
+    let mut bad: Vec<(usize, String)> = file
         .lines
         .iter()
         .filter(|l| registered.contains(l.name.as_str()))
@@ -186,6 +211,8 @@ pub async fn check_registered(file: &File, store: &dyn MetaStore, keys: &Keys) -
             )
         })
         .collect();
+    bad.extend(file.bad.iter().cloned());
+    bad.sort_by_key(|(n, _)| *n);
     refuse(&file.source, &bad)
 }
 
