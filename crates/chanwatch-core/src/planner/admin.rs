@@ -127,7 +127,9 @@ impl Planner {
         info.group = placement.group;
         let want = Want::of(&info);
         let owner = if self.startup_holds() {
-            ChannelOwner::Remaining // cold start: placed with the rest when the gate opens
+            // Cold start: placed with the rest when the gate opens.
+            info.reason = Some(self.startup_reason());
+            ChannelOwner::Remaining
         } else {
             match self.least_loaded(&loads, want, None) {
                 Some(n) => ChannelOwner::Node(n),

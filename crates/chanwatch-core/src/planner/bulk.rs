@@ -69,7 +69,9 @@ impl Planner {
                         ChannelOwner::Node(n)
                     }
                     None => {
-                        if someone && !holds {
+                        if holds {
+                            info.reason = Some(self.startup_reason());
+                        } else if someone {
                             info.reason =
                                 Some(format!("{}: {}", Cause::Park.as_str(), self.no_room(want)));
                         }

@@ -27,7 +27,7 @@
 
 use crate::types::NodeId;
 
-use super::Planner;
+use super::{Cause, Planner};
 
 /// Where the cold-start gate stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -125,6 +125,18 @@ impl Planner {
                     && !self.has_live_assignments()
             }
         }
+    }
+
+    /// Why a channel added while the cold-start gate holds waits in `remaining` (its value's
+    /// reason: `ctl add-channel`, `ctl channels` and `describe` show it; a newcomer saw the
+    /// channel parked with no word of the gate).
+    pub(super) fn startup_reason(&self) -> String {
+        format!(
+            "{}: cold start: waiting for {} expected node(s), {} live, or the end of --startup-grace",
+            Cause::Park.as_str(),
+            self.config.expected_nodes,
+            self.nodes.len()
+        )
     }
 
     /// The cold-start gate's hold, as of the last round (`None`: placing as usual).
@@ -305,6 +317,25 @@ mod tests {
         assert!(w.settle(1_000).is_empty(), "two of three: wait");
         let wait = w.state.startup_wait(3_000).expect("waiting");
         assert_eq!((wait.live, wait.expected, wait.left_ms), (2, 3, 7_000));
+        // A channel added meanwhile waits in remaining and says why.
+        let added = w
+            .state
+            .add_channel(
+                crate::types::ChannelName::new("late").expect("name"),
+                crate::types::VChannelInfo::default(),
+                3_000,
+            )
+            .expect("added");
+        let reason = added.ops.iter().find_map(|op| match op {
+            crate::planner::Op::Put { owner, info } if *owner == ChannelOwner::Remaining => {
+                info.reason.clone()
+            }
+            _ => None,
+        });
+        assert_eq!(
+            reason.as_deref(),
+            Some("park: cold start: waiting for 3 expected node(s), 2 live, or the end of --startup-grace")
+        );
         w.node(3);
         let txns = w.settle(2_000);
         let t = transitions(&txns);
