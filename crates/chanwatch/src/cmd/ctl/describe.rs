@@ -25,7 +25,7 @@ use crate::flags::{humantime_secs, EtcdArgs};
 pub struct ReachArgs {
     /// How long to wait for a leader to answer — during a leader change, or from a frozen
     /// leader — before giving up; one line on stderr says it is waiting.
-    #[arg(long, env = "CHANWATCH_CTL_TIMEOUT", value_parser = humantime_secs, default_value = "10s", global = true)]
+    #[arg(long, env = "CHANWATCH_CTL_TIMEOUT", value_parser = humantime_secs, default_value = "20s", global = true)]
     pub timeout: Duration,
     /// Talk to this admin API (`http://host:port` or `host:port`) instead of finding the
     /// leader in etcd, and read through it too: for `standalone`, which has no etcd.
