@@ -272,7 +272,8 @@ pub(crate) async fn run(
             // to exist then, and an old mod revision may be compacted away, which would fail
             // the watch at once and spin the campaign (found by the simulation).
             let from = resp.revision;
-            debug!(leader = ?addr, "coord: standing by");
+            // Once per leader seen (the loop comes round when the leader key changes).
+            info!(leader_admin = addr.as_deref().unwrap_or(""), "coord: standing by: another coordinator leads; this one takes over when its leader key goes");
             status.send_modify(|s| {
                 s.leader = false;
                 s.ready = false;

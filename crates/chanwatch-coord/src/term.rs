@@ -334,8 +334,9 @@ impl<'a> Term<'a> {
                             live = w.live,
                             expected = w.expected,
                             left_s = w.left_ms.div_ceil(1000),
-                            "coord: cold start: waiting for {} of {} expected nodes, {}s left",
+                            "coord: cold start: waiting for {} more node(s) ({} of {} expected are live), {}s left",
                             w.expected.saturating_sub(w.live),
+                            w.live,
                             w.expected,
                             w.left_ms.div_ceil(1000)
                         );
