@@ -47,10 +47,11 @@ pub struct File {
     pub bad: Vec<(usize, String)>,
 }
 
-/// Reads and checks `path` (`-`: stdin): every bad line named, or the channels.
+/// Reads `path` (`-`: stdin) and checks each line: the channels, and the bad lines kept in
+/// [`File::bad`] (refused before anything is sent).
 ///
 /// # Errors
-/// The file cannot be read, or has bad lines (all of them listed).
+/// The file cannot be read, or holds no line at all.
 pub fn read(path: &str) -> Result<File> {
     let text = if path == "-" {
         let mut s = String::new();
