@@ -282,7 +282,7 @@ async fn a_cold_start_with_expected_nodes_places_every_parked_channel_once_and_e
         "spread: {per_node:?}"
     );
     assert!(
-        c.output("coord").contains("expected nodes"),
+        c.output("coord").contains("cold start: waiting for"),
         "the coordinator did not say it waited; its output:\n{}",
         c.output("coord")
     );
