@@ -3,13 +3,16 @@
 //! Over 600 lines on purpose: one `impl MetaStore` whose calls share the connection, the
 //! token refresh and the error mapping (the mapping itself is in `etcd_error.rs`).
 //!
-//! Owns: the connection (endpoints, timeouts, credentials, TLS), translation between the
+//! Owns: the connection (endpoints, timeouts, credentials, TLS; lease renewals go to one
+//! member at a time over a connection of their own, and move to the next member when one
+//! fails), translation between the
 //! store vocabulary and etcd's protobuf types, and the mapping of etcd's errors onto
 //! [`StoreError`] so callers can tell retryable from fatal.
 //!
 //! Must not: retry on its own (callers decide, with their own back-off; the one exception is
 //! an auth token etcd no longer knows, which is renewed and the call sent once more) or hold a
-//! lock across anything but the one keepalive stream per lease; read any key but those the
+//! lock across anything but the one keepalive stream per lease (and a member's renewal client
+//! while it connects); read any key but those the
 //! caller names (the connection probe reads [`EtcdConfig::probe_key`], so a user whose role
 //! only allows `{root}/` can connect).
 //!
@@ -97,6 +100,20 @@ impl Default for EtcdConfig {
 
 type Keeper = (LeaseKeeper, LeaseKeepAliveStream);
 
+/// Where one lease's renewals go: one member at a time, and the next member after a renewal
+/// that failed or was given up. The balanced channel picks a member at random for each new
+/// stream, so after a member died or restarted (it takes requests before it knows a leader,
+/// and holds them) renewals kept landing on it by chance: in the chaos run a restart of one
+/// member of three paused nodes whose session it did not threaten.
+struct KeeperSlot {
+    /// The open keepalive stream to `member`, taken out for each round trip.
+    stream: Option<Keeper>,
+    /// Index into [`EtcdStore::members`] of the member renewals go to.
+    member: usize,
+    /// The last renewal was answered (else the next opens a stream to the next member).
+    answered: bool,
+}
+
 /// A connected etcd client. Cheap to share behind an `Arc`.
 pub struct EtcdStore {
     client: Client,
@@ -109,7 +126,12 @@ pub struct EtcdStore {
     /// One open keepalive stream per lease, so a renewal is one round trip. The map's lock is
     /// held only to find an entry; each entry has its own lock for the round trip, so leases
     /// of many sessions in one process never wait for each other.
-    keepers: std::sync::Mutex<HashMap<LeaseId, Arc<Mutex<Option<Keeper>>>>>,
+    keepers: std::sync::Mutex<HashMap<LeaseId, Arc<Mutex<KeeperSlot>>>>,
+    /// One endpoint each, for renewals ([`KeeperSlot`]): the endpoint and its client, made
+    /// on first use (and made again when etcd no longer knows its auth token).
+    members: Vec<(String, Mutex<Option<Client>>)>,
+    /// How to connect a member's client.
+    options: ConnectOptions,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -156,6 +178,7 @@ impl EtcdStore {
             .map(|(u, _)| u.clone())
             .unwrap_or_default();
         let probe_key = config.probe_key.clone();
+        let member_options = options.clone();
         let probe = async {
             let mut client = Client::connect(&config.endpoints, Some(options)).await?;
             match &probe_key {
@@ -189,7 +212,38 @@ impl EtcdStore {
                 .max(Duration::from_millis(10)),
             limits: config.limits,
             keepers: std::sync::Mutex::new(HashMap::new()),
+            members: config
+                .endpoints
+                .iter()
+                .map(|e| (e.clone(), Mutex::new(None)))
+                .collect(),
+            options: member_options,
         })
+    }
+
+    /// The client of member `i` alone, connected on first use.
+    async fn member(&self, i: usize) -> StoreResult<Client> {
+        let (endpoint, client) = &self.members[i];
+        let mut client = client.lock().await;
+        if let Some(c) = client.as_ref() {
+            return Ok(c.clone());
+        }
+        let connected = Client::connect([endpoint], Some(self.options.clone()))
+            .await
+            .map_err(|e| map_err(endpoint, &self.user, "", e))?;
+        *client = Some(connected.clone());
+        Ok(connected)
+    }
+
+    /// Maps an error of member `i`'s client, naming that member; forgets the client when
+    /// etcd no longer knows its auth token, so the next use authenticates again.
+    async fn member_err(&self, i: usize, e: etcd_client::Error) -> StoreError {
+        let (endpoint, client) = &self.members[i];
+        let err = map_err(endpoint, &self.user, "", e);
+        if matches!(err, StoreError::AuthTokenExpired(_)) {
+            *client.lock().await = None;
+        }
+        err
     }
 
     fn kv(&self) -> etcd_client::KvClient {
@@ -545,14 +599,28 @@ impl MetaStore for EtcdStore {
                 .keepers
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            map.entry(lease).or_default().clone()
+            let members = self.members.len().max(1);
+            map.entry(lease)
+                .or_insert_with(|| {
+                    // Leases of different processes start on different members.
+                    let member = usize::try_from(lease.unsigned_abs() % members as u64);
+                    Arc::new(Mutex::new(KeeperSlot {
+                        stream: None,
+                        member: member.unwrap_or(0),
+                        answered: true,
+                    }))
+                })
+                .clone()
         };
         let mut slot = slot.lock().await;
+        // Until this renewal is answered: a caller that gives up on it (a timeout around this
+        // call) leaves it unanswered, and the next renewal goes to the next member.
+        let answered = std::mem::replace(&mut slot.answered, false);
         // The stream is taken out for the round trip and put back only once its answer has
-        // been read: a caller that gives up (a timeout around this call) drops the stream
-        // with the future, so an answer that comes late is never read as the answer to the
-        // next renewal — which would date that renewal later than etcd did it.
-        if let Some((mut keeper, mut stream)) = slot.take() {
+        // been read: a caller that gives up drops the stream with the future, so an answer
+        // that comes late is never read as the answer to the next renewal — which would date
+        // that renewal later than etcd did it.
+        if let Some((mut keeper, mut stream)) = slot.stream.take() {
             let renewed = async {
                 keeper.keep_alive().await?;
                 stream.message().await
@@ -561,27 +629,35 @@ impl MetaStore for EtcdStore {
             return match renewed {
                 Ok(Some(resp)) if resp.ttl() > 0 => {
                     let revision = resp.header().map_or(0, |h| h.revision());
-                    *slot = Some((keeper, stream));
+                    slot.stream = Some((keeper, stream));
+                    slot.answered = true;
                     Ok(revision)
                 }
                 Ok(Some(_)) => Err(StoreError::LeaseNotFound(lease)),
-                // The stream ended (etcd restarted, the connection broke): that says nothing
-                // about the lease. The next renewal opens a new stream, which checks it.
+                // The stream ended (the member died or restarted, the connection broke): that
+                // says nothing about the lease. The next renewal opens a stream to the next
+                // member, which checks it.
                 Ok(None) => Err(StoreError::Unavailable {
-                    endpoints: self.endpoints.clone(),
+                    endpoints: self.members[slot.member].0.clone(),
                     message: "the keepalive stream ended".into(),
                 }),
-                Err(e) => Err(fix_lease(self.err(e, "").await, lease)),
+                Err(e) => Err(fix_lease(self.member_err(slot.member, e).await, lease)),
             };
         }
+        if !answered {
+            slot.member = (slot.member + 1) % self.members.len().max(1);
+        }
+        let member = slot.member;
+        let client = self.member(member).await?;
         // Opening the stream sends the first renewal and checks the lease exists.
-        match self.client.lease_client().keep_alive(lease).await {
+        match client.lease_client().keep_alive(lease).await {
             // etcd-client reads the first answer itself: its revision is not known here.
             Ok(pair) => {
-                *slot = Some(pair);
+                slot.stream = Some(pair);
+                slot.answered = true;
                 Ok(0)
             }
-            Err(e) => Err(fix_lease(self.err(e, "").await, lease)),
+            Err(e) => Err(fix_lease(self.member_err(member, e).await, lease)),
         }
     }
 

@@ -168,7 +168,8 @@ impl Chaos {
         };
         cmd.args(args)
             .arg(format!("--endpoints={endpoints}"))
-            .env("RUST_LOG", "warn")
+            // Warnings, and the keepalive's recoveries (info): a session that ends tells how.
+            .env("RUST_LOG", "warn,chanwatch_store::lease=info")
             .stdin(Stdio::null())
             .stdout(out.try_clone().expect("dup"))
             .stderr(out);
@@ -291,6 +292,34 @@ impl Chaos {
             let s = NodeSession::decode(&kv.value).ok()?;
             (s.admin_addr == p.admin).then_some(s.id)
         })
+    }
+
+    /// The admin address each live session names, by node ID: which process a session is.
+    async fn session_admins(&self) -> BTreeMap<NodeId, String> {
+        let Ok(list) = self.store.range(&self.keys.sessions_prefix()).await else {
+            return BTreeMap::new();
+        };
+        list.kvs
+            .iter()
+            .filter_map(|kv| NodeSession::decode(&kv.value).ok())
+            .map(|s| (s.id, s.admin_addr))
+            .collect()
+    }
+
+    /// What the node process that had session `id` (admin address from `admins`) said last:
+    /// why its session ended, for a violation's text.
+    fn last_words(&self, id: NodeId, admins: &BTreeMap<NodeId, String>) -> String {
+        let Some(p) = admins
+            .get(&id)
+            .and_then(|a| self.nodes.iter().find(|p| &p.admin == a))
+        else {
+            return format!("\n  node {id}: its process is gone or unknown");
+        };
+        format!(
+            "\n  node {id} ({}), the tail of its output:\n{}",
+            p.out.display(),
+            audit::tail(&p.out, 12)
+        )
     }
 
     /// A random node process, one with a session if any has.
@@ -648,6 +677,7 @@ async fn chaos_against_real_etcd() {
         // When the fault began (unix ms), to match the processes' logs.
         let started_ms = unix_ms();
         let (sessions0, owners0) = c.snapshot().await;
+        let admins0 = c.session_admins().await;
         match kind {
             "kill-node" => {
                 let i = c.pick_node().await;
@@ -858,16 +888,26 @@ async fn chaos_against_real_etcd() {
         if let Some(d) = data.as_mut() {
             d.note_fault(kind, started_ms, target.map(|n| n.0));
         }
-        let unexpected: Vec<String> = sessions0
+        let unexpected: Vec<NodeId> = sessions0
             .difference(&sessions1)
             .filter(|id| Some(**id) != target)
-            .map(ToString::to_string)
+            .copied()
             .collect();
         if !unexpected.is_empty() {
+            // With each node's last words: whether etcd said its lease was gone, or it fenced
+            // itself for another reason (a CI run once failed here with no clue why).
             let v = format!(
                 "{kind} {what}: sessions of nodes it did not aim at ended (they fenced \
-                 themselves and registered again; DESIGN invariant 9): [{}]",
-                unexpected.join(" ")
+                 themselves and registered again; DESIGN invariant 9): [{}]{}",
+                unexpected
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                unexpected
+                    .iter()
+                    .map(|id| c.last_words(*id, &admins0))
+                    .collect::<String>()
             );
             if allow_reregister {
                 println!("chaos: ALLOWED by CHANWATCH_CHAOS_ALLOW_REREGISTER: {v}");

@@ -6,6 +6,7 @@
 
 mod faults;
 mod liveness;
+mod members;
 mod secure;
 mod suite;
 
