@@ -2,7 +2,8 @@
 //! session, the coordinator's leader key).
 //!
 //! Owns: the cadence (every ttl/3; every 500 ms while renewals fail, so a part learns within a
-//! second that the store is back), the per-attempt timeout, what a success means (the
+//! second that the store is back; at once after one that went unanswered — the store sends it
+//! to the next etcd member), the per-attempt timeout (ttl/6), what a success means (the
 //! [`Renewal`]: when the request was *sent* — the lease runs from when the store got it, which
 //! is no earlier — and the revision the answer named) and the log lines. Must not: decide what
 //! a failing lease means for its holder (a node pauses, a leader steps down): it reports, the
@@ -92,17 +93,25 @@ pub async fn keep_lease(
     who: &'static str,
 ) {
     let period = ttl / 3;
+    // Half the period: a renewal that goes unanswered (a member that hangs or is cut off) is
+    // followed at once by one to the next member, and both fit before the holder's limit
+    // (`ttl − margin`, at least 2·ttl/3 with the largest margin a node accepts). With a
+    // whole period each and a 500 ms pause, one hung renewal paused a node of a 4 s TTL.
+    let answer_within = period / 2;
     let mut failing = 0u32;
+    let mut at_once = false;
     loop {
-        clock
-            .sleep(if failing > 0 {
-                RETRY.min(period)
-            } else {
-                period
-            })
-            .await;
+        if !std::mem::take(&mut at_once) {
+            clock
+                .sleep(if failing > 0 {
+                    RETRY.min(period)
+                } else {
+                    period
+                })
+                .await;
+        }
         let sent = clock.now();
-        let attempt = tokio::time::timeout(period, store.keepalive(lease)).await;
+        let attempt = tokio::time::timeout(answer_within, store.keepalive(lease)).await;
         let error = match attempt {
             Ok(Ok(revision)) => {
                 if failing > 0 {
@@ -120,7 +129,10 @@ pub async fn keep_lease(
                 return;
             }
             Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {period:?}"),
+            Err(_) => {
+                at_once = true;
+                format!("no answer within {answer_within:?}")
+            }
         };
         failing += 1;
         // One line when the trouble starts, then one every 20 attempts (~10 s).
@@ -197,6 +209,23 @@ mod tests {
             "renewed within 500 ms of recovery"
         );
         assert!(rec_rx.try_recv().is_ok(), "recovery signalled");
+        // A renewal that goes unanswered is given ttl/6 (500 ms) and followed at once by the
+        // next: renewed again within the second after the hang began, well inside the limit.
+        tokio::time::sleep(Duration::from_millis(1_050)).await;
+        rx.borrow_and_update();
+        let hung_from = Instant::now();
+        faults.delay_keepalives(Duration::from_secs(60));
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        faults.delay_keepalives(Duration::ZERO);
+        tokio::time::timeout(Duration::from_secs(2), rx.changed())
+            .await
+            .ok();
+        let after = rx.borrow_and_update().sent - hung_from;
+        assert!(
+            after < Duration::from_millis(1_600),
+            "renewed {after:?} after renewals began to hang for 1 s (at once after each \
+             unanswered one, not 500 ms later after a whole period)"
+        );
         // Gone: the loop ends.
         inner.revoke(lease).await.ok();
         let ended = tokio::time::timeout(Duration::from_secs(2), task).await;

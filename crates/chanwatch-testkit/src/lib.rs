@@ -712,6 +712,49 @@ impl EtcdCluster {
         }
     }
 
+    /// The index of the member that leads now, as the members themselves say (`None` when
+    /// none answers that it leads).
+    pub async fn leader(&self) -> Option<usize> {
+        for (i, m) in self.members.iter().enumerate() {
+            let status = async {
+                let mut c = etcd_client::Client::connect([&m.client_url], None).await?;
+                c.status().await
+            };
+            let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(1), status).await else {
+                continue;
+            };
+            if status.header().map(|h| h.member_id()) == Some(status.leader()) {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Freezes member `i` (`SIGSTOP`): it keeps its connections and takes new ones (the
+    /// kernel accepts them) but answers nothing, like a member that hangs or is cut off.
+    ///
+    /// # Errors
+    /// [`FixtureError::Io`] when the member is not running or the signal cannot be sent.
+    pub fn freeze_member(&self, i: usize) -> Result<(), FixtureError> {
+        match &self.members[i].child {
+            Some(c) => signal(c.id(), "-STOP"),
+            None => Err(FixtureError::Io(std::io::Error::other(format!(
+                "etcd member {i} is not running"
+            )))),
+        }
+    }
+
+    /// Wakes a frozen member (`SIGCONT`) and waits until it serves.
+    ///
+    /// # Errors
+    /// [`FixtureError`] when the signal cannot be sent or it does not serve within 30 s.
+    pub async fn thaw_member(&self, i: usize) -> Result<(), FixtureError> {
+        if let Some(c) = &self.members[i].child {
+            signal(c.id(), "-CONT")?;
+        }
+        self.wait_member(i, Duration::from_secs(30)).await
+    }
+
     /// Starts a killed member again on its data and waits until it serves, which needs a
     /// quorum: start members back one by one until a majority runs.
     ///

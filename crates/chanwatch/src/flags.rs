@@ -162,9 +162,9 @@ pub fn session_ttl(s: &str) -> Result<Duration, String> {
 /// Checks a node's `--fence-margin` against its `--session-ttl`. At least the default
 /// (`max(1s, ttl/5)`): less would let a node cut off from etcd run its channels too close to
 /// its lease's end. At most a third of the TTL less 1s (or the default, when that is
-/// larger): a keepalive that hangs waits a third of the TTL for its answer, is retried
-/// 500 ms later, and comes a third of the TTL after the last one, so with a larger margin
-/// one hung keepalive would pause a healthy node.
+/// larger): a keepalive comes a third of the TTL after the last one and, unanswered, is
+/// given a sixth of the TTL before the next goes at once to the next etcd member; this
+/// margin leaves room for two in a row that hang, a larger one might not.
 ///
 /// # Errors
 /// What is wrong and the range to use, in flag terms.
@@ -175,7 +175,7 @@ pub fn check_fence_margin(ttl: Duration, margin: Duration) -> Result<(), String>
     let most = Duration::from_millis(third_ms.saturating_sub(1_000)).max(least);
     if margin < least || margin > most {
         return Err(format!(
-            "--fence-margin {} is outside {} to {} (inclusive) for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, and with a larger one a single keepalive that hangs (each waits a third of the TTL) would pause a healthy node; give a margin in that range, or a longer --session-ttl",
+            "--fence-margin {} is outside {} to {} (inclusive) for --session-ttl {}: a smaller margin lets a node cut off from etcd run its channels too close to its lease's end, and with a larger one two keepalives in a row that hang (each waits a sixth of the TTL) could pause a healthy node; give a margin in that range, or a longer --session-ttl",
             humantime::format_duration(margin),
             humantime::format_duration(least),
             humantime::format_duration(most),

@@ -1,7 +1,8 @@
 //! Process-level chaos against real etcd: a 3-member etcd cluster, 2 coordinator and 5 node
 //! processes of the real binary, 500 channels. For `CHANWATCH_CHAOS_SECS` (default 120) it
 //! injects at random: `kill -9` of a node or of the leader, `SIGSTOP`/`SIGCONT` of a node past
-//! its TTL, a restart of one etcd member, compaction, an etcd-wide outage (every member
+//! its TTL, a restart of one etcd member, a freeze of one follower member (`SIGSTOP` for
+//! 5-10 s: it takes connections and answers nothing), compaction, an etcd-wide outage (every member
 //! `kill -9`ed for 5-20 s, then restarted on its data), a full quota (junk outside the root
 //! until NOSPACE, held 5-10 s, then deleted, compacted, defragmented, alarm disarmed), a
 //! network partition of one node (the node runs in a network namespace, see `chaos/netns.rs`;
@@ -306,20 +307,36 @@ impl Chaos {
             .collect()
     }
 
-    /// What the node process that had session `id` (admin address from `admins`) said last:
-    /// why its session ended, for a violation's text.
+    /// What the node process that had session `id` (admin address from `admins`) said last,
+    /// and what any coordinator said of node `id`: why its session ended, for a violation.
     fn last_words(&self, id: NodeId, admins: &BTreeMap<NodeId, String>) -> String {
-        let Some(p) = admins
+        let node = admins
             .get(&id)
             .and_then(|a| self.nodes.iter().find(|p| &p.admin == a))
-        else {
-            return format!("\n  node {id}: its process is gone or unknown");
-        };
-        format!(
-            "\n  node {id} ({}), the tail of its output:\n{}",
-            p.out.display(),
-            audit::tail(&p.out, 12)
-        )
+            .map_or_else(
+                || format!("\n  node {id}: its process is gone or unknown"),
+                |p| {
+                    format!(
+                        "\n  node {id} ({}), the tail of its output:\n{}",
+                        p.out.display(),
+                        audit::tail(&p.out, 12)
+                    )
+                },
+            );
+        // A leader that fenced it (a release timeout) says so with `node={id}`.
+        let tag = format!("node={id} ");
+        let mut said = Vec::new();
+        for p in self.coords.iter().map(|p| &p.out) {
+            let text = std::fs::read_to_string(p).unwrap_or_default();
+            said.extend(
+                text.lines()
+                    .filter(|l| l.contains(&tag))
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let coords = said[said.len().saturating_sub(5)..].join("\n");
+        format!("{node}\n  what the live coordinators said of node {id}:\n{coords}")
     }
 
     /// A random node process, one with a session if any has.
@@ -646,6 +663,7 @@ async fn chaos_against_real_etcd() {
         "kill-leader",
         "stop-node",
         "restart-etcd",
+        "freeze-member",
         "compact",
         "etcd-outage",
         "nospace",
@@ -725,6 +743,24 @@ async fn chaos_against_real_etcd() {
                     .restart_member(i)
                     .await
                     .expect("etcd member restarts");
+            }
+            "freeze-member" => {
+                // A follower that takes connections and answers nothing (as one cut off from
+                // the others): renewals that went to it must move on. Not the leader: etcd
+                // before the fix of its issue 15247 (3.4.23 here) lets a leader that wakes
+                // from a stall longer than the TTL revoke every lease (README, "Faults the
+                // world has"); the chaos run found it, and nothing on the client can help.
+                let leader = cluster.leader().await;
+                let i = (leader.unwrap_or(0) + 1 + c.rand(2) as usize) % 3;
+                let hold = Duration::from_millis(5_000 + c.rand(5_001));
+                cluster.freeze_member(i).expect("SIGSTOP an etcd member");
+                tokio::time::sleep(hold).await;
+                cluster
+                    .thaw_member(i)
+                    .await
+                    .expect("the etcd member wakes and serves");
+                t0 = Instant::now();
+                what = format!("member {i}, {:.1} s", hold.as_secs_f64());
             }
             "etcd-outage" => {
                 let down = Duration::from_millis(5_000 + c.rand(15_001));

@@ -41,8 +41,8 @@ pub struct Args {
     /// How long before its session lease could expire a node that cannot reach etcd pauses
     /// its channels (default: a fifth of the TTL, at least 1s). Larger pauses a cut-off node
     /// sooner: room for a pause that is slow to take effect or a clock that runs slow. Never
-    /// below the default; at most a third of the TTL less 1s, beyond which one keepalive
-    /// that hangs would pause a healthy node.
+    /// below the default; at most a third of the TTL less 1s, beyond which two keepalives in
+    /// a row that hang could pause a healthy node.
     #[arg(long, env = "CHANWATCH_FENCE_MARGIN", value_parser = humantime_secs)]
     pub fence_margin: Option<Duration>,
     /// How long the built-in simulated load of a channel takes.
