@@ -5,7 +5,7 @@
 //!
 //! Owns: the connection (endpoints, timeouts, credentials, TLS; lease renewals go to one
 //! member at a time over a connection of their own, and move to the next member when one
-//! fails), translation between the
+//! fails — which members get requests is `etcd_members.rs`), translation between the
 //! store vocabulary and etcd's protobuf types, and the mapping of etcd's errors onto
 //! [`StoreError`] so callers can tell retryable from fatal.
 //!
@@ -35,6 +35,7 @@ use tokio::sync::Mutex;
 
 use crate::error::{StoreError, StoreResult};
 use crate::etcd_error::{cancel_error, map_err};
+use crate::etcd_members::Members;
 use crate::types::{
     Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,
     LeaseId, Limits, OpResponse, RangeResponse, Revision, StoreStatus, Txn, TxnOp, TxnResponse,
@@ -108,7 +109,7 @@ type Keeper = (LeaseKeeper, LeaseKeepAliveStream);
 struct KeeperSlot {
     /// The open keepalive stream to `member`, taken out for each round trip.
     stream: Option<Keeper>,
-    /// Index into [`EtcdStore::members`] of the member renewals go to.
+    /// Index of the member renewals go to (in the order of the endpoints).
     member: usize,
     /// The last renewal was answered (else the next opens a stream to the next member).
     answered: bool,
@@ -127,11 +128,10 @@ pub struct EtcdStore {
     /// held only to find an entry; each entry has its own lock for the round trip, so leases
     /// of many sessions in one process never wait for each other.
     keepers: std::sync::Mutex<HashMap<LeaseId, Arc<Mutex<KeeperSlot>>>>,
-    /// One endpoint each, for renewals ([`KeeperSlot`]): the endpoint and its client, made
-    /// on first use (and made again when etcd no longer knows its auth token).
-    members: Vec<(String, Mutex<Option<Client>>)>,
-    /// How to connect a member's client.
-    options: ConnectOptions,
+    /// The members: a client each for renewals ([`KeeperSlot`]), and which of them `client`
+    /// sends requests to (a member that leaves a renewal unanswered is left out until it
+    /// answers again).
+    members: Members,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -202,6 +202,13 @@ impl EtcdStore {
                 })
             }
         };
+        let members = Members::new(
+            &config.endpoints,
+            config.tls.is_some(),
+            member_options,
+            user.clone(),
+            config.probe_key,
+        );
         Ok(EtcdStore {
             client,
             endpoints,
@@ -212,44 +219,21 @@ impl EtcdStore {
                 .max(Duration::from_millis(10)),
             limits: config.limits,
             keepers: std::sync::Mutex::new(HashMap::new()),
-            members: config
-                .endpoints
-                .iter()
-                .map(|e| (e.clone(), Mutex::new(None)))
-                .collect(),
-            options: member_options,
+            members,
         })
-    }
-
-    /// The client of member `i` alone, connected on first use.
-    async fn member(&self, i: usize) -> StoreResult<Client> {
-        let (endpoint, client) = &self.members[i];
-        let mut client = client.lock().await;
-        if let Some(c) = client.as_ref() {
-            return Ok(c.clone());
-        }
-        let connected = Client::connect([endpoint], Some(self.options.clone()))
-            .await
-            .map_err(|e| map_err(endpoint, &self.user, "", e))?;
-        *client = Some(connected.clone());
-        Ok(connected)
-    }
-
-    /// Maps an error of member `i`'s client, naming that member; forgets the client when
-    /// etcd no longer knows its auth token, so the next use authenticates again.
-    async fn member_err(&self, i: usize, e: etcd_client::Error) -> StoreError {
-        let (endpoint, client) = &self.members[i];
-        let err = map_err(endpoint, &self.user, "", e);
-        if matches!(err, StoreError::AuthTokenExpired(_)) {
-            *client.lock().await = None;
-        }
-        err
     }
 
     fn kv(&self) -> etcd_client::KvClient {
         self.client
             .kv_client()
             .max_decoding_message_size(MAX_DECODING_BYTES)
+    }
+
+    /// The endpoints requests go to now, in the order given: a member that left a lease
+    /// renewal unanswered or failed it is left out until it answers a probe (every second).
+    #[must_use]
+    pub fn members_in_rotation(&self) -> Vec<String> {
+        self.members.in_rotation()
     }
 
     /// Maps an error of a call about `key`; when etcd no longer knows our auth token (the
@@ -599,7 +583,7 @@ impl MetaStore for EtcdStore {
                 .keepers
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let members = self.members.len().max(1);
+            let members = self.members.len();
             map.entry(lease)
                 .or_insert_with(|| {
                     // Leases of different processes start on different members.
@@ -638,17 +622,19 @@ impl MetaStore for EtcdStore {
                 // says nothing about the lease. The next renewal opens a stream to the next
                 // member, which checks it.
                 Ok(None) => Err(StoreError::Unavailable {
-                    endpoints: self.members[slot.member].0.clone(),
+                    endpoints: self.members.endpoint(slot.member).to_owned(),
                     message: "the keepalive stream ended".into(),
                 }),
-                Err(e) => Err(fix_lease(self.member_err(slot.member, e).await, lease)),
+                Err(e) => Err(fix_lease(self.members.err(slot.member, e).await, lease)),
             };
         }
         if !answered {
-            slot.member = (slot.member + 1) % self.members.len().max(1);
+            // It hung or failed: the shared connection leaves it out until it answers.
+            self.members.suspect(slot.member, &self.client).await;
+            slot.member = (slot.member + 1) % self.members.len();
         }
         let member = slot.member;
-        let client = self.member(member).await?;
+        let client = self.members.client(member).await?;
         // Opening the stream sends the first renewal and checks the lease exists.
         match client.lease_client().keep_alive(lease).await {
             // etcd-client reads the first answer itself: its revision is not known here.
@@ -657,7 +643,7 @@ impl MetaStore for EtcdStore {
                 slot.answered = true;
                 Ok(0)
             }
-            Err(e) => Err(fix_lease(self.member_err(member, e).await, lease)),
+            Err(e) => Err(fix_lease(self.members.err(member, e).await, lease)),
         }
     }
 

@@ -48,6 +48,7 @@ pub mod embedded;
 pub mod error;
 pub mod etcd;
 mod etcd_error;
+mod etcd_members;
 #[cfg(any(test, feature = "testing"))]
 pub mod faults;
 pub mod layer;

@@ -356,8 +356,20 @@ impl Chaos {
 
     /// Live sessions and the owner of every channel, to count what a fault changed.
     async fn snapshot(&self) -> (BTreeSet<NodeId>, BTreeMap<String, NodeId>) {
-        let Ok(list) = self.store.range(self.keys.root()).await else {
-            return Default::default();
+        // Retried: the first request to a member after an outage may get the connection's
+        // stale error, and an empty snapshot would read as every session ended (a run once
+        // reported all five ended after an outage that none of them noticed).
+        let mut tries = 0;
+        let list = loop {
+            match self.store.range(self.keys.root()).await {
+                Ok(list) => break list,
+                Err(e) => {
+                    tries += 1;
+                    println!("chaos: reading the store failed ({e}); retrying");
+                    assert!(tries < 20, "cannot read the store for 10 s: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
         };
         let mut sessions = BTreeSet::new();
         let mut owners = BTreeMap::new();

@@ -108,3 +108,55 @@ async fn renewals_move_off_a_member_that_died_or_hangs_at_the_first_failure() ->
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_hangs_gets_no_requests_once_a_renewal_found_it_and_is_put_back_later(
+) -> Result<()> {
+    let cluster = EtcdCluster::start(3).await?;
+    let store = EtcdStore::connect(EtcdConfig {
+        endpoints: cluster.endpoints(),
+        request_timeout: Duration::from_secs(3),
+        ..EtcdConfig::default()
+    })
+    .await?;
+    let mut leases = Vec::new();
+    for _ in 0..LEASES {
+        leases.push(granted_and_renewed(&store).await?);
+    }
+    let victim = (leader(&cluster).await? + 1) % 3;
+    cluster.freeze_member(victim)?;
+    // The renewals whose streams were on it go unanswered once: that takes it out.
+    for &lease in &leases {
+        failures_until_renewed(&store, lease).await?;
+    }
+    // Reads (linearizable: a frozen member holds them for the whole request timeout) now go
+    // to the others only. Before, the balancer sent a third of them to the frozen member.
+    let mut slow = 0;
+    for _ in 0..30 {
+        let read = tokio::time::timeout(Duration::from_secs(1), store.get("cw/any")).await;
+        if !matches!(read, Ok(Ok(_))) {
+            slow += 1;
+        }
+    }
+    ensure!(
+        slow == 0,
+        "{slow} of 30 reads got no answer within 1 s with member {victim} frozen (0: the \
+         member that left a renewal unanswered gets no requests)"
+    );
+    ensure!(
+        !store
+            .members_in_rotation()
+            .contains(&cluster.endpoints()[victim]),
+        "member {victim} is out of rotation while frozen: {:?}",
+        store.members_in_rotation()
+    );
+    // Thawed, it answers the probe (every second) and is used again.
+    cluster.thaw_member(victim).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(
+        store.members_in_rotation() == cluster.endpoints(),
+        "every member is back in rotation 3 s after the thaw: {:?}",
+        store.members_in_rotation()
+    );
+    Ok(())
+}

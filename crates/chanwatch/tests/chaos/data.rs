@@ -497,7 +497,19 @@ impl DataPlane {
             out.push("CHANWATCH_CHAOS_PLANT=lose-one, yet the audit found nothing".to_owned());
             return out;
         }
-        match self.plant(store).await {
+        // The first call to a member after an etcd outage may get the connection's stale
+        // "tcp connect error" (nothing was sent): tried again then, and only then.
+        let mut plant = self.plant(store).await;
+        for _ in 0..5 {
+            match &plant {
+                Err(e) if e.contains("tcp connect error") => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    plant = self.plant(store).await;
+                }
+                _ => break,
+            }
+        }
+        match plant {
             Ok(produced) => {
                 let (ok, last, text) = self.run_audit(bin, endpoints, &produced);
                 let v: serde_json::Value = serde_json::from_str(&last).unwrap_or_default();
