@@ -11,8 +11,9 @@
 //!
 //! Must not: retry on its own (callers decide, with their own back-off; the one exception is
 //! an auth token etcd no longer knows, which is renewed and the call sent once more) or hold a
-//! lock across anything but the one keepalive stream per lease (and a member's renewal client
-//! while it connects); read any key but those the
+//! lock across anything but the one keepalive stream per lease (held while that lease's
+//! renewal opens a stream, renews, or waits for its member's client to connect); read any
+//! key but those the
 //! caller names (the connection probe reads [`EtcdConfig::probe_key`], so a user whose role
 //! only allows `{root}/` can connect).
 //!
@@ -103,9 +104,9 @@ type Keeper = (LeaseKeeper, LeaseKeepAliveStream);
 
 /// Where one lease's renewals go: one member at a time, and the next member after a renewal
 /// that failed or was given up. The balanced channel picks a member at random for each new
-/// stream, so after a member died or restarted (it takes requests before it knows a leader,
-/// and holds them) renewals kept landing on it by chance: in the chaos run a restart of one
-/// member of three paused nodes whose session it did not threaten.
+/// stream, so after a renewal failed on a dead or hung member the next could land on it
+/// again by chance — and against a hung member each waits out its timeout: two in a row
+/// paused a node of a 4 s TTL (`tests/it/members.rs` saw it happen to 2 of 12 leases).
 struct KeeperSlot {
     /// The open keepalive stream to `member`, taken out for each round trip.
     stream: Option<Keeper>,
@@ -629,9 +630,15 @@ impl MetaStore for EtcdStore {
             };
         }
         if !answered {
-            // It hung or failed: the shared connection leaves it out until it answers.
-            self.members.suspect(slot.member, &self.client).await;
-            slot.member = (slot.member + 1) % self.members.len();
+            // It hung or failed: the shared connection leaves it out until it answers, and
+            // renewals go to the next member in rotation (the next at all if none is).
+            self.members.suspect(slot.member, &self.client);
+            let n = self.members.len();
+            let from = slot.member;
+            slot.member = (1..=n)
+                .map(|k| (from + k) % n)
+                .find(|m| *m != from && self.members.is_in_rotation(*m))
+                .unwrap_or((from + 1) % n);
         }
         let member = slot.member;
         let client = self.members.client(member).await?;

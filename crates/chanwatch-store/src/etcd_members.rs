@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
 use tokio::sync::Mutex;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::error::{StoreError, StoreResult};
 use crate::etcd_error::map_err;
@@ -31,8 +31,8 @@ struct Member {
     endpoint: String,
     /// With the scheme, as the shared connection keys it.
     url: String,
-    /// Its own client, for renewals.
-    client: Mutex<Option<Client>>,
+    /// Its own client, for renewals (shared with the task that connects it).
+    client: Arc<Mutex<Option<Client>>>,
 }
 
 /// The members, their clients and which of them the shared connection uses.
@@ -67,7 +67,7 @@ impl Members {
                     } else {
                         format!("{scheme}{e}")
                     },
-                    client: Mutex::new(None),
+                    client: Arc::new(Mutex::new(None)),
                 })
                 .collect(),
             in_rotation: Arc::new(StdMutex::new(vec![true; endpoints.len()])),
@@ -102,18 +102,43 @@ impl Members {
         self.list.get(i).map_or("", |m| m.endpoint.as_str())
     }
 
-    /// The client of member `i` alone, connected on first use.
+    /// The client of member `i` alone, connected on first use. The connection (with auth,
+    /// an authentication round trip) is made by a task of its own, so a caller that gives
+    /// up on the renewal does not throw it away: the next renewal finds it made.
     pub(crate) async fn client(&self, i: usize) -> StoreResult<Client> {
         let m = &self.list[i];
-        let mut client = m.client.lock().await;
-        if let Some(c) = client.as_ref() {
+        if let Some(c) = m.client.lock().await.as_ref() {
             return Ok(c.clone());
         }
-        let connected = Client::connect([&m.endpoint], Some(self.options.clone()))
-            .await
-            .map_err(|e| map_err(&m.endpoint, &self.user, "", e))?;
-        *client = Some(connected.clone());
-        Ok(connected)
+        let (slot, endpoint, options, user) = (
+            m.client.clone(),
+            m.endpoint.clone(),
+            self.options.clone(),
+            self.user.clone(),
+        );
+        let connect = tokio::spawn(async move {
+            let c = Client::connect([&endpoint], Some(options))
+                .await
+                .map_err(|e| map_err(&endpoint, &user, "", e))?;
+            *slot.lock().await = Some(c.clone());
+            Ok(c)
+        });
+        connect.await.unwrap_or_else(|e| {
+            Err(StoreError::Unavailable {
+                endpoints: m.endpoint.clone(),
+                message: format!("connecting failed: {e}"),
+            })
+        })
+    }
+
+    /// Whether member `i` is in the shared connection's rotation.
+    pub(crate) fn is_in_rotation(&self, i: usize) -> bool {
+        self.in_rotation
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(i)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// Maps an error of member `i`'s client, naming that member; forgets the client when
@@ -128,26 +153,27 @@ impl Members {
     }
 
     /// Member `i` left a renewal unanswered or failed it: takes it out of `shared`'s
-    /// rotation (unless it is the last one in) and probes it until it answers.
-    pub(crate) async fn suspect(&self, i: usize, shared: &Client) {
+    /// rotation (unless no other member would be left in it) and probes it until it
+    /// answers. Returns at once: the work is a task of its own, which a caller's timeout
+    /// cannot cut short (a member marked out and never probed would stay out for good).
+    pub(crate) fn suspect(&self, i: usize, shared: &Client) {
+        let m = &self.list[i];
         {
             let mut in_rotation = self
                 .in_rotation
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let others = in_rotation
+            // Others by URL: an endpoint named twice is one entry of the shared connection.
+            let others = self
+                .list
                 .iter()
-                .enumerate()
-                .filter(|(k, on)| *k != i && **on)
+                .zip(in_rotation.iter())
+                .filter(|(o, on)| **on && o.url != m.url)
                 .count();
             if !in_rotation.get(i).copied().unwrap_or(false) || others == 0 {
                 return;
             }
             in_rotation[i] = false;
-        }
-        let m = &self.list[i];
-        if let Err(e) = shared.remove_endpoint(&m.url).await {
-            warn!(member = %m.endpoint, error = %e, "etcd: cannot take a member out of rotation");
         }
         warn!(member = %m.endpoint, "etcd: a member left a lease renewal unanswered or failed it; sending requests to the other members until it answers again");
         let probe = Probe {
@@ -174,8 +200,21 @@ struct Probe {
     in_rotation: Weak<StdMutex<Vec<bool>>>,
 }
 
+/// How long a change to the shared connection's endpoints may wait to be queued (its queue
+/// is drained as requests go through).
+const CHANGE_WAIT: Duration = Duration::from_secs(5);
+
 impl Probe {
     async fn run(self) {
+        match tokio::time::timeout(CHANGE_WAIT, self.shared.remove_endpoint(&self.url)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                warn!(member = %self.endpoint, error = %e, "etcd: cannot take a member out of rotation");
+            }
+            Err(_) => {
+                warn!(member = %self.endpoint, "etcd: cannot take a member out of rotation: the connection took no change for 5s");
+            }
+        }
         let mut client: Option<Client> = None;
         let since = tokio::time::Instant::now();
         loop {
@@ -203,14 +242,22 @@ impl Probe {
             })
             .await;
             if !matches!(answered, Ok(Some(()))) {
+                debug!(member = %self.endpoint, "etcd: the member out of rotation does not answer yet");
                 continue;
             }
             let Some(in_rotation) = self.in_rotation.upgrade() else {
                 return;
             };
-            if let Err(e) = self.shared.add_endpoint(&self.url).await {
-                warn!(member = %self.endpoint, error = %e, "etcd: cannot put a member back in rotation; probing again");
-                continue;
+            match tokio::time::timeout(CHANGE_WAIT, self.shared.add_endpoint(&self.url)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    warn!(member = %self.endpoint, error = %e, "etcd: cannot put a member back in rotation; probing again");
+                    continue;
+                }
+                Err(_) => {
+                    warn!(member = %self.endpoint, "etcd: cannot put a member back in rotation: the connection took no change for 5s; probing again");
+                    continue;
+                }
             }
             if let Some(on) = in_rotation
                 .lock()

@@ -100,17 +100,19 @@ pub async fn keep_lease(
     let answer_within = period / 2;
     let mut failing = 0u32;
     let mut at_once = false;
+    // When the last renewal was sent: the next is due a period after it (not after its
+    // answer, which may have taken a while), so the holder's limit keeps its room.
+    let mut last_sent = clock.now();
     loop {
         if !std::mem::take(&mut at_once) {
-            clock
-                .sleep(if failing > 0 {
-                    RETRY.min(period)
-                } else {
-                    period
-                })
-                .await;
+            if failing > 0 {
+                clock.sleep(RETRY.min(period)).await;
+            } else {
+                clock.sleep_until(last_sent + period).await;
+            }
         }
         let sent = clock.now();
+        last_sent = sent;
         let attempt = tokio::time::timeout(answer_within, store.keepalive(lease)).await;
         let error = match attempt {
             Ok(Ok(revision)) => {
@@ -135,7 +137,7 @@ pub async fn keep_lease(
             }
         };
         failing += 1;
-        // One line when the trouble starts, then one every 20 attempts (~10 s).
+        // One line when the trouble starts, then one every 20 attempts (10 s or less).
         if failing % 20 == 1 {
             warn!(lease, failures = failing, error = %error, "{who}: keepalive failed; retrying every 500 ms");
         }
