@@ -297,11 +297,25 @@ async fn a_failover_spread_over_many_txns_is_acknowledged_in_one_write_per_recei
             "node {node}: {} ack writes; pauses over 15 ms in its moves and loads: {pauses}",
             writes.len()
         );
+        // On a failure, the nodes' warnings (a batched ack the store refused is retried one
+        // by one, a write each): a CI run once failed here with three writes at consecutive
+        // revisions and nothing else to tell why.
+        let warned = || {
+            c.procs
+                .iter()
+                .map(|(name, p)| {
+                    let out = p.output();
+                    let w: Vec<&str> = out.lines().filter(|l| l.contains(" WARN ")).collect();
+                    format!("\n{name}: {}", w[w.len().saturating_sub(8)..].join("\n"))
+                })
+                .collect::<String>()
+        };
         assert!(
             writes.len() <= 2 + pauses,
             "node {node} acknowledged its share of the failover in {} writes ({pauses} pauses \
-             in its moves and loads): {writes:?}",
-            writes.len()
+             in its moves and loads): {writes:?}; the processes' last warnings:{}",
+            writes.len(),
+            warned()
         );
     }
     for (name, p) in &mut c.procs {
