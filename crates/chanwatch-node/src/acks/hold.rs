@@ -10,7 +10,11 @@
 //! write; a progress report is not an outcome) — or until nothing of the round happened for
 //! [`QUIET`] (a refused txn's puts never come; a slow load keeps the others waiting no
 //! longer), or [`CAP`] after its first put. No ack waits more than [`CAP`] however rounds
-//! overlap, and a round given up is not waited for again when its late puts come.
+//! overlap. A round given up for quiet is waited for again when more of its puts come
+//! (until [`CAP`] after its first): a coordinator stalled mid-round on a busy machine (20 ms
+//! between two of its move txns) made a node that had given the round up ack the rest in a
+//! write per ack round trip — four to six writes where the stall cost one. A round complete or
+//! past [`CAP`] is not waited for again.
 //!
 //! Owns: which rounds are incomplete and until when acks wait for them. Must not: write, or
 //! decide what to ack (the node machine does) — and never holds commits or acks that say a
@@ -32,7 +36,8 @@ pub(crate) const CAP: Duration = Duration::from_millis(200);
 #[derive(Debug, Default)]
 pub(crate) struct RoundHold {
     rounds: HashMap<u64, Round>,
-    /// Rounds completed or given up, until `CAP` after: their late puts start no new wait.
+    /// Rounds complete or past `CAP`, until `CAP` after: their late puts start no new wait.
+    /// (A round quiet for `QUIET` stays in `rounds`, not waited for until its next put.)
     finished: HashMap<u64, Instant>,
     /// Since when acks have been waiting (the first `wait_until` that said wait).
     waiting_since: Option<Instant>,
@@ -88,11 +93,17 @@ impl RoundHold {
         }
     }
 
-    /// `Some(when)` while acks should wait: some round is incomplete and not yet given up,
-    /// and acks have not waited `CAP` yet (`when`: the earliest moment one of those ends).
+    /// `Some(when)` while acks should wait: some round is incomplete and has had a put or an
+    /// ack within `QUIET`, and acks have not waited `CAP` yet (`when`: the earliest moment
+    /// one of those ends).
     pub(crate) fn wait_until(&mut self, now: Instant) -> Option<Instant> {
         self.prune(now);
-        let until = self.rounds.values().map(Round::deadline).min();
+        let until = self
+            .rounds
+            .values()
+            .map(Round::deadline)
+            .filter(|d| *d > now)
+            .min();
         let since = *self.waiting_since.get_or_insert(now);
         match until {
             Some(until) if now < since + CAP => Some(until.min(since + CAP)),
@@ -114,11 +125,12 @@ impl RoundHold {
         self.waiting_since = None;
     }
 
-    /// Moves complete and given-up rounds to `finished`, and forgets those finished `CAP` ago.
+    /// Moves complete rounds and those `CAP` past their first put to `finished`, and forgets
+    /// those finished `CAP` ago.
     fn prune(&mut self, now: Instant) {
         let finished = &mut self.finished;
         self.rounds.retain(|id, r| {
-            let keep = !r.complete() && r.deadline() > now;
+            let keep = !r.complete() && now < r.first + CAP;
             if !keep {
                 finished.insert(*id, now);
             }
@@ -187,19 +199,29 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_given_up_round_is_not_waited_for_again_and_overlapping_rounds_wait_at_most_the_cap()
-    {
+    async fn a_stalled_round_is_waited_for_again_until_the_cap_and_overlapping_rounds_wait_at_most_the_cap(
+    ) {
         let mut h = RoundHold::default();
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         h.saw(hint(1, 3), &name("a"), t0);
         assert_eq!(h.wait_until(t0 + QUIET), None, "given up");
-        // Its last puts come late: nothing waits for the rest of it any more.
+        // More of it comes after a stall: acks wait for the rest again, a quiet period more.
         h.saw(hint(1, 3), &name("b"), t0 + QUIET + ms(1));
-        assert_eq!(h.wait_until(t0 + QUIET + ms(1)), None);
+        assert_eq!(
+            h.wait_until(t0 + QUIET + ms(1)),
+            Some(t0 + QUIET + ms(1) + QUIET),
+            "a stalled round's next put"
+        );
+        h.acked(&name("a"), t0 + QUIET + ms(1));
+        h.acked(&name("b"), t0 + QUIET + ms(1));
+        // Past CAP after its first put, it is given up for good: its last put starts no wait.
+        h.saw(hint(1, 3), &name("c"), t0 + CAP + ms(1));
+        assert_eq!(h.wait_until(t0 + CAP + ms(1)), None, "past the cap");
+        h.sent();
         // A chain of rounds, each new one before the last is given up: acks wait from the
         // first "wait" on, and never more than CAP.
-        let t1 = t0 + QUIET + ms(2);
+        let t1 = t0 + CAP + ms(2);
         let mut t = t1;
         let mut id = 10;
         while t < t1 + CAP {
