@@ -87,15 +87,19 @@ impl RoundHold {
     /// or its `Released` was queued for acknowledgement at `now`.
     pub(crate) fn acked(&mut self, channel: &ChannelName, now: Instant) {
         for r in self.rounds.values_mut() {
-            if r.loading.remove(channel) {
+            // A round already quiet stays so: only its next put makes acks wait again (a
+            // load ending late must not hold the acks queued with it for a put that may
+            // never come).
+            if r.loading.remove(channel) && now < r.deadline() {
                 r.last = now;
             }
         }
     }
 
-    /// `Some(when)` while acks should wait: some round is incomplete and has had a put or an
-    /// ack within `QUIET`, and acks have not waited `CAP` yet (`when`: the earliest moment
-    /// one of those ends).
+    /// `Some(when)` while acks should wait: some round is incomplete and not quiet (a put
+    /// or a load's outcome within `QUIET`, and no quiet period between them since its last
+    /// put), and acks have not waited `CAP` yet (`when`: the earliest moment one of those
+    /// ends).
     pub(crate) fn wait_until(&mut self, now: Instant) -> Option<Instant> {
         self.prune(now);
         let until = self
@@ -185,17 +189,17 @@ mod tests {
         assert_eq!(h.wait_until(quiet - Duration::from_millis(1)), Some(quiet));
         assert_eq!(h.wait_until(quiet), None, "no put for QUIET: acks go");
         // Puts that keep trickling in hold acks no longer than CAP after the first.
-        let mut t = t0;
+        let mut t = quiet;
         h.saw(hint(2, 1_000), &name("a"), t);
         for i in 0.. {
-            if t >= t0 + CAP {
+            if t >= quiet + CAP {
                 break;
             }
             assert!(h.wait_until(t).is_some());
             t += QUIET / 2;
             h.saw(hint(2, 1_000), &name(&format!("c{i}")), t);
         }
-        assert_eq!(h.wait_until(t0 + CAP), None);
+        assert_eq!(h.wait_until(quiet + CAP), None);
     }
 
     #[tokio::test(start_paused = true)]
@@ -214,10 +218,19 @@ mod tests {
             "a stalled round's next put"
         );
         h.acked(&name("a"), t0 + QUIET + ms(1));
-        h.acked(&name("b"), t0 + QUIET + ms(1));
-        // Past CAP after its first put, it is given up for good: its last put starts no wait.
-        h.saw(hint(1, 3), &name("c"), t0 + CAP + ms(1));
+        // Quiet again; a load that ends now does not make acks wait for the rest.
+        let later = t0 + QUIET * 3;
+        assert_eq!(h.wait_until(later), None, "quiet again");
+        h.acked(&name("b"), later);
+        assert_eq!(h.wait_until(later), None, "a late load's end revives nothing");
+        // Its next put, close to the cap: the wait ends CAP after the round's first put.
+        h.saw(hint(1, 4), &name("c"), t0 + CAP - ms(10));
+        assert_eq!(h.wait_until(t0 + CAP - ms(10)), Some(t0 + CAP), "never past the cap");
+        // Past CAP after its first put, it is given up for good, and forgotten: its last
+        // put starts no wait.
+        h.saw(hint(1, 4), &name("d"), t0 + CAP + ms(1));
         assert_eq!(h.wait_until(t0 + CAP + ms(1)), None, "past the cap");
+        assert!(h.rounds.is_empty(), "a round past the cap is not kept");
         h.sent();
         // A chain of rounds, each new one before the last is given up: acks wait from the
         // first "wait" on, and never more than CAP.
