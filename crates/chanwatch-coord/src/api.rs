@@ -169,6 +169,7 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .route("/api/v1/channels/{name}/pin", post(pin))
         .route("/api/v1/channels/{name}/unpin", post(unpin))
         .route("/api/v1/summary", get(summary::summary))
+        .fallback(no_such_endpoint)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
@@ -182,6 +183,19 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
             handle,
             registry: options.registry,
         })
+}
+
+/// Any other path: a JSON 404 that names what was asked (axum's own has an empty body).
+async fn no_such_endpoint(method: axum::http::Method, uri: axum::http::Uri) -> HttpError {
+    HttpError {
+        status: StatusCode::NOT_FOUND,
+        message: format!(
+            "no such endpoint: {method} {}; the API is under /api/v1/ (channels, nodes, \
+             balance, events, summary), with /metrics, /healthz and /readyz beside it",
+            uri.path()
+        ),
+        leader: None,
+    }
 }
 
 /// Writes need the bearer token when one is configured; reads never do.

@@ -159,7 +159,8 @@ impl CoordHandle {
     /// was not draining.
     ///
     /// # Errors
-    /// Not leader, or the store failed.
+    /// A node with neither a drain mark nor a live session (unknown), not leader, or the store
+    /// failed.
     pub async fn undrain(&self, node: NodeId) -> Result<bool, ApiError> {
         self.ask_with(|reply| Request::Undrain { node, reply })
             .await
@@ -168,7 +169,8 @@ impl CoordHandle {
 
 impl Term<'_> {
     /// Serves [`Request::Undrain`]: deletes the node's drain mark in a txn guarded by the
-    /// leader key (nothing when it has none), then plans at once so balance may fill it.
+    /// leader key (nothing when it has none, and an unknown-node answer when it has no
+    /// session either), then plans at once so balance may fill it.
     /// `Err` only when leadership was lost.
     pub(crate) async fn undrain(
         &mut self,
@@ -176,7 +178,16 @@ impl Term<'_> {
         reply: oneshot::Sender<Result<bool, ApiError>>,
     ) -> Result<(), String> {
         if !self.state.draining().contains(&node) {
-            drop(reply.send(Ok(false)));
+            // A node with neither a session nor a mark is most likely a mistyped ID: say so
+            // (404) rather than "nothing to do".
+            let answer = if self.state.nodes().contains_key(&node) {
+                Ok(false)
+            } else {
+                Err(ApiError::Admin(
+                    chanwatch_core::planner::AdminError::UnknownNode(node),
+                ))
+            };
+            drop(reply.send(answer));
             return Ok(());
         }
         let planned = Ok(chanwatch_core::planner::PlannedTxn {

@@ -291,6 +291,10 @@ async fn an_undrained_node_takes_channels_again() {
     .await;
     let out = w.ctl(&["undrain", &b.to_string()]).expect("undrain");
     assert!(out.contains("takes channels again"), "{out}");
+    let out = w.ctl(&["undrain", &b.to_string()]).expect("undrain again");
+    assert!(out.contains("was not draining"), "{out}");
+    let err = w.ctl(&["undrain", "999"]).expect_err("undrain of no node");
+    assert!(err.contains("node 999 is not alive"), "{err}");
     let node = w
         .ctl(&["describe", "node", &b.to_string()])
         .expect("describe");

@@ -162,6 +162,27 @@ async fn the_event_feed_and_one_object_reads_show_a_move_a_drain_and_an_undrain(
     ensure!(code == 400);
     let (code, _) = get(&client, &format!("{base}/api/v1/nodes/999")).await?;
     ensure!(code == 404);
+    // A path the API does not have: a 404 whose body says so.
+    let (code, body) = get(&client, &format!("{base}/api/v1/nodez")).await?;
+    ensure!(code == 404, "{code}");
+    ensure!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("GET /api/v1/nodez")),
+        "{body}"
+    );
+    // Undraining a node that has neither a mark nor a session (a mistyped ID) is refused.
+    let resp = client
+        .post(format!("{base}/api/v1/nodes/999/undrain"))
+        .header("content-type", "application/json")
+        .send()
+        .await?;
+    ensure!(resp.status() == 404, "{}", resp.status());
+    let body: Value = resp.json().await?;
+    ensure!(
+        body["error"].as_str().is_some_and(|e| e.contains("999")),
+        "{body}"
+    );
     Ok(())
 }
 
