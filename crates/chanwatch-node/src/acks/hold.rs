@@ -222,10 +222,18 @@ mod tests {
         let later = t0 + QUIET * 3;
         assert_eq!(h.wait_until(later), None, "quiet again");
         h.acked(&name("b"), later);
-        assert_eq!(h.wait_until(later), None, "a late load's end revives nothing");
+        assert_eq!(
+            h.wait_until(later),
+            None,
+            "a late load's end revives nothing"
+        );
         // Its next put, close to the cap: the wait ends CAP after the round's first put.
         h.saw(hint(1, 4), &name("c"), t0 + CAP - ms(10));
-        assert_eq!(h.wait_until(t0 + CAP - ms(10)), Some(t0 + CAP), "never past the cap");
+        assert_eq!(
+            h.wait_until(t0 + CAP - ms(10)),
+            Some(t0 + CAP),
+            "never past the cap"
+        );
         // Past CAP after its first put, it is given up for good, and forgotten: its last
         // put starts no wait.
         h.saw(hint(1, 4), &name("d"), t0 + CAP + ms(1));
