@@ -719,3 +719,22 @@ async fn ctl_admin_pointed_at_a_standby_follows_the_leader() {
     let (ok, out, err) = ctl(&["events", "-o", "json"]);
     assert!(ok && out.contains("orders-9"), "{out}{err}");
 }
+
+/// `ctl --admin` at an address where nothing listens waits `--timeout` for a leader, saying
+/// what the connection said (reqwest's own message leaves the cause out), then fails.
+#[test]
+fn ctl_at_a_dead_admin_address_says_why_and_gives_up_after_its_timeout() {
+    let started = Instant::now();
+    let out = Command::new(procs::bin())
+        .args(["ctl", "--endpoints=127.0.0.1:1", "--admin=127.0.0.1:1"])
+        .args(["--timeout=1s", "channels"])
+        .output()
+        .expect("run ctl");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{err}");
+    assert!(
+        err.contains("does not answer") && err.to_lowercase().contains("connection refused"),
+        "{err}"
+    );
+}

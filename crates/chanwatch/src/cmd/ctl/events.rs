@@ -81,9 +81,10 @@ pub async fn follow(leader: &Leader, since: u64, format: Format) -> Result<()> {
                         "the coordinator answered {}",
                         r.status()
                     ))),
-                    Ok(Err(e)) => {
-                        Err(leader.unreachable(format!("the admin API does not answer: {e}")))
-                    }
+                    Ok(Err(e)) => Err(leader.unreachable(format!(
+                        "the admin API does not answer: {:#}",
+                        anyhow::Error::new(e)
+                    ))),
                     Err(_) => Err(Failed::Retry(format!(
                         "the leader did not answer within {} s",
                         SILENCE.as_secs()

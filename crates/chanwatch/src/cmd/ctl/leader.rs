@@ -458,10 +458,17 @@ impl Leader {
         let resp = match req.send().await {
             Ok(r) => r,
             // Nothing reached a server: safe to try again, a write too.
+            // `{:#}`: with the causes ("Connection refused"), which reqwest's own message
+            // leaves out.
             Err(e) if e.is_connect() => {
-                return Err(self.unreachable(format!("the admin API does not answer: {e}")))
+                return Err(self.unreachable(format!(
+                    "the admin API does not answer: {:#}",
+                    anyhow::Error::new(e)
+                )))
             }
-            Err(e) if read => return Err(self.unreachable(format!("no answer: {e}"))),
+            Err(e) if read => {
+                return Err(self.unreachable(format!("no answer: {:#}", anyhow::Error::new(e))))
+            }
             Err(e) if e.is_timeout() => {
                 return Err(Failed::Final(anyhow!(
                     "the leader did not answer {method} {path} within {} s (--timeout); \
