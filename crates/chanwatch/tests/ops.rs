@@ -7,6 +7,9 @@
 //!
 //! promtool comes with Debian's `prometheus` package, systemd-analyze with `systemd`; a
 //! missing tool fails its test with how to install it.
+//!
+//! Over 600 lines: one test per deployed artifact, each independent, sharing the few helpers
+//! that start a real coordinator and node for the metric checks.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

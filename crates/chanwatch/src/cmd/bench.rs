@@ -3,10 +3,10 @@
 //!
 //! Owns: the flags of every benchmark (`Args`, `What`, one `Bench*Args` each), choosing one,
 //! and the median every benchmark reports. The workloads are in `store` (store floor),
-//! `failover` and `system` (assign, balance, ack, planner); the data plane's in `checkpoint`
-//! (fenced commits), `consume` (consumer throughput against a bare reader) and
-//! `data_failover` (a consuming node killed under load), with their instruments in `meter`;
-//! `exec` (`--exec` workers).
+//! `failover`, `system` (assign, balance, ack) and `planner` (the view alone); the data
+//! plane's in `checkpoint` (fenced commits), `consume` (consumer throughput against a bare
+//! reader) and `data_failover` (a consuming node killed under load), with their instruments
+//! in `meter`; `exec` (`--exec` workers).
 //! Must not: assert on timings (benchmarks report; they never fail for being slow).
 
 use std::sync::Arc;
@@ -24,6 +24,7 @@ mod exec;
 mod failover;
 mod idle;
 mod meter;
+mod planner;
 mod register;
 mod rolling_restart;
 mod store;
@@ -461,7 +462,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Failover(args) => failover::run(&args).await,
         What::Assign(args) => system::assign(&args).await,
         What::Balance(args) => system::balance(&args).await,
-        What::Planner(args) => system::planner(&args),
+        What::Planner(args) => planner::planner(&args),
         What::Ack(args) => system::ack(&args).await,
         What::Checkpoint(args) => checkpoint::run(&args).await,
         What::Consume(args) => consume::run(&args).await,
