@@ -170,6 +170,7 @@ pub fn router(handle: CoordHandle, options: ApiOptions) -> Router {
         .route("/api/v1/channels/{name}/unpin", post(unpin))
         .route("/api/v1/summary", get(summary::summary))
         .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(no_such_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
@@ -190,8 +191,19 @@ async fn no_such_endpoint(method: axum::http::Method, uri: axum::http::Uri) -> H
     HttpError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "no such endpoint: {method} {}; the API is under /api/v1/ (channels, nodes, \
-             balance, events, summary), with /metrics, /healthz and /readyz beside it",
+            "no such endpoint: {method} {}; the README's \"Admin HTTP API\" lists them",
+            uri.path()
+        ),
+        leader: None,
+    }
+}
+
+/// A known path asked with a method it does not take: a JSON 405 (axum's own is empty).
+async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> HttpError {
+    HttpError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!(
+            "{} does not take {method}; the README's \"Admin HTTP API\" says which it takes",
             uri.path()
         ),
         leader: None,

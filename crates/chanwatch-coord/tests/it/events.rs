@@ -162,13 +162,22 @@ async fn the_event_feed_and_one_object_reads_show_a_move_a_drain_and_an_undrain(
     ensure!(code == 400);
     let (code, _) = get(&client, &format!("{base}/api/v1/nodes/999")).await?;
     ensure!(code == 404);
-    // A path the API does not have: a 404 whose body says so.
+    // A path the API does not have, and one asked with a method it does not take: JSON
+    // errors that say so.
     let (code, body) = get(&client, &format!("{base}/api/v1/nodez")).await?;
     ensure!(code == 404, "{code}");
     ensure!(
         body["error"]
             .as_str()
-            .is_some_and(|e| e.contains("GET /api/v1/nodez")),
+            .is_some_and(|e| e.contains("no such endpoint: GET /api/v1/nodez")),
+        "{body}"
+    );
+    let (code, body) = get(&client, &format!("{base}/api/v1/balance")).await?;
+    ensure!(code == 405, "{code}");
+    ensure!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("/api/v1/balance does not take GET")),
         "{body}"
     );
     // Undraining a node that has neither a mark nor a session (a mistyped ID) is refused.
@@ -180,7 +189,9 @@ async fn the_event_feed_and_one_object_reads_show_a_move_a_drain_and_an_undrain(
     ensure!(resp.status() == 404, "{}", resp.status());
     let body: Value = resp.json().await?;
     ensure!(
-        body["error"].as_str().is_some_and(|e| e.contains("999")),
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("node 999 is not alive")),
         "{body}"
     );
     Ok(())

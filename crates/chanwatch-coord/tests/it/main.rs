@@ -172,7 +172,7 @@ mod etcd_only {
     /// Issue 16's quota test, shortened to two runs of `CHANWATCH_UPKEEP_SECS` (default 60)
     /// of churn each: run with `--ignored --nocapture` to see the numbers.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "two minutes of churn on real etcd"]
+    #[ignore = "two minutes of churn on real etcd; .ci/run runs it on its own"]
     async fn a_small_quota_without_auto_compaction_fills_only_without_compaction(
     ) -> anyhow::Result<()> {
         crate::upkeep::a_small_quota_without_auto_compaction_fills_only_without_compaction().await

@@ -8,6 +8,9 @@
 //! checkpoints in `channels`). The leader's API, typed, is in `leader`; what the nodes say
 //! about themselves in `live`.
 //! Must not: write to etcd: only the coordinator writes assignments.
+//!
+//! Just over 600 lines: the one `Command` enum with every command's flags, their checks and
+//! the dispatch, which read best together (the tables of its answers are beside them).
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
