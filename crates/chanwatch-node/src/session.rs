@@ -9,7 +9,7 @@
 //! `leaving` through `leave.rs`, and the revoke of its lease).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chanwatch_core::node::leave::{Departure, DepartureStep};
@@ -22,12 +22,14 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::acks::{AckOutcome, What};
-use crate::checkpoint::{CommitRequest, CommitShared, Committer};
+use crate::checkpoint::{CommitRequest, CommitShared};
 use crate::config::{NodeConfig, NodeStatus, PlantedBug, Stop};
-use crate::handler::{ChannelContext, ChannelHandler, RunnerEvent};
+use crate::handler::{ChannelHandler, RunnerEvent};
 use crate::register::Registered;
-use crate::runner::{run_channel, Runner, RunningGuard};
+use crate::runner::Runner;
 use crate::watchdog::{watchdog, Renewal};
+
+mod runners;
 
 pub(crate) enum SessionEnd {
     Shutdown,
@@ -499,101 +501,6 @@ impl Session {
 
     pub(crate) fn session_guard(&self) -> Compare {
         Compare::create_revision(self.keys.session(self.reg.id), self.reg.session_revision)
-    }
-
-    async fn start(&mut self, info: ChannelInfo) {
-        // One runner per channel: a restart waits for the previous one to finish releasing.
-        if let Some(old) = self.runners.remove(&info.channel) {
-            old.cancel.cancel();
-            let _ = old.task.await;
-        }
-        info!(node = %self.reg.id, channel = %info.channel, epoch = %info.epoch, "node: starting channel");
-        self.next_generation += 1;
-        let generation = self.next_generation;
-        let cancel = self.fence.child_token();
-        let ctx = ChannelContext {
-            node: self.reg.id,
-            info: info.clone(),
-            clock: self.clock,
-            events: self.events_tx.clone(),
-            last_progress: Arc::new(Mutex::new(None)),
-            progress_interval: self.progress_interval,
-            generation,
-            committer: Some(Committer::new(
-                self.commit_shared.clone(),
-                info.channel.clone(),
-                info.epoch,
-                self.create_revisions
-                    .get(&info.channel)
-                    .copied()
-                    .unwrap_or(0),
-            )),
-        };
-        self.seen_at.insert(info.channel.clone(), self.clock.now());
-        self.metrics.running.inc();
-        let guard = RunningGuard(self.metrics.clone());
-        let (pause, paused) = watch::channel(self.pause.borrow().clone());
-        let task = tokio::spawn(tracing::Instrument::in_current_span(run_channel(
-            guard,
-            self.handler.clone(),
-            ctx,
-            cancel.clone(),
-            paused,
-            generation,
-        )));
-        self.runners.insert(
-            info.channel,
-            Runner {
-                generation,
-                cancel,
-                pause,
-                task,
-            },
-        );
-    }
-
-    /// Stops every channel and revokes the lease, so what is left moves at once.
-    async fn stop_and_revoke(mut self) -> SessionEnd {
-        self.stop_all(true).await;
-        if let Err(e) = self.store.revoke(self.reg.lease).await {
-            warn!(error = %e, "node: lease revoke failed; it will expire by itself");
-        }
-        SessionEnd::Shutdown
-    }
-
-    /// Stops every runner and waits for each release. With `commits` (a shutdown, the
-    /// session alive), the commits runs make meanwhile — a worker's last one on `SIGTERM` —
-    /// are still written and answered: a release waits for its worker, and a commit left
-    /// queued until the end of this would hold the worker until its stop grace ran out.
-    async fn stop_all(&mut self, commits: bool) {
-        // Nothing waits for a round's puts any more; what is queued goes with the commits.
-        self.round_hold.clear();
-        let runners: Vec<(ChannelName, Runner)> =
-            std::mem::take(&mut self.runners).into_iter().collect();
-        for (_, r) in &runners {
-            r.cancel.cancel();
-        }
-        let released = async move {
-            for (_, r) in runners {
-                let _ = r.task.await;
-            }
-        };
-        tokio::pin!(released);
-        loop {
-            tokio::select! {
-                () = &mut released => return,
-                Some(first) = self.commits_rx.recv(), if commits => {
-                    self.commit_queue.push(first);
-                    while let Ok(more) = self.commits_rx.try_recv() {
-                        self.commit_queue.push(more);
-                    }
-                    self.send_acks();
-                }
-                Some(outcomes) = self.acks_done_rx.recv(), if commits => {
-                    self.commits_done_stopping(outcomes);
-                }
-            }
-        }
     }
 }
 

@@ -282,8 +282,31 @@ async fn events_follow_sees_a_killed_nodes_channels_fail_over() {
 async fn an_undrained_node_takes_channels_again() {
     let _one = SERIAL.lock().await;
     let w = World::new().await;
-    let (_coord, _admin, _nodes, ids) = w.cluster(2).await;
+    let (_coord, admin, _nodes, ids) = w.cluster(2).await;
     let (a, b) = (ids[0], ids[1]);
+    // The real binary's admin API: a path it does not have, and a path asked with a method
+    // it does not take, are JSON errors that say so (axum's own are empty).
+    let http = reqwest::Client::new();
+    for (url, code, says) in [
+        (
+            format!("http://{admin}/api/v1/nodez"),
+            404,
+            "no such endpoint: GET /api/v1/nodez",
+        ),
+        (
+            format!("http://{admin}/api/v1/balance"),
+            405,
+            "/api/v1/balance does not take GET",
+        ),
+    ] {
+        let answer = http.get(&url).send().await.expect("the admin API answers");
+        assert_eq!(answer.status().as_u16(), code, "GET {url}");
+        let body: serde_json::Value = answer.json().await.expect("a JSON error body");
+        assert!(
+            body["error"].as_str().is_some_and(|e| e.contains(says)),
+            "GET {url}: {body}"
+        );
+    }
     w.ctl(&["drain", &b.to_string()]).expect("drain");
     w.wait(30, "every channel on the other node", |c| {
         c.iter().all(|(_, n, s)| *n == Some(a) && s == "Watched")
