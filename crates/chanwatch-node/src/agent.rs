@@ -70,6 +70,8 @@ impl AgentChild {
 #[derive(Debug, Default)]
 struct Table {
     children: Mutex<HashMap<String, Arc<AgentChild>>>,
+    /// Requests that named a running child (answered, whatever the answer).
+    answered: std::sync::atomic::AtomicU64,
 }
 
 impl Table {
@@ -184,6 +186,11 @@ impl Agent {
         &self.url
     }
 
+    /// Requests answered so far that bore a running child's token (any endpoint, any answer).
+    pub fn answered(&self) -> u64 {
+        self.table.answered.load(Ordering::Relaxed)
+    }
+
     /// Answers requests bearing `token` for `child` until the registration is dropped.
     pub(crate) fn register(&self, token: String, child: Arc<AgentChild>) -> Registration {
         self.table.lock().insert(token.clone(), child);
@@ -279,10 +286,12 @@ fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused>
             "no `Authorization: Bearer $CHANWATCH_AGENT_TOKEN` header",
         ));
     };
-    table.lock().get(token.trim()).cloned().ok_or(Refused(
+    let child = table.lock().get(token.trim()).cloned().ok_or(Refused(
         StatusCode::FORBIDDEN,
         "this token belongs to no running worker (its run ended, or it was never issued): exit",
-    ))
+    ))?;
+    table.answered.fetch_add(1, Ordering::Relaxed);
+    Ok(child)
 }
 
 /// The body as a JSON object (an empty body is `{}`).

@@ -191,6 +191,11 @@ impl ExecHandler {
         self.agent.url()
     }
 
+    /// Requests the agent answered so far for running workers (any endpoint, any answer).
+    pub fn agent_requests(&self) -> u64 {
+        self.agent.answered()
+    }
+
     /// The pid of the worker of `channel` on `node`, while one runs.
     pub fn worker_pid(&self, node: NodeId, channel: &ChannelName) -> Option<u32> {
         self.runs().get(&(node, channel.clone())).map(|r| r.pgid)

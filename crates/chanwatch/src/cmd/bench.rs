@@ -21,6 +21,7 @@ mod checkpoint;
 mod consume;
 mod data_failover;
 mod exec;
+mod exec_worker;
 mod failover;
 mod idle;
 mod meter;
@@ -237,12 +238,13 @@ pub struct BenchExecArgs {
     #[arg(long, env = "CHANWATCH_BENCH_SECONDS", default_value_t = 5)]
     pub seconds: u64,
     /// Who commits: children through the agent — `python` (TCP), `compiled` (its Unix
-    /// socket), `compiled-tcp` — or `in-process`.
+    /// socket), `compiled-tcp` — or `in-process`; `compiled-ping`: the compiled children
+    /// ask `GET /state` instead of committing (the agent's round-trip ceiling, no store).
     #[arg(
         long,
         env = "CHANWATCH_BENCH_VIA",
         value_delimiter = ',',
-        default_value = "python,compiled,compiled-tcp,in-process"
+        default_value = "compiled-ping,python,compiled,compiled-tcp,in-process"
     )]
     pub via: Vec<String>,
     /// Repetitions of the commits/s figures; medians are reported.
@@ -262,6 +264,9 @@ pub struct BenchExecWorkerArgs {
     /// Talk to the agent over TCP even when it has a Unix socket.
     #[arg(long, env = "CHANWATCH_BENCH_TCP")]
     pub tcp: bool,
+    /// Ask `GET /state` over and over instead of committing (the transport's ceiling).
+    #[arg(long)]
+    pub ping: bool,
 }
 
 /// Flags of `bench planner`.
@@ -468,7 +473,7 @@ pub async fn run(args: Args) -> Result<()> {
         What::Consume(args) => consume::run(&args).await,
         What::DataFailover(args) => data_failover::run(&args).await,
         What::Exec(args) => exec::run(&args).await,
-        What::ExecWorker(args) => exec::worker(&args).await,
+        What::ExecWorker(args) => exec_worker::run(&args),
         What::Idle(args) => idle::run(&args).await,
         What::RollingRestart(args) => rolling_restart::run(&args).await,
         What::Register(args) => register::run(&args).await,

@@ -11,7 +11,9 @@
 //!   agent API (a Python child per channel, and a compiled child per channel — this binary's
 //!   hidden `bench exec-worker`, on the agent's Unix socket or over TCP — each on one
 //!   keep-alive HTTP connection) and through the
-//!   in-process handler's `ctx.commit` — the same group commit (`--via` picks). Every
+//!   in-process handler's `ctx.commit` — the same group commit (`--via` picks; with
+//!   `compiled-ping` the compiled children ask `GET /state` instead: the agent's round trips
+//!   with no store behind them, counted by the agent — the transport's ceiling). Every
 //!   committer commits from its start until it is stopped; once every channel is `Watched`
 //!   and a second of warm-up has passed, the commits that land in `--seconds` are counted;
 //!   `--runs` times each, medians. Beside each: commits per store txn (store revisions), and
@@ -246,6 +248,9 @@ enum Via {
     Compiled,
     /// The same over TCP (`CHANWATCH_AGENT_URL`).
     CompiledTcp,
+    /// The compiled children asking `GET /state` instead of committing: the agent's round
+    /// trips with no store behind them (counted by the agent), the transport's ceiling.
+    CompiledPing,
     /// A task per channel calling `ctx.commit` in the node's process.
     InProcess,
 }
@@ -256,6 +261,7 @@ impl Via {
             Via::Python => "agent-python",
             Via::Compiled => "agent-compiled",
             Via::CompiledTcp => "agent-compiled-tcp",
+            Via::CompiledPing => "agent-compiled-ping",
             Via::InProcess => "in-process",
         }
     }
@@ -333,16 +339,16 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
             exec = Some(h.clone());
             h
         }
-        Via::Compiled | Via::CompiledTcp => {
+        Via::Compiled | Via::CompiledTcp | Via::CompiledPing => {
             let exe = std::env::current_exe().context("this binary's path")?;
-            let tcp = if via == Via::CompiledTcp {
-                " --tcp"
-            } else {
-                ""
+            let flag = match via {
+                Via::CompiledTcp => " --tcp",
+                Via::CompiledPing => " --ping",
+                _ => "",
             };
             let h = Arc::new(
                 ExecHandler::bind(
-                    ExecOptions::new(format!("exec '{}' bench exec-worker{tcp}", exe.display())),
+                    ExecOptions::new(format!("exec '{}' bench exec-worker{flag}", exe.display())),
                     "127.0.0.1:0",
                 )
                 .await?,
@@ -369,7 +375,10 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
     };
     let sample = || async {
         Ok::<_, anyhow::Error>(Sample {
-            committed: committed(&*store, &keys).await?,
+            committed: match (via, &exec) {
+                (Via::CompiledPing, Some(h)) => h.agent_requests(),
+                _ => committed(&*store, &keys).await?,
+            },
             revision: revision(&*store).await?,
             node_cpu: cpu().0,
             children_cpu: pids.iter().map(|p| cpu_of(*p)).sum(),
@@ -391,113 +400,6 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
         node_us: (s1.node_cpu - s0.node_cpu) * 1e6 / per,
         client_us: (s1.children_cpu - s0.children_cpu) * 1e6 / per,
     })
-}
-
-/// One request on the keep-alive connection `(w, r)`: its status (the answer read to its end).
-fn call(
-    w: &mut impl std::io::Write,
-    r: &mut impl std::io::BufRead,
-    head: &str,
-    body: &str,
-) -> Result<u16> {
-    // Headers and body in one write: one segment, no wait on the agent's ACK (Nagle).
-    let request = format!("{head}Content-Length: {}\r\n\r\n{body}", body.len());
-    w.write_all(request.as_bytes())?;
-    let mut line = String::new();
-    r.read_line(&mut line)?;
-    let status: u16 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("the agent's answer does not start with a status: {line:?}"))?;
-    let mut len = 0usize;
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 {
-            bail!("the agent closed the connection mid-answer");
-        }
-        if line == "\r\n" {
-            break;
-        }
-        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-            len = v.trim().parse().unwrap_or(0);
-        }
-    }
-    let mut answer = vec![0; len];
-    r.read_exact(&mut answer)?;
-    Ok(status)
-}
-
-/// A Unix socket read only once `poll` says it is readable, as an event-loop client (Go's
-/// netpoller, Java NIO, tokio) reads. A task blocked in `read` on a Unix stream socket is
-/// woken each time its peer reads what it wrote (the kernel's "write space" wake-up does not
-/// tell reader from writer; `poll` filters it): without this, every commit cost the child a
-/// spurious wake-up and the node the work of waking it (a tenth of the node's CPU in `perf`).
-struct Polled(std::os::unix::net::UnixStream);
-
-impl std::io::Read for Polled {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        use rustix::event::{poll, PollFd, PollFlags};
-        loop {
-            match poll(&mut [PollFd::new(&self.0, PollFlags::IN)], None) {
-                Ok(_) => return self.0.read(buf),
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-}
-
-/// Commits 1, 2, 3, … on `(w, r)` after `/ready`, until the agent says the run is over.
-fn commit_loop(
-    w: &mut impl std::io::Write,
-    r: &mut impl std::io::BufRead,
-    host: &str,
-    token: &str,
-) -> Result<()> {
-    let head = |path: &str| {
-        format!("POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n")
-    };
-    let (ready, commit) = (head("/ready"), head("/commit"));
-    call(w, r, &ready, "{}")?;
-    let mut n = 0u64;
-    loop {
-        let body = format!(r#"{{"position":"{}","state":{{}}}}"#, n + 1);
-        match call(w, r, &commit, &body)? {
-            200 => n += 1,
-            // The run is over (released, fenced): exit.
-            403 | 409 => return Ok(()),
-            _ => {}
-        }
-    }
-}
-
-/// The compiled child of `bench exec` (hidden `bench exec-worker`): see [`Via::Compiled`].
-/// What a lean worker in a compiled language does: blocking HTTP/1.1 on one keep-alive
-/// connection — to `CHANWATCH_AGENT_SOCKET` when the node gives one (`--tcp` or none: to
-/// `CHANWATCH_AGENT_URL`, with `TCP_NODELAY`), each request in one write; it commits 1, 2,
-/// 3, … until the agent says its run is over (403, 409) or the node stops it.
-///
-/// # Errors
-/// Not run by `bench exec` (no agent in the environment), or the agent gone.
-pub async fn worker(args: &super::BenchExecWorkerArgs) -> Result<()> {
-    let url = std::env::var("CHANWATCH_AGENT_URL")
-        .context("CHANWATCH_AGENT_URL is not set: `bench exec` runs this as its worker")?;
-    let token = std::env::var("CHANWATCH_AGENT_TOKEN")
-        .context("CHANWATCH_AGENT_TOKEN is not set: `bench exec` runs this as its worker")?;
-    let socket = std::env::var("CHANWATCH_AGENT_SOCKET").unwrap_or_default();
-    if !socket.is_empty() && !args.tcp {
-        let mut w = std::os::unix::net::UnixStream::connect(&socket)?;
-        let mut r = std::io::BufReader::new(Polled(w.try_clone()?));
-        return commit_loop(&mut w, &mut r, "agent", &token);
-    }
-    let addr = url
-        .strip_prefix("http://")
-        .context("CHANWATCH_AGENT_URL is not http://HOST:PORT")?;
-    let mut w = std::net::TcpStream::connect(addr)?;
-    w.set_nodelay(true)?;
-    let mut r = std::io::BufReader::new(w.try_clone()?);
-    commit_loop(&mut w, &mut r, addr, &token)
 }
 
 /// The start, memory and stop figures: `--channels` trivial children.
@@ -558,8 +460,11 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
             "python" => Ok(Via::Python),
             "compiled" => Ok(Via::Compiled),
             "compiled-tcp" => Ok(Via::CompiledTcp),
+            "compiled-ping" => Ok(Via::CompiledPing),
             "in-process" => Ok(Via::InProcess),
-            other => bail!("--via {other}: want python, compiled, compiled-tcp or in-process"),
+            other => bail!(
+                "--via {other}: want python, compiled, compiled-tcp, compiled-ping or in-process"
+            ),
         })
         .collect::<Result<_>>()?;
     let mut all: Vec<Vec<Figures>> = vec![Vec::new(); vias.len()];
@@ -583,15 +488,30 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
             med(fs, |f| f.node_us),
             med(fs, |f| f.client_us),
         );
-        eprintln!(
-            "exec commits ({}): {} channels, median {rate:.0}/s of runs [{}]; {per_txn:.1} commits per txn; CPU per commit: node {node_us:.0} µs, children {client_us:.0} µs",
-            via.name(),
-            args.commit_channels,
-            runs.join(", ")
-        );
+        if *via == Via::CompiledPing {
+            eprintln!(
+                "exec agent round trips, no commit ({}): {} channels, median {rate:.0}/s of runs [{}]; CPU per round trip: node {node_us:.0} µs, children {client_us:.0} µs",
+                via.name(),
+                args.commit_channels,
+                runs.join(", ")
+            );
+        } else {
+            eprintln!(
+                "exec commits ({}): {} channels, median {rate:.0}/s of runs [{}]; {per_txn:.1} commits per txn; CPU per commit: node {node_us:.0} µs, children {client_us:.0} µs",
+                via.name(),
+                args.commit_channels,
+                runs.join(", ")
+            );
+        }
+        // For `compiled-ping` a "commit" is a round trip (`exec-round-trips`; no txns).
+        let bench = if *via == Via::CompiledPing {
+            "exec-round-trips"
+        } else {
+            "exec-commits"
+        };
         println!(
             "{}",
-            json!({"bench": "exec-commits", "via": via.name(), "channels": args.commit_channels,
+            json!({"bench": bench, "via": via.name(), "channels": args.commit_channels,
                    "runs": fs.len(), "commits_per_s": rate.round(),
                    "commits_per_txn": (per_txn * 10.0).round() / 10.0,
                    "node_cpu_us_per_commit": node_us.round(),
@@ -599,13 +519,21 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
         );
         rates.push(rate);
     }
-    if let Some(inproc) = vias
-        .iter()
-        .position(|v| *v == Via::InProcess)
-        .map(|i| rates[i])
-    {
+    let rate_of = |want: Via| vias.iter().position(|v| *v == want).map(|i| rates[i]);
+    if let Some(ceiling) = rate_of(Via::CompiledPing) {
         for (via, rate) in vias.iter().zip(&rates) {
-            if *via != Via::InProcess {
+            if *via != Via::CompiledPing {
+                eprintln!(
+                    "{} commits / the agent's round-trip ceiling: {:.2}",
+                    via.name(),
+                    rate / ceiling.max(1.0)
+                );
+            }
+        }
+    }
+    if let Some(inproc) = rate_of(Via::InProcess) {
+        for (via, rate) in vias.iter().zip(&rates) {
+            if !matches!(via, Via::InProcess | Via::CompiledPing) {
                 eprintln!(
                     "agent / in-process commit throughput ({}): {:.2}",
                     via.name(),
