@@ -70,8 +70,8 @@ impl AgentChild {
 #[derive(Debug, Default)]
 struct Table {
     children: Mutex<HashMap<String, Arc<AgentChild>>>,
-    /// Requests that named a running child (answered, whatever the answer).
-    answered: std::sync::atomic::AtomicU64,
+    /// Requests accepted: they bore a running child's token (whatever came of them).
+    accepted: std::sync::atomic::AtomicU64,
 }
 
 impl Table {
@@ -186,9 +186,10 @@ impl Agent {
         &self.url
     }
 
-    /// Requests answered so far that bore a running child's token (any endpoint, any answer).
-    pub fn answered(&self) -> u64 {
-        self.table.answered.load(Ordering::Relaxed)
+    /// Requests accepted so far: those that bore a running child's token, to any endpoint,
+    /// whatever came of them (401 and 403 are not counted; one counter add per request).
+    pub fn accepted(&self) -> u64 {
+        self.table.accepted.load(Ordering::Relaxed)
     }
 
     /// Answers requests bearing `token` for `child` until the registration is dropped.
@@ -290,7 +291,7 @@ fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused>
         StatusCode::FORBIDDEN,
         "this token belongs to no running worker (its run ended, or it was never issued): exit",
     ))?;
-    table.answered.fetch_add(1, Ordering::Relaxed);
+    table.accepted.fetch_add(1, Ordering::Relaxed);
     Ok(child)
 }
 

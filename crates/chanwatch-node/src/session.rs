@@ -1,7 +1,8 @@
 //! One session of a node: the event loop over its list-watch, runner events, acks and the
 //! pause signal, from registration until it is fenced or shut down.
 //!
-//! Owns: the [`NodeMachine`] of the session, its runners (see `runner.rs`), the ack queue
+//! Owns: the [`NodeMachine`] of the session, its runners (see `runner.rs`; started and
+//! stopped in `session/runners.rs`), the ack queue
 //! (see `acks.rs`), the keepalive task and the watchdog. Every task it starts is aborted when
 //! it ends, so a dropped session (a killed node) leaves nothing running.
 //!

@@ -8,7 +8,9 @@
 //! random, and a request to a frozen or cut-off member waits out its whole timeout), and a
 //! probe asks it every second until it answers — then it is put back. The last member in
 //! rotation is never taken out: with every member failing (an etcd-wide outage) the shared
-//! connection keeps them all.
+//! connection keeps it. It is probed all the same, and taken out at its first unanswered probe
+//! once another member is back in rotation (else a member that hung last would keep getting
+//! requests after the others recovered, until a renewal happened to find it again).
 //!
 //! Must not: decide anything about leases or sessions; retry a caller's call.
 
@@ -35,12 +37,31 @@ struct Member {
     client: Arc<Mutex<Option<Client>>>,
 }
 
+/// Per member (by index): whether the shared connection uses it, and whether a probe watches
+/// it (every member out of rotation, and one kept in as the last).
+#[derive(Debug)]
+struct Rotation {
+    on: Vec<bool>,
+    probed: Vec<bool>,
+}
+
+impl Rotation {
+    /// Members in rotation other than those at `url` (an endpoint named twice is one entry
+    /// of the shared connection).
+    fn others(&self, urls: &[String], url: &str) -> usize {
+        urls.iter()
+            .zip(&self.on)
+            .filter(|(u, on)| **on && u.as_str() != url)
+            .count()
+    }
+}
+
 /// The members, their clients and which of them the shared connection uses.
 pub(crate) struct Members {
     list: Vec<Member>,
-    /// Per member: in the shared connection's rotation. Probes hold a weak reference: they
-    /// end when the store is dropped.
-    in_rotation: Arc<StdMutex<Vec<bool>>>,
+    /// Per member: in the shared connection's rotation, and probed. Probes hold a weak
+    /// reference: they end when the store is dropped.
+    rotation: Arc<StdMutex<Rotation>>,
     options: ConnectOptions,
     user: String,
     /// What a probe reads: a key the role may read (`EtcdConfig::probe_key`, a linearizable
@@ -70,7 +91,10 @@ impl Members {
                     client: Arc::new(Mutex::new(None)),
                 })
                 .collect(),
-            in_rotation: Arc::new(StdMutex::new(vec![true; endpoints.len()])),
+            rotation: Arc::new(StdMutex::new(Rotation {
+                on: vec![true; endpoints.len()],
+                probed: vec![false; endpoints.len()],
+            })),
             options,
             user,
             probe_key,
@@ -85,9 +109,10 @@ impl Members {
     /// The endpoints the shared connection sends requests to, in the order given.
     pub(crate) fn in_rotation(&self) -> Vec<String> {
         let on = self
-            .in_rotation
+            .rotation
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .on
             .clone();
         self.list
             .iter()
@@ -133,9 +158,10 @@ impl Members {
 
     /// Whether member `i` is in the shared connection's rotation.
     pub(crate) fn is_in_rotation(&self, i: usize) -> bool {
-        self.in_rotation
+        self.rotation
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .on
             .get(i)
             .copied()
             .unwrap_or(false)
@@ -153,51 +179,58 @@ impl Members {
     }
 
     /// Member `i` left a renewal unanswered or failed it: takes it out of `shared`'s
-    /// rotation (unless no other member would be left in it) and probes it until it
-    /// answers. Returns at once: the work is a task of its own, which a caller's timeout
-    /// cannot cut short (a member marked out and never probed would stay out for good).
+    /// rotation (unless no other member would be left in it: then it stays, until another
+    /// is back) and probes it until it answers. Returns at once: the work is a task of its
+    /// own, which a caller's timeout cannot cut short (a member marked out and never probed
+    /// would stay out for good).
     pub(crate) fn suspect(&self, i: usize, shared: &Client) {
         let m = &self.list[i];
-        {
-            let mut in_rotation = self
-                .in_rotation
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            // Others by URL: an endpoint named twice is one entry of the shared connection.
-            let others = self
-                .list
-                .iter()
-                .zip(in_rotation.iter())
-                .filter(|(o, on)| **on && o.url != m.url)
-                .count();
-            if !in_rotation.get(i).copied().unwrap_or(false) || others == 0 {
+        let urls: Vec<String> = self.list.iter().map(|m| m.url.clone()).collect();
+        let kept = {
+            let mut rotation = self.rotation.lock().unwrap_or_else(PoisonError::into_inner);
+            if rotation.probed.get(i).copied().unwrap_or(true) {
+                // A probe watches it already (out of rotation, or kept in as the last).
                 return;
             }
-            in_rotation[i] = false;
+            rotation.probed[i] = true;
+            let kept = rotation.others(&urls, &m.url) == 0;
+            if !kept {
+                rotation.on[i] = false;
+            }
+            kept
+        };
+        if kept {
+            // Not a warning: in an etcd-wide outage this comes with every failed renewal.
+            debug!(member = %m.endpoint, "etcd: a member left a lease renewal unanswered or failed it, and no other member is in rotation: keeping it, and taking it out once another member answers again");
+        } else {
+            warn!(member = %m.endpoint, "etcd: a member left a lease renewal unanswered or failed it; sending requests to the other members until it answers again");
         }
-        warn!(member = %m.endpoint, "etcd: a member left a lease renewal unanswered or failed it; sending requests to the other members until it answers again");
         let probe = Probe {
             url: m.url.clone(),
             endpoint: m.endpoint.clone(),
             index: i,
+            urls,
             options: self.options.clone(),
             probe_key: self.probe_key.clone(),
             shared: shared.clone(),
-            in_rotation: Arc::downgrade(&self.in_rotation),
+            rotation: Arc::downgrade(&self.rotation),
         };
-        tokio::spawn(probe.run());
+        tokio::spawn(probe.run(!kept));
     }
 }
 
-/// Asks a suspect member every second until it answers, then puts it back.
+/// Asks a suspect member every second until it answers, then puts it back (or, kept in
+/// rotation as the last, takes it out at an unanswered probe once another member is in).
 struct Probe {
     url: String,
     endpoint: String,
     index: usize,
+    /// Every member's URL, by index.
+    urls: Vec<String>,
     options: ConnectOptions,
     probe_key: Option<String>,
     shared: Client,
-    in_rotation: Weak<StdMutex<Vec<bool>>>,
+    rotation: Weak<StdMutex<Rotation>>,
 }
 
 /// How long a change to the shared connection's endpoints may wait to be queued (its queue
@@ -205,7 +238,8 @@ struct Probe {
 const CHANGE_WAIT: Duration = Duration::from_secs(5);
 
 impl Probe {
-    async fn run(self) {
+    /// Takes the member out of the shared connection's endpoints.
+    async fn take_out(&self) {
         match tokio::time::timeout(CHANGE_WAIT, self.shared.remove_endpoint(&self.url)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -215,11 +249,19 @@ impl Probe {
                 warn!(member = %self.endpoint, "etcd: cannot take a member out of rotation: the connection took no change for 5s");
             }
         }
+    }
+
+    /// Probes until the member answers; `out`: it is out of rotation (else kept in as the
+    /// last one).
+    async fn run(self, mut out: bool) {
+        if out {
+            self.take_out().await;
+        }
         let mut client: Option<Client> = None;
         let since = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(PROBE_EVERY).await;
-            if self.in_rotation.strong_count() == 0 {
+            if self.rotation.strong_count() == 0 {
                 return;
             }
             let answered = tokio::time::timeout(PROBE_EVERY, async {
@@ -241,32 +283,52 @@ impl Probe {
                 }
             })
             .await;
-            if !matches!(answered, Ok(Some(()))) {
-                debug!(member = %self.endpoint, "etcd: the member out of rotation does not answer yet");
-                continue;
-            }
-            let Some(in_rotation) = self.in_rotation.upgrade() else {
+            let Some(rotation) = self.rotation.upgrade() else {
                 return;
             };
-            match tokio::time::timeout(CHANGE_WAIT, self.shared.add_endpoint(&self.url)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    warn!(member = %self.endpoint, error = %e, "etcd: cannot put a member back in rotation; probing again");
-                    continue;
+            if !matches!(answered, Ok(Some(()))) {
+                if !out {
+                    // Kept in as the last one: out now if another member is back.
+                    let taken_out = {
+                        let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
+                        let others = r.others(&self.urls, &self.url);
+                        if others > 0 {
+                            r.on[self.index] = false;
+                        }
+                        others > 0
+                    };
+                    if taken_out {
+                        out = true;
+                        warn!(member = %self.endpoint, "etcd: the member kept in rotation as the last one still does not answer, and another is back: sending requests to the others until it answers again");
+                        self.take_out().await;
+                    }
                 }
-                Err(_) => {
-                    warn!(member = %self.endpoint, "etcd: cannot put a member back in rotation: the connection took no change for 5s; probing again");
-                    continue;
+                debug!(member = %self.endpoint, out, "etcd: the suspect member does not answer yet");
+                continue;
+            }
+            if out {
+                match tokio::time::timeout(CHANGE_WAIT, self.shared.add_endpoint(&self.url)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        warn!(member = %self.endpoint, error = %e, "etcd: cannot put a member back in rotation; probing again");
+                        continue;
+                    }
+                    Err(_) => {
+                        warn!(member = %self.endpoint, "etcd: cannot put a member back in rotation: the connection took no change for 5s; probing again");
+                        continue;
+                    }
                 }
             }
-            if let Some(on) = in_rotation
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get_mut(self.index)
             {
-                *on = true;
+                let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
+                r.on[self.index] = true;
+                r.probed[self.index] = false;
             }
-            info!(member = %self.endpoint, after = ?since.elapsed(), "etcd: the member answers again; back in rotation");
+            if out {
+                info!(member = %self.endpoint, after = ?since.elapsed(), "etcd: the member answers again; back in rotation");
+            } else {
+                debug!(member = %self.endpoint, after = ?since.elapsed(), "etcd: the member kept in rotation as the last one answers again");
+            }
             return;
         }
     }

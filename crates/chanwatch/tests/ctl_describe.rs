@@ -279,12 +279,11 @@ async fn events_follow_sees_a_killed_nodes_channels_fail_over() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_undrained_node_takes_channels_again() {
+async fn the_admin_api_answers_a_path_or_method_it_does_not_have_with_a_json_error() {
     let _one = SERIAL.lock().await;
     let w = World::new().await;
-    let (_coord, admin, _nodes, ids) = w.cluster(2).await;
-    let (a, b) = (ids[0], ids[1]);
-    // The real binary's admin API: a path it does not have, and a path asked with a method
+    let (_coord, admin, _nodes, _ids) = w.cluster(1).await;
+    // The real coordinator binary's admin API: a path it does not have, and a path asked with a method
     // it does not take, are JSON errors that say so (axum's own are empty).
     let http = reqwest::Client::new();
     for (url, code, says) in [
@@ -307,6 +306,14 @@ async fn an_undrained_node_takes_channels_again() {
             "GET {url}: {body}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undrained_node_takes_channels_again() {
+    let _one = SERIAL.lock().await;
+    let w = World::new().await;
+    let (_coord, _admin, _nodes, ids) = w.cluster(2).await;
+    let (a, b) = (ids[0], ids[1]);
     w.ctl(&["drain", &b.to_string()]).expect("drain");
     w.wait(30, "every channel on the other node", |c| {
         c.iter().all(|(_, n, s)| *n == Some(a) && s == "Watched")

@@ -82,6 +82,7 @@ async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes
         403
     );
     assert_eq!(call(&agent, "GET", "/state", Some("nope"), "").await.0, 403);
+    assert_eq!(agent.accepted(), 0, "refused requests are not counted");
     assert!(!*child.ready.borrow());
     assert!(
         events.try_recv().is_err(),
@@ -92,6 +93,7 @@ async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes
         200
     );
     assert!(*child.ready.borrow());
+    assert_eq!(agent.accepted(), 1, "the accepted request is counted");
 }
 
 #[tokio::test]

@@ -191,9 +191,10 @@ impl ExecHandler {
         self.agent.url()
     }
 
-    /// Requests the agent answered so far for running workers (any endpoint, any answer).
+    /// Requests the agent accepted so far from running workers (their token; any endpoint,
+    /// whatever came of them).
     pub fn agent_requests(&self) -> u64 {
-        self.agent.answered()
+        self.agent.accepted()
     }
 
     /// The pid of the worker of `channel` on `node`, while one runs.

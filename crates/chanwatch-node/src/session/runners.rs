@@ -3,7 +3,8 @@
 //!
 //! Owns: the spawn of a channel's runner with its context and committer, and the wait for
 //! every release. Must not: decide which channels run (the node machine does) or write keys
-//! itself (acks and commits go through the session's queues).
+//! itself (acks and commits go through the session's queues) — but for the revoke of the
+//! session's lease on a shutdown.
 
 use std::sync::{Arc, Mutex};
 
@@ -17,6 +18,8 @@ use crate::handler::ChannelContext;
 use crate::runner::{run_channel, Runner, RunningGuard};
 
 impl Session {
+    /// Starts a runner for `info`'s channel (after the previous one of it, if any, has
+    /// finished releasing): its context, its committer, its pause signal.
     pub(super) async fn start(&mut self, info: ChannelInfo) {
         // One runner per channel: a restart waits for the previous one to finish releasing.
         if let Some(old) = self.runners.remove(&info.channel) {

@@ -162,3 +162,78 @@ async fn a_member_that_hangs_gets_no_requests_once_a_renewal_found_it_and_is_put
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_kept_in_rotation_as_the_last_one_goes_out_once_another_is_back() -> Result<()> {
+    let cluster = EtcdCluster::start(3).await?;
+    let store = EtcdStore::connect(EtcdConfig {
+        endpoints: cluster.endpoints(),
+        request_timeout: Duration::from_secs(3),
+        ..EtcdConfig::default()
+    })
+    .await?;
+    let mut leases = Vec::new();
+    for _ in 0..6 {
+        leases.push(granted_and_renewed(&store).await?);
+    }
+    // Every member frozen (an etcd-wide outage): renewals go unanswered on each member in
+    // turn; two are taken out, the last one is kept.
+    for i in 0..3 {
+        cluster.freeze_member(i)?;
+    }
+    let started = tokio::time::Instant::now();
+    while store.members_in_rotation().len() > 1 {
+        ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "with every member frozen, renewals did not leave one member in rotation in 60 s: {:?}",
+            store.members_in_rotation()
+        );
+        for &lease in &leases {
+            let _ = tokio::time::timeout(Duration::from_millis(300), store.keepalive(lease)).await;
+        }
+    }
+    let kept = store.members_in_rotation();
+    let kept = cluster
+        .endpoints()
+        .iter()
+        .position(|e| kept.contains(e))
+        .context("the member kept in rotation is one of the cluster's")?;
+    // The other two thawed: they answer their probes and are back in rotation. The kept one,
+    // still frozen, must go out at its next unanswered probe. Before, it stayed in (nothing
+    // probed it) and took its share of requests, each waiting out the timeout.
+    let (a, b) = ((kept + 1) % 3, (kept + 2) % 3);
+    let (ta, tb) = tokio::join!(cluster.thaw_member(a), cluster.thaw_member(b));
+    ta?;
+    tb?;
+    let want: Vec<String> = cluster
+        .endpoints()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i != kept)
+        .map(|(_, e)| e)
+        .collect();
+    let thawed = tokio::time::Instant::now();
+    while store.members_in_rotation() != want {
+        ensure!(
+            thawed.elapsed() < Duration::from_secs(10),
+            "10 s after members {a} and {b} were thawed, member {kept} (kept in rotation as the \
+             last one, still frozen) should be out and they in: {:?}",
+            store.members_in_rotation()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "members in rotation {:?}, {:?} after the thaw",
+        store.members_in_rotation(),
+        thawed.elapsed()
+    );
+    // Thawed too, it answers its probe and is used again.
+    cluster.thaw_member(kept).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(
+        store.members_in_rotation() == cluster.endpoints(),
+        "every member is back in rotation 3 s after the last thaw: {:?}",
+        store.members_in_rotation()
+    );
+    Ok(())
+}

@@ -6,7 +6,8 @@
 //! `failover`, `system` (assign, balance, ack) and `planner` (the view alone); the data
 //! plane's in `checkpoint` (fenced commits), `consume` (consumer throughput against a bare
 //! reader) and `data_failover` (a consuming node killed under load), with their instruments
-//! in `meter`; `exec` (`--exec` workers).
+//! in `meter`; `exec` (`--exec` workers) and `exec_worker` (the compiled child it spawns);
+//! `register`, `idle` and `rolling_restart` (real processes on etcd).
 //! Must not: assert on timings (benchmarks report; they never fail for being slow).
 
 use std::sync::Arc;
@@ -265,7 +266,7 @@ pub struct BenchExecWorkerArgs {
     #[arg(long, env = "CHANWATCH_BENCH_TCP")]
     pub tcp: bool,
     /// Ask `GET /state` over and over instead of committing (the transport's ceiling).
-    #[arg(long)]
+    #[arg(long, env = "CHANWATCH_BENCH_PING")]
     pub ping: bool,
 }
 

@@ -495,6 +495,14 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
                 args.commit_channels,
                 runs.join(", ")
             );
+            println!(
+                "{}",
+                json!({"bench": "exec-round-trips", "via": via.name(),
+                       "channels": args.commit_channels, "runs": fs.len(),
+                       "round_trips_per_s": rate.round(),
+                       "node_cpu_us_per_round_trip": node_us.round(),
+                       "child_cpu_us_per_round_trip": client_us.round()})
+            );
         } else {
             eprintln!(
                 "exec commits ({}): {} channels, median {rate:.0}/s of runs [{}]; {per_txn:.1} commits per txn; CPU per commit: node {node_us:.0} µs, children {client_us:.0} µs",
@@ -502,27 +510,30 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
                 args.commit_channels,
                 runs.join(", ")
             );
+            println!(
+                "{}",
+                json!({"bench": "exec-commits", "via": via.name(), "channels": args.commit_channels,
+                       "runs": fs.len(), "commits_per_s": rate.round(),
+                       "commits_per_txn": (per_txn * 10.0).round() / 10.0,
+                       "node_cpu_us_per_commit": node_us.round(),
+                       "child_cpu_us_per_commit": client_us.round()})
+            );
         }
-        // For `compiled-ping` a "commit" is a round trip (`exec-round-trips`; no txns).
-        let bench = if *via == Via::CompiledPing {
-            "exec-round-trips"
-        } else {
-            "exec-commits"
-        };
-        println!(
-            "{}",
-            json!({"bench": bench, "via": via.name(), "channels": args.commit_channels,
-                   "runs": fs.len(), "commits_per_s": rate.round(),
-                   "commits_per_txn": (per_txn * 10.0).round() / 10.0,
-                   "node_cpu_us_per_commit": node_us.round(),
-                   "child_cpu_us_per_commit": client_us.round()})
-        );
+        // Not a timing: a via that did nothing at all has workers that did not run.
+        if args.commit_channels > 0 && fs.iter().all(|f| f.commits_per_s <= 0.0) {
+            bail!(
+                "bench exec: nothing landed through {} in any run: its workers did not run (the node's log says why)",
+                via.name()
+            );
+        }
         rates.push(rate);
     }
     let rate_of = |want: Via| vias.iter().position(|v| *v == want).map(|i| rates[i]);
     if let Some(ceiling) = rate_of(Via::CompiledPing) {
+        // The ceiling is the compiled children's on the Unix socket: against those, and the
+        // in-process path.
         for (via, rate) in vias.iter().zip(&rates) {
-            if *via != Via::CompiledPing {
+            if matches!(via, Via::Compiled | Via::InProcess) {
                 eprintln!(
                     "{} commits / the agent's round-trip ceiling: {:.2}",
                     via.name(),

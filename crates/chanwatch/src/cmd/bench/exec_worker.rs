@@ -7,10 +7,12 @@
 //! trips with no store behind them, the ceiling of the agent's transport.
 //!
 //! A commit costs it no allocation: the request is built in one buffer kept across commits
-//! and the answer read into another, parsed in place (`httparse`). With a thousand of these
-//! processes on two cores, each runs a few microseconds between sleeps on caches the others
-//! have evicted; every heap block it touched per commit was a miss (the previous version,
-//! with a `String` per header line, spent half its CPU outside the kernel).
+//! and the answer read into another, parsed in place (`httparse`). That measured no faster
+//! than a `String` per header line (docs/BENCHMARKS.md, 2026-12-05: a commit's cost in the
+//! worker is the kernel's); it is what a lean worker does, and the ping mode shares it.
+//!
+//! An answer it does not expect (a status other than 200, 403, 409, or 503 to a commit) ends
+//! it with an error, rather than asking again in a loop.
 //!
 //! Owns: one child's commit loop. Must not: be anything but a benchmark's worker (it trusts
 //! the agent's answers to fit in 4 KiB).
@@ -46,7 +48,7 @@ const ANSWER: usize = 4096;
 fn answer(r: &mut impl Read, buf: &mut [u8; ANSWER]) -> Result<u16> {
     let mut have = 0;
     loop {
-        let n = r.read(&mut buf[have..])?;
+        let n = read(r, &mut buf[have..])?;
         if n == 0 {
             bail!("the agent closed the connection mid-answer");
         }
@@ -60,6 +62,8 @@ fn answer(r: &mut impl Read, buf: &mut [u8; ANSWER]) -> Result<u16> {
             Err(e) => bail!("the agent's answer is not HTTP/1.1: {e}"),
         };
         let status = parsed.code.context("an answer with no status")?;
+        // The agent's answers are whole bodies with a length; anything else would leave the
+        // connection out of step.
         let len = parsed
             .headers
             .iter()
@@ -71,19 +75,32 @@ fn answer(r: &mut impl Read, buf: &mut [u8; ANSWER]) -> Result<u16> {
                     .parse::<usize>()
                     .ok()
             })
-            .unwrap_or(0);
+            .context("the agent's answer has no valid Content-Length")?;
         let end = head + len;
         if end > ANSWER {
             bail!("the agent's answer is over 4 KiB");
         }
+        if have > end {
+            bail!("the agent sent more than the answer to the request in flight");
+        }
         while have < end {
-            let n = r.read(&mut buf[have..end])?;
+            let n = read(r, &mut buf[have..end])?;
             if n == 0 {
                 bail!("the agent closed the connection mid-answer");
             }
             have += n;
         }
         return Ok(status);
+    }
+}
+
+/// `r.read(buf)`, again when a signal interrupted it.
+fn read(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match r.read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            other => return other,
+        }
     }
 }
 
@@ -115,13 +132,20 @@ fn commit_loop(
     let (mut req, mut body) = (Vec::with_capacity(512), Vec::with_capacity(64));
     let mut buf = [0u8; ANSWER];
     send(w, &mut req, &ready, b"{}")?;
-    answer(r, &mut buf)?;
+    match answer(r, &mut buf)? {
+        200 => {}
+        403 => return Ok(()),
+        other => bail!("the agent answered POST /ready with {other}"),
+    }
     if ping {
         let state = head("GET", "/state");
         loop {
             send(w, &mut req, &state, b"")?;
-            if let 403 | 409 = answer(r, &mut buf)? {
-                return Ok(());
+            match answer(r, &mut buf)? {
+                200 => {}
+                // The run is over: exit.
+                403 => return Ok(()),
+                other => bail!("the agent answered GET /state with {other}"),
             }
         }
     }
@@ -134,7 +158,9 @@ fn commit_loop(
             200 => n += 1,
             // The run is over (released, fenced): exit.
             403 | 409 => return Ok(()),
-            _ => {}
+            // Not landed (the node paused, the store out of reach): the same commit, later.
+            503 => std::thread::sleep(std::time::Duration::from_millis(10)),
+            other => bail!("the agent answered POST /commit with {other}"),
         }
     }
 }
@@ -167,7 +193,8 @@ pub fn run(args: &super::BenchExecWorkerArgs) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// `answer` reads an answer that comes in pieces, and only up to its end.
+    /// `answer` reads an answer that comes in pieces, up to its end and no further, and
+    /// refuses one it cannot keep in step with.
     #[test]
     fn an_answer_in_pieces_is_read_to_its_end() {
         struct Pieces(Vec<&'static [u8]>);
@@ -199,5 +226,24 @@ mod tests {
             answer(&mut cut, &mut buf).is_err(),
             "a body cut short is an error"
         );
+        let mut more = Pieces(vec![
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}HTTP/1.1",
+        ]);
+        assert!(
+            answer(&mut more, &mut buf).is_err(),
+            "bytes past the answer are an error (one request is in flight)"
+        );
+        let mut no_length = Pieces(vec![b"HTTP/1.1 200 OK\r\n\r\n{}"]);
+        assert!(
+            answer(&mut no_length, &mut buf).is_err(),
+            "an answer without a length is an error"
+        );
+        // Read up to its end and no further: the next answer is still to come.
+        let mut two = Pieces(vec![
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}",
+            b"HTTP/1.1 403 Forbidden\r\ncontent-length: 2\r\n\r\n{}",
+        ]);
+        assert_eq!(answer(&mut two, &mut buf).expect("the first"), 200);
+        assert_eq!(answer(&mut two, &mut buf).expect("the second"), 403);
     }
 }
