@@ -7,9 +7,9 @@
 //! watches, lists and txns stop landing on a member that hangs (the balancer draws members at
 //! random, and a request to a frozen or cut-off member waits out its whole timeout), and a
 //! probe asks it every second until it answers — then it is put back. The last member in
-//! rotation is never taken out: with every member failing (an etcd-wide outage) the shared
-//! connection keeps it. It is probed all the same, and taken out at its first unanswered probe
-//! once another member is back in rotation (else a member that hung last would keep getting
+//! rotation is not taken out while it is the last: with every member failing (an etcd-wide
+//! outage) the shared connection keeps it. It is probed all the same, and taken out at its
+//! first unanswered probe once another member is back in rotation (else a member that hung last would keep getting
 //! requests after the others recovered, until a renewal happened to find it again).
 //!
 //! Must not: decide anything about leases or sessions; retry a caller's call.
@@ -38,21 +38,47 @@ struct Member {
 }
 
 /// Per member (by index): whether the shared connection uses it, and whether a probe watches
-/// it (every member out of rotation, and one kept in as the last).
+/// it (every member out of rotation, and one kept in as the last). The shared connection has
+/// one entry per URL: an endpoint named twice is one member here too — every index of a URL
+/// is marked together.
 #[derive(Debug)]
 struct Rotation {
+    urls: Vec<String>,
     on: Vec<bool>,
     probed: Vec<bool>,
 }
 
 impl Rotation {
-    /// Members in rotation other than those at `url` (an endpoint named twice is one entry
-    /// of the shared connection).
-    fn others(&self, urls: &[String], url: &str) -> usize {
-        urls.iter()
+    /// Members in rotation other than those at `url`.
+    fn others(&self, url: &str) -> usize {
+        self.urls
+            .iter()
             .zip(&self.on)
             .filter(|(u, on)| **on && u.as_str() != url)
             .count()
+    }
+
+    /// Whether any member is at another URL than `url` (with one, there is nothing to move to).
+    fn has_others(&self, url: &str) -> bool {
+        self.urls.iter().any(|u| u != url)
+    }
+
+    /// Marks every index of `url` in rotation or not.
+    fn set_on(&mut self, url: &str, on: bool) {
+        for (u, o) in self.urls.iter().zip(self.on.iter_mut()) {
+            if u == url {
+                *o = on;
+            }
+        }
+    }
+
+    /// Marks every index of `url` probed or not.
+    fn set_probed(&mut self, url: &str, probed: bool) {
+        for (u, p) in self.urls.iter().zip(self.probed.iter_mut()) {
+            if u == url {
+                *p = probed;
+            }
+        }
     }
 }
 
@@ -78,20 +104,24 @@ impl Members {
         probe_key: Option<String>,
     ) -> Self {
         let scheme = if tls { "https://" } else { "http://" };
+        let url = |e: &String| {
+            if e.contains("://") {
+                e.clone()
+            } else {
+                format!("{scheme}{e}")
+            }
+        };
         Members {
             list: endpoints
                 .iter()
                 .map(|e| Member {
                     endpoint: e.clone(),
-                    url: if e.contains("://") {
-                        e.clone()
-                    } else {
-                        format!("{scheme}{e}")
-                    },
+                    url: url(e),
                     client: Arc::new(Mutex::new(None)),
                 })
                 .collect(),
             rotation: Arc::new(StdMutex::new(Rotation {
+                urls: endpoints.iter().map(url).collect(),
                 on: vec![true; endpoints.len()],
                 probed: vec![false; endpoints.len()],
             })),
@@ -185,17 +215,17 @@ impl Members {
     /// would stay out for good).
     pub(crate) fn suspect(&self, i: usize, shared: &Client) {
         let m = &self.list[i];
-        let urls: Vec<String> = self.list.iter().map(|m| m.url.clone()).collect();
         let kept = {
             let mut rotation = self.rotation.lock().unwrap_or_else(PoisonError::into_inner);
-            if rotation.probed.get(i).copied().unwrap_or(true) {
-                // A probe watches it already (out of rotation, or kept in as the last).
+            if rotation.probed.get(i).copied().unwrap_or(true) || !rotation.has_others(&m.url) {
+                // A probe watches it already (out of rotation, or kept in as the last), or
+                // it is the only member: nothing to move its requests to.
                 return;
             }
-            rotation.probed[i] = true;
-            let kept = rotation.others(&urls, &m.url) == 0;
+            rotation.set_probed(&m.url, true);
+            let kept = rotation.others(&m.url) == 0;
             if !kept {
-                rotation.on[i] = false;
+                rotation.set_on(&m.url, false);
             }
             kept
         };
@@ -208,8 +238,6 @@ impl Members {
         let probe = Probe {
             url: m.url.clone(),
             endpoint: m.endpoint.clone(),
-            index: i,
-            urls,
             options: self.options.clone(),
             probe_key: self.probe_key.clone(),
             shared: shared.clone(),
@@ -224,9 +252,6 @@ impl Members {
 struct Probe {
     url: String,
     endpoint: String,
-    index: usize,
-    /// Every member's URL, by index.
-    urls: Vec<String>,
     options: ConnectOptions,
     probe_key: Option<String>,
     shared: Client,
@@ -238,15 +263,18 @@ struct Probe {
 const CHANGE_WAIT: Duration = Duration::from_secs(5);
 
 impl Probe {
-    /// Takes the member out of the shared connection's endpoints.
-    async fn take_out(&self) {
+    /// Takes the member out of the shared connection's endpoints; false when the connection
+    /// did not take the change (the caller tries again at its next probe).
+    async fn take_out(&self) -> bool {
         match tokio::time::timeout(CHANGE_WAIT, self.shared.remove_endpoint(&self.url)).await {
-            Ok(Ok(())) => {}
+            Ok(Ok(())) => true,
             Ok(Err(e)) => {
-                warn!(member = %self.endpoint, error = %e, "etcd: cannot take a member out of rotation");
+                warn!(member = %self.endpoint, error = %e, "etcd: cannot take a member out of rotation; trying again at the next probe");
+                false
             }
             Err(_) => {
-                warn!(member = %self.endpoint, "etcd: cannot take a member out of rotation: the connection took no change for 5s");
+                warn!(member = %self.endpoint, "etcd: cannot take a member out of rotation: the connection took no change for 5s; trying again at the next probe");
+                false
             }
         }
     }
@@ -254,11 +282,10 @@ impl Probe {
     /// Probes until the member answers; `out`: it is out of rotation (else kept in as the
     /// last one).
     async fn run(self, mut out: bool) {
-        if out {
-            self.take_out().await;
-        }
+        // Whether the shared connection has taken the member out (the table says `out`).
+        let mut removed = out && self.take_out().await;
         let mut client: Option<Client> = None;
-        let since = tokio::time::Instant::now();
+        let mut since = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(PROBE_EVERY).await;
             if self.rotation.strong_count() == 0 {
@@ -289,19 +316,16 @@ impl Probe {
             if !matches!(answered, Ok(Some(()))) {
                 if !out {
                     // Kept in as the last one: out now if another member is back.
-                    let taken_out = {
-                        let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
-                        let others = r.others(&self.urls, &self.url);
-                        if others > 0 {
-                            r.on[self.index] = false;
-                        }
-                        others > 0
-                    };
-                    if taken_out {
+                    let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
+                    if r.others(&self.url) > 0 {
+                        r.set_on(&self.url, false);
                         out = true;
+                        since = tokio::time::Instant::now();
                         warn!(member = %self.endpoint, "etcd: the member kept in rotation as the last one still does not answer, and another is back: sending requests to the others until it answers again");
-                        self.take_out().await;
                     }
+                }
+                if out && !removed {
+                    removed = self.take_out().await;
                 }
                 debug!(member = %self.endpoint, out, "etcd: the suspect member does not answer yet");
                 continue;
@@ -321,8 +345,8 @@ impl Probe {
             }
             {
                 let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
-                r.on[self.index] = true;
-                r.probed[self.index] = false;
+                r.set_on(&self.url, true);
+                r.set_probed(&self.url, false);
             }
             if out {
                 info!(member = %self.endpoint, after = ?since.elapsed(), "etcd: the member answers again; back in rotation");
@@ -331,5 +355,40 @@ impl Probe {
             }
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rotation;
+
+    /// An endpoint named twice (the shared connection's one entry) is one member: marked in
+    /// and out together, never counted as another member beside itself.
+    #[test]
+    fn an_endpoint_named_twice_is_one_member() {
+        let (x, y) = ("http://x:2379", "http://y:2379");
+        let mut r = Rotation {
+            urls: vec![x.into(), x.into(), y.into()],
+            on: vec![true; 3],
+            probed: vec![false; 3],
+        };
+        assert_eq!(r.others(x), 1);
+        assert!(r.has_others(x));
+        r.set_on(x, false);
+        r.set_probed(x, true);
+        assert_eq!(r.on, [false, false, true]);
+        assert_eq!(r.probed, [true, true, false]);
+        assert_eq!(r.others(y), 0, "y is the last member in rotation");
+        r.set_on(x, true);
+        assert_eq!(r.on, [true, true, true]);
+        let one = Rotation {
+            urls: vec![x.into(), x.into()],
+            on: vec![true; 2],
+            probed: vec![false; 2],
+        };
+        assert!(
+            !one.has_others(x),
+            "one member named twice has nowhere to move to"
+        );
     }
 }
