@@ -40,6 +40,31 @@ async fn failures_until_renewed(store: &EtcdStore, lease: i64) -> Result<usize> 
     anyhow::bail!("lease {lease} was not renewed in 20 tries")
 }
 
+/// A fresh 3-member cluster and a store on all its members (requests time out after 3 s).
+async fn three_members() -> Result<(EtcdCluster, EtcdStore)> {
+    let cluster = EtcdCluster::start(3).await?;
+    let store = EtcdStore::connect(EtcdConfig {
+        endpoints: cluster.endpoints(),
+        request_timeout: Duration::from_secs(3),
+        ..EtcdConfig::default()
+    })
+    .await?;
+    Ok((cluster, store))
+}
+
+/// Of 30 reads (linearizable: a frozen member holds one for the whole request timeout), how
+/// many got no answer within 1 s.
+async fn slow_reads(store: &EtcdStore) -> usize {
+    let mut slow = 0;
+    for _ in 0..30 {
+        let read = tokio::time::timeout(Duration::from_secs(1), store.get("cw/any")).await;
+        if !matches!(read, Ok(Ok(_))) {
+            slow += 1;
+        }
+    }
+    slow
+}
+
 /// A new lease, renewed once (the client may first answer a stale error from a member that
 /// was down: a grant is retried, as every caller retries).
 async fn granted_and_renewed(store: &EtcdStore) -> Result<i64> {
@@ -61,13 +86,7 @@ async fn granted_and_renewed(store: &EtcdStore) -> Result<i64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_move_off_a_member_that_died_or_hangs_at_the_first_failure() -> Result<()> {
-    let mut cluster = EtcdCluster::start(3).await?;
-    let store = EtcdStore::connect(EtcdConfig {
-        endpoints: cluster.endpoints(),
-        request_timeout: Duration::from_secs(3),
-        ..EtcdConfig::default()
-    })
-    .await?;
+    let (mut cluster, store) = three_members().await?;
     // A follower each round (a leader's death leaves every member without a leader for a
     // while, which no client can help): killed, or frozen (it takes connections and answers
     // nothing, as a member cut off from the others); every lease renewed; then back.
@@ -112,13 +131,7 @@ async fn renewals_move_off_a_member_that_died_or_hangs_at_the_first_failure() ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_that_hangs_gets_no_requests_once_a_renewal_found_it_and_is_put_back_later(
 ) -> Result<()> {
-    let cluster = EtcdCluster::start(3).await?;
-    let store = EtcdStore::connect(EtcdConfig {
-        endpoints: cluster.endpoints(),
-        request_timeout: Duration::from_secs(3),
-        ..EtcdConfig::default()
-    })
-    .await?;
+    let (cluster, store) = three_members().await?;
     // Twice as many: the frozen member must carry renewals of some lease to be found (with
     // 24 spread over 3 members, all miss one with a chance of 6 in 100,000).
     let mut leases = Vec::new();
@@ -133,13 +146,7 @@ async fn a_member_that_hangs_gets_no_requests_once_a_renewal_found_it_and_is_put
     }
     // Reads (linearizable: a frozen member holds them for the whole request timeout) now go
     // to the others only. Before, the balancer sent a third of them to the frozen member.
-    let mut slow = 0;
-    for _ in 0..30 {
-        let read = tokio::time::timeout(Duration::from_secs(1), store.get("cw/any")).await;
-        if !matches!(read, Ok(Ok(_))) {
-            slow += 1;
-        }
-    }
+    let slow = slow_reads(&store).await;
     ensure!(
         slow == 0,
         "{slow} of 30 reads got no answer within 1 s with member {victim} frozen (0: the \
@@ -165,13 +172,7 @@ async fn a_member_that_hangs_gets_no_requests_once_a_renewal_found_it_and_is_put
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_kept_in_rotation_as_the_last_one_goes_out_once_another_is_back() -> Result<()> {
-    let cluster = EtcdCluster::start(3).await?;
-    let store = EtcdStore::connect(EtcdConfig {
-        endpoints: cluster.endpoints(),
-        request_timeout: Duration::from_secs(3),
-        ..EtcdConfig::default()
-    })
-    .await?;
+    let (cluster, store) = three_members().await?;
     let mut leases = Vec::new();
     for _ in 0..6 {
         leases.push(granted_and_renewed(&store).await?);
@@ -236,13 +237,7 @@ async fn a_member_kept_in_rotation_as_the_last_one_goes_out_once_another_is_back
     );
     // And the connection sends it nothing (not only the table says so): reads (linearizable,
     // a frozen member holds them for the whole request timeout) are all answered at once.
-    let mut slow = 0;
-    for _ in 0..30 {
-        let read = tokio::time::timeout(Duration::from_secs(1), store.get("cw/any")).await;
-        if !matches!(read, Ok(Ok(_))) {
-            slow += 1;
-        }
-    }
+    let slow = slow_reads(&store).await;
     ensure!(
         slow == 0,
         "{slow} of 30 reads got no answer within 1 s with member {kept} frozen and out of rotation"
