@@ -637,7 +637,7 @@ impl MetaStore for EtcdStore {
             let from = slot.member;
             slot.member = (1..=n)
                 .map(|k| (from + k) % n)
-                .find(|m| *m != from && self.members.is_in_rotation(*m))
+                .find(|m| !self.members.same(*m, from) && self.members.is_in_rotation(*m))
                 .unwrap_or((from + 1) % n);
         }
         let member = slot.member;

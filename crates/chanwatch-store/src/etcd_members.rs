@@ -39,44 +39,63 @@ struct Member {
 
 /// Per member (by index): whether the shared connection uses it, and whether a probe watches
 /// it (every member out of rotation, and one kept in as the last). The shared connection has
-/// one entry per URL: an endpoint named twice is one member here too — every index of a URL
-/// is marked together.
+/// one entry per URI: an endpoint named twice (`x:2379` and `http://x:2379/`, or in another
+/// case) is one member here too — every index of it is marked together.
 #[derive(Debug)]
 struct Rotation {
-    urls: Vec<String>,
+    /// Per index: the member's URL as the connection compares it (lower case, no trailing
+    /// `/`; etcd endpoints have no path).
+    keys: Vec<String>,
     on: Vec<bool>,
     probed: Vec<bool>,
 }
 
 impl Rotation {
-    /// Members in rotation other than those at `url`.
-    fn others(&self, url: &str) -> usize {
-        self.urls
-            .iter()
-            .zip(&self.on)
-            .filter(|(u, on)| **on && u.as_str() != url)
+    fn new(urls: &[String]) -> Self {
+        Rotation {
+            keys: urls
+                .iter()
+                .map(|u| u.trim_end_matches('/').to_ascii_lowercase())
+                .collect(),
+            on: vec![true; urls.len()],
+            probed: vec![false; urls.len()],
+        }
+    }
+
+    /// Whether members `i` and `j` are one (the same URL).
+    fn same(&self, i: usize, j: usize) -> bool {
+        self.keys
+            .get(i)
+            .is_some_and(|k| self.keys.get(j) == Some(k))
+    }
+
+    /// Members in rotation other than member `i`.
+    fn others(&self, i: usize) -> usize {
+        (0..self.keys.len())
+            .filter(|j| self.on[*j] && !self.same(i, *j))
             .count()
     }
 
-    /// Whether any member is at another URL than `url` (with one, there is nothing to move to).
-    fn has_others(&self, url: &str) -> bool {
-        self.urls.iter().any(|u| u != url)
+    /// Whether there is a member other than `i` at all (with one, there is nothing to move
+    /// to).
+    fn has_others(&self, i: usize) -> bool {
+        (0..self.keys.len()).any(|j| !self.same(i, j))
     }
 
-    /// Marks every index of `url` in rotation or not.
-    fn set_on(&mut self, url: &str, on: bool) {
-        for (u, o) in self.urls.iter().zip(self.on.iter_mut()) {
-            if u == url {
-                *o = on;
+    /// Marks member `i` (every index of it) in rotation or not.
+    fn set_on(&mut self, i: usize, on: bool) {
+        for j in 0..self.keys.len() {
+            if self.same(i, j) {
+                self.on[j] = on;
             }
         }
     }
 
-    /// Marks every index of `url` probed or not.
-    fn set_probed(&mut self, url: &str, probed: bool) {
-        for (u, p) in self.urls.iter().zip(self.probed.iter_mut()) {
-            if u == url {
-                *p = probed;
+    /// Marks member `i` (every index of it) probed or not.
+    fn set_probed(&mut self, i: usize, probed: bool) {
+        for j in 0..self.keys.len() {
+            if self.same(i, j) {
+                self.probed[j] = probed;
             }
         }
     }
@@ -104,27 +123,22 @@ impl Members {
         probe_key: Option<String>,
     ) -> Self {
         let scheme = if tls { "https://" } else { "http://" };
-        let url = |e: &String| {
-            if e.contains("://") {
-                e.clone()
-            } else {
-                format!("{scheme}{e}")
-            }
-        };
+        let list: Vec<Member> = endpoints
+            .iter()
+            .map(|e| Member {
+                endpoint: e.clone(),
+                url: if e.contains("://") {
+                    e.clone()
+                } else {
+                    format!("{scheme}{e}")
+                },
+                client: Arc::new(Mutex::new(None)),
+            })
+            .collect();
+        let urls: Vec<String> = list.iter().map(|m| m.url.clone()).collect();
         Members {
-            list: endpoints
-                .iter()
-                .map(|e| Member {
-                    endpoint: e.clone(),
-                    url: url(e),
-                    client: Arc::new(Mutex::new(None)),
-                })
-                .collect(),
-            rotation: Arc::new(StdMutex::new(Rotation {
-                urls: endpoints.iter().map(url).collect(),
-                on: vec![true; endpoints.len()],
-                probed: vec![false; endpoints.len()],
-            })),
+            list,
+            rotation: Arc::new(StdMutex::new(Rotation::new(&urls))),
             options,
             user,
             probe_key,
@@ -186,6 +200,15 @@ impl Members {
         })
     }
 
+    /// Whether indices `i` and `j` name one member (the same URL, as the connection compares
+    /// it).
+    pub(crate) fn same(&self, i: usize, j: usize) -> bool {
+        self.rotation
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .same(i, j)
+    }
+
     /// Whether member `i` is in the shared connection's rotation.
     pub(crate) fn is_in_rotation(&self, i: usize) -> bool {
         self.rotation
@@ -217,15 +240,15 @@ impl Members {
         let m = &self.list[i];
         let kept = {
             let mut rotation = self.rotation.lock().unwrap_or_else(PoisonError::into_inner);
-            if rotation.probed.get(i).copied().unwrap_or(true) || !rotation.has_others(&m.url) {
+            if rotation.probed.get(i).copied().unwrap_or(true) || !rotation.has_others(i) {
                 // A probe watches it already (out of rotation, or kept in as the last), or
                 // it is the only member: nothing to move its requests to.
                 return;
             }
-            rotation.set_probed(&m.url, true);
-            let kept = rotation.others(&m.url) == 0;
+            rotation.set_probed(i, true);
+            let kept = rotation.others(i) == 0;
             if !kept {
-                rotation.set_on(&m.url, false);
+                rotation.set_on(i, false);
             }
             kept
         };
@@ -238,6 +261,7 @@ impl Members {
         let probe = Probe {
             url: m.url.clone(),
             endpoint: m.endpoint.clone(),
+            index: i,
             options: self.options.clone(),
             probe_key: self.probe_key.clone(),
             shared: shared.clone(),
@@ -252,6 +276,7 @@ impl Members {
 struct Probe {
     url: String,
     endpoint: String,
+    index: usize,
     options: ConnectOptions,
     probe_key: Option<String>,
     shared: Client,
@@ -317,8 +342,8 @@ impl Probe {
                 if !out {
                     // Kept in as the last one: out now if another member is back.
                     let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
-                    if r.others(&self.url) > 0 {
-                        r.set_on(&self.url, false);
+                    if r.others(self.index) > 0 {
+                        r.set_on(self.index, false);
                         out = true;
                         since = tokio::time::Instant::now();
                         warn!(member = %self.endpoint, "etcd: the member kept in rotation as the last one still does not answer, and another is back: sending requests to the others until it answers again");
@@ -345,8 +370,8 @@ impl Probe {
             }
             {
                 let mut r = rotation.lock().unwrap_or_else(PoisonError::into_inner);
-                r.set_on(&self.url, true);
-                r.set_probed(&self.url, false);
+                r.set_on(self.index, true);
+                r.set_probed(self.index, false);
             }
             if out {
                 info!(member = %self.endpoint, after = ?since.elapsed(), "etcd: the member answers again; back in rotation");
@@ -362,32 +387,28 @@ impl Probe {
 mod tests {
     use super::Rotation;
 
-    /// An endpoint named twice (the shared connection's one entry) is one member: marked in
-    /// and out together, never counted as another member beside itself.
+    /// An endpoint named twice (the shared connection's one entry), even spelt differently,
+    /// is one member: marked in and out together, never counted as another beside itself.
     #[test]
     fn an_endpoint_named_twice_is_one_member() {
-        let (x, y) = ("http://x:2379", "http://y:2379");
-        let mut r = Rotation {
-            urls: vec![x.into(), x.into(), y.into()],
-            on: vec![true; 3],
-            probed: vec![false; 3],
-        };
-        assert_eq!(r.others(x), 1);
-        assert!(r.has_others(x));
-        r.set_on(x, false);
-        r.set_probed(x, true);
+        let mut r = Rotation::new(&[
+            "http://x:2379".into(),
+            "http://X:2379/".into(),
+            "http://y:2379".into(),
+        ]);
+        assert!(r.same(0, 1) && !r.same(0, 2));
+        assert_eq!(r.others(0), 1);
+        assert!(r.has_others(0));
+        r.set_on(1, false);
+        r.set_probed(0, true);
         assert_eq!(r.on, [false, false, true]);
         assert_eq!(r.probed, [true, true, false]);
-        assert_eq!(r.others(y), 0, "y is the last member in rotation");
-        r.set_on(x, true);
+        assert_eq!(r.others(2), 0, "y is the last member in rotation");
+        r.set_on(0, true);
         assert_eq!(r.on, [true, true, true]);
-        let one = Rotation {
-            urls: vec![x.into(), x.into()],
-            on: vec![true; 2],
-            probed: vec![false; 2],
-        };
+        let one = Rotation::new(&["http://x:2379".into(), "http://x:2379".into()]);
         assert!(
-            !one.has_others(x),
+            !one.has_others(1),
             "one member named twice has nowhere to move to"
         );
     }
