@@ -253,7 +253,8 @@ impl Members {
             kept
         };
         if kept {
-            // Not a warning: in an etcd-wide outage this comes with every failed renewal.
+            // Not a warning: in an etcd-wide outage (a member without a leader still answers
+            // the status probe) this comes again with each round of failed renewals.
             debug!(member = %m.endpoint, "etcd: a member left a lease renewal unanswered or failed it, and no other member is in rotation: keeping it, and taking it out once another member answers again");
         } else {
             warn!(member = %m.endpoint, "etcd: a member left a lease renewal unanswered or failed it; sending requests to the other members until it answers again");
