@@ -243,25 +243,32 @@ pub async fn gather(
     })
 }
 
+impl Endpoint {
+    /// `url` before it has answered anything: not healthy, the quota assumed.
+    fn unasked(url: String, assumed_quota: u64) -> Endpoint {
+        Endpoint {
+            endpoint: url,
+            healthy: false,
+            error: None,
+            member_id: String::new(),
+            version: String::new(),
+            raft_leader: String::new(),
+            is_leader: false,
+            raft_term: 0,
+            raft_index: 0,
+            db_size: 0,
+            db_size_in_use: 0,
+            quota: assumed_quota,
+            quota_source: "assumed",
+            is_learner: false,
+            errors: Vec::new(),
+        }
+    }
+}
+
 /// Asks one endpoint alone.
 async fn endpoint(etcd: &EtcdArgs, url: String, assumed_quota: u64) -> Endpoint {
-    let mut out = Endpoint {
-        endpoint: url.clone(),
-        healthy: false,
-        error: None,
-        member_id: String::new(),
-        version: String::new(),
-        raft_leader: String::new(),
-        is_leader: false,
-        raft_term: 0,
-        raft_index: 0,
-        db_size: 0,
-        db_size_in_use: 0,
-        quota: assumed_quota,
-        quota_source: "assumed",
-        is_learner: false,
-        errors: Vec::new(),
-    };
+    let mut out = Endpoint::unasked(url.clone(), assumed_quota);
     let config = EtcdConfig {
         endpoints: vec![url.clone()],
         connect_timeout: ENDPOINT_TIMEOUT,
