@@ -18,6 +18,14 @@
 //! can act only as itself as long as it keeps its token to itself. Errors are
 //! `{"error": "..."}`; a body that is not the JSON object asked for is 400.
 //!
+//! A path the agent does not have is 404, one of its paths with another method 405 (with
+//! `Allow`), both with a JSON error like the rest.
+//!
+//! It is served with hyper directly, one HTTP/1.1 connection task per worker, not through a
+//! router framework: a thousand workers each commit in a loop, and axum's routing and boxed
+//! services cost the node 4–6 µs of CPU per request there — a fifth of what the node spends
+//! per agent commit (`bench exec`, docs/BENCHMARKS.md, 2026-12-05 afternoon).
+//!
 //! Owns: the listeners (and the Unix socket's directory), the table token → child, and mapping each request onto the child's
 //! [`ChannelContext`]. Must not: touch the store (commits go through the context), or start and
 //! stop processes (the exec handler does).
@@ -26,10 +34,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ALLOW, AUTHORIZATION, CONTENT_TYPE};
+use hyper::{HeaderMap, Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
@@ -124,16 +135,20 @@ impl Agent {
     pub fn serve(listener: tokio::net::TcpListener) -> std::io::Result<Agent> {
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
-        let app = router(table.clone());
-        // Answers go out at once, not after the worker's ACK of the previous one (Nagle).
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "exec: cannot set TCP_NODELAY on an agent connection");
-            }
-        });
+        let served = table.clone();
         tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!(error = %e, "exec: the agent API stopped serving");
+            loop {
+                match listener.accept().await {
+                    Ok((tcp, _)) => {
+                        // Answers go out at once, not after the worker's ACK of the previous
+                        // one (Nagle).
+                        if let Err(e) = tcp.set_nodelay(true) {
+                            tracing::debug!(error = %e, "exec: cannot set TCP_NODELAY on an agent connection");
+                        }
+                        tokio::spawn(connection(tcp, served.clone()));
+                    }
+                    Err(e) => refused_connection(&e, "TCP listener").await,
+                }
             }
         });
         Ok(Agent {
@@ -166,10 +181,15 @@ impl Agent {
             socket: socket.clone(),
         };
         let listener = tokio::net::UnixListener::bind(&socket)?;
-        let app = router(self.table.clone());
+        let served = self.table.clone();
         tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!(error = %e, "exec: the agent API's Unix socket stopped serving");
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        tokio::spawn(connection(stream, served.clone()));
+                    }
+                    Err(e) => refused_connection(&e, "Unix socket").await,
+                }
             }
         });
         self.socket = Some(Arc::new(made));
@@ -236,49 +256,143 @@ pub(crate) fn random_token() -> std::io::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-fn router(table: Arc<Table>) -> Router {
-    Router::new()
-        .route("/ready", post(ready))
-        .route("/progress", post(progress))
-        .route("/commit", post(commit))
-        .route("/fail", post(fail))
-        .route("/state", get(state))
-        .route("/read", get(read))
-        .with_state(table)
+/// An accept that failed (out of file descriptors, most likely): said, and tried again a
+/// little later rather than in a busy loop; the agent keeps serving the connections it has.
+async fn refused_connection(e: &std::io::Error, listener: &str) {
+    tracing::warn!(error = %e, listener, "exec: the agent cannot accept a worker's connection; trying again in 100 ms");
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, Json(json!({ "error": message.into() }))).into_response()
+/// Serves one worker's keep-alive connection, HTTP/1.1, until it closes.
+async fn connection<S>(stream: S, table: Arc<Table>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| answer(table.clone(), req));
+    let served = hyper::server::conn::http1::Builder::new()
+        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+        .await;
+    if let Err(e) = served {
+        tracing::debug!(error = %e, "exec: an agent connection ended with an error");
+    }
+}
+
+/// An answer of the agent: a whole JSON body.
+type Answer = hyper::Response<Full<Bytes>>;
+
+/// The endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Ready,
+    Progress,
+    Commit,
+    Fail,
+    State,
+    Read,
+}
+
+/// The endpoint `method path` asks for, or the answer that refuses it (404: no such path;
+/// 405: the path with another method, the one it takes in `Allow`).
+fn endpoint(method: &Method, path: &str) -> Result<Endpoint, Box<Answer>> {
+    let (endpoint, allowed) = match path {
+        "/ready" => (Endpoint::Ready, "POST"),
+        "/progress" => (Endpoint::Progress, "POST"),
+        "/commit" => (Endpoint::Commit, "POST"),
+        "/fail" => (Endpoint::Fail, "POST"),
+        "/state" => (Endpoint::State, "GET"),
+        "/read" => (Endpoint::Read, "GET"),
+        _ => {
+            return Err(Box::new(error(
+                StatusCode::NOT_FOUND,
+                format!("no endpoint {path}: the agent has POST /ready, /progress, /commit, /fail and GET /state, /read"),
+            )))
+        }
+    };
+    if method.as_str() == allowed {
+        return Ok(endpoint);
+    }
+    let mut refused = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{path} takes {allowed}, not {method}"),
+    );
+    refused
+        .headers_mut()
+        .insert(ALLOW, HeaderValue::from_static(allowed));
+    Err(Box::new(refused))
+}
+
+/// The largest request body the agent reads: a checkpoint state is capped at 64 KiB
+/// encoded, and its JSON may escape it; a larger body is refused with 413 unread.
+const MAX_BODY: usize = 1 << 20;
+
+/// Answers one request: the endpoint (404, 405), then the caller's token (401, 403), then
+/// the body (413 over [`MAX_BODY`]), then the endpoint's own work.
+///
+/// Every request's body is read, even one the endpoint ignores: hyper closes a keep-alive
+/// connection whose request body was not read by the time the answer went out, and a
+/// worker that sends the headers and the body in two writes (Python's `http.client`) then
+/// finds its next request on a closed connection (a broken pipe).
+async fn answer(table: Arc<Table>, req: hyper::Request<Incoming>) -> Result<Answer, Infallible> {
+    let (parts, body) = req.into_parts();
+    let endpoint = match endpoint(&parts.method, parts.uri.path()) {
+        Ok(e) => e,
+        Err(refused) => return Ok(*refused),
+    };
+    let c = match child(&table, &parts.headers) {
+        Ok(c) => c,
+        Err(Refused(status, why)) => return Ok(error(status, why)),
+    };
+    let body = match Limited::new(body, MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Ok(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is over {MAX_BODY} bytes"),
+            ))
+        }
+        Err(e) => {
+            return Ok(error(
+                StatusCode::BAD_REQUEST,
+                format!("the body could not be read: {e}"),
+            ))
+        }
+    };
+    Ok(match endpoint {
+        Endpoint::Ready => {
+            c.ready.send_replace(true);
+            ok()
+        }
+        Endpoint::Progress => progress(&c, &body),
+        Endpoint::Commit => commit(&c, &body).await,
+        Endpoint::Fail => fail(&c, &body),
+        Endpoint::State => state(&c),
+        Endpoint::Read => read(&c, parts.uri.query().unwrap_or("")).await,
+    })
+}
+
+/// `value` as a JSON answer with `status`.
+fn json_answer(status: StatusCode, value: &Value) -> Answer {
+    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    let mut answer = hyper::Response::new(Full::new(Bytes::from(body)));
+    *answer.status_mut() = status;
+    answer
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    answer
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Answer {
+    json_answer(status, &json!({ "error": message.into() }))
 }
 
 /// A refused request: its status and why.
 struct Refused(StatusCode, &'static str);
 
-impl IntoResponse for Refused {
-    fn into_response(self) -> Response {
-        error(self.0, self.1)
-    }
-}
-
 /// The child the request's bearer token names (read from the request's headers in place,
-/// with no copy of them), or the answer that refuses it.
-struct Caller(Arc<AgentChild>);
-
-impl axum::extract::FromRequestParts<Arc<Table>> for Caller {
-    type Rejection = Refused;
-
-    async fn from_request_parts(
-        parts: &mut axum::http::request::Parts,
-        table: &Arc<Table>,
-    ) -> Result<Self, Refused> {
-        child(table, &parts.headers).map(Caller)
-    }
-}
-
-/// The child the request's bearer token names, or the answer that refuses it.
+/// with no copy of them), or why the request is refused.
 fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused> {
     let Some(token) = headers
-        .get(axum::http::header::AUTHORIZATION)
+        .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
     else {
@@ -309,27 +423,19 @@ fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, Refused> {
     }
 }
 
-fn ok() -> Response {
-    (
-        [(axum::http::header::CONTENT_TYPE, "application/json")],
-        r#"{"ok":true}"#,
-    )
-        .into_response()
+/// `{"ok":true}`, 200: built with no copy of the body.
+fn ok() -> Answer {
+    let mut answer = hyper::Response::new(Full::new(Bytes::from_static(br#"{"ok":true}"#)));
+    answer
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    answer
 }
 
-// Every handler takes the body, even one it ignores: hyper closes a keep-alive connection
-// whose request body was not read by the time the answer went out, and a worker that sends
-// the headers and the body in two writes (Python's `http.client`) then finds its next
-// request on a closed connection (a broken pipe).
-async fn ready(Caller(c): Caller, _body: axum::body::Bytes) -> Response {
-    c.ready.send_replace(true);
-    ok()
-}
-
-async fn progress(Caller(c): Caller, body: axum::body::Bytes) -> Response {
-    let body = match object(&body) {
+fn progress(c: &AgentChild, body: &[u8]) -> Answer {
+    let body = match object(body) {
         Ok(b) => b,
-        Err(r) => return r.into_response(),
+        Err(Refused(status, why)) => return error(status, why),
     };
     let Some(percent) = body.get("percent").and_then(Value::as_u64) else {
         return error(
@@ -350,7 +456,7 @@ struct CommitBody {
     state: Option<Value>,
 }
 
-/// The body of `POST /commit` as (position, state), or the answer that refuses it.
+/// The body of `POST /commit` as (position, state), or why it is refused.
 fn commit_body(body: &[u8]) -> Result<(String, Option<Value>), Refused> {
     const NOT_AN_OBJECT: Refused =
         Refused(StatusCode::BAD_REQUEST, "the body must be a JSON object");
@@ -371,10 +477,10 @@ fn commit_body(body: &[u8]) -> Result<(String, Option<Value>), Refused> {
     }
 }
 
-async fn commit(Caller(c): Caller, body: axum::body::Bytes) -> Response {
-    let (position, state) = match commit_body(&body) {
+async fn commit(c: &AgentChild, body: &[u8]) -> Answer {
+    let (position, state) = match commit_body(body) {
         Ok(b) => b,
-        Err(r) => return r.into_response(),
+        Err(Refused(status, why)) => return error(status, why),
     };
     if c.paused.load(Ordering::SeqCst) {
         return error(
@@ -394,10 +500,10 @@ async fn commit(Caller(c): Caller, body: axum::body::Bytes) -> Response {
     }
 }
 
-async fn fail(Caller(c): Caller, body: axum::body::Bytes) -> Response {
-    let body = match object(&body) {
+fn fail(c: &AgentChild, body: &[u8]) -> Answer {
+    let body = match object(body) {
         Ok(b) => b,
-        Err(r) => return r.into_response(),
+        Err(Refused(status, why)) => return error(status, why),
     };
     let reason = body
         .get("reason")
@@ -407,25 +513,24 @@ async fn fail(Caller(c): Caller, body: axum::body::Bytes) -> Response {
     ok()
 }
 
-async fn state(Caller(c): Caller, _body: axum::body::Bytes) -> Response {
+fn state(c: &AgentChild) -> Answer {
     let state = if c.paused.load(Ordering::SeqCst) {
         "paused"
     } else {
         "running"
     };
-    Json(json!({
-        "state": state,
-        "channel": c.ctx.info.channel.as_str(),
-        "epoch": c.ctx.info.epoch.0,
-    }))
-    .into_response()
+    json_answer(
+        StatusCode::OK,
+        &json!({
+            "state": state,
+            "channel": c.ctx.info.channel.as_str(),
+            "epoch": c.ctx.info.epoch.0,
+        }),
+    )
 }
 
-async fn read(
-    Caller(c): Caller,
-    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
-    _body: axum::body::Bytes,
-) -> Response {
+/// `GET /read?after=P&max=N&wait_ms=W`, its query string `query`.
+async fn read(c: &AgentChild, query: &str) -> Answer {
     use std::fmt::Write;
     let Some(log) = &c.log else {
         return error(
@@ -433,6 +538,9 @@ async fn read(
             "this node has no --log: read the log yourself",
         );
     };
+    let q: HashMap<String, String> = form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect();
     let after = match q.get("after").map(String::as_str).unwrap_or("") {
         "" => chanwatch_stream::Position::START,
         p => match p.parse() {
@@ -463,7 +571,7 @@ async fn read(
                     json!({ "position": m.position.to_string(), "payload": hex })
                 })
                 .collect();
-            Json(json!({ "messages": messages })).into_response()
+            json_answer(StatusCode::OK, &json!({ "messages": messages }))
         }
         Err(e) if e.is_retryable() => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),

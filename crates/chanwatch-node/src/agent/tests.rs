@@ -96,6 +96,81 @@ async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes
     assert_eq!(agent.accepted(), 1, "the accepted request is counted");
 }
 
+/// A path the agent does not have is 404, one of its paths with another method 405 naming
+/// the method it takes, both with a JSON error and before the token is looked at.
+#[tokio::test]
+async fn a_path_or_a_method_the_agent_does_not_have_is_a_json_error() {
+    let agent = agent().await;
+    let (ctx, _events) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child.clone());
+    let (status, body) = call(&agent, "POST", "/nope", Some("tok-a"), "{}").await;
+    assert_eq!(status, 404);
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("/commit")),
+        "the error names the endpoints: {body}"
+    );
+    let (status, body) = call(&agent, "GET", "/commit", None, "").await;
+    assert_eq!(status, 405);
+    assert!(
+        body["error"].as_str().is_some_and(|e| e.contains("POST")),
+        "the error names the method: {body}"
+    );
+    let (status, _) = call(&agent, "POST", "/state", Some("tok-a"), "").await;
+    assert_eq!(status, 405);
+    assert_eq!(agent.accepted(), 0, "refused requests are not counted");
+    assert!(!*child.ready.borrow());
+}
+
+/// A body over the agent's limit is refused (413) and changes nothing; the connection's
+/// bytes are all read by then, so the answer arrives.
+#[tokio::test]
+async fn a_body_over_the_limit_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let agent = agent().await;
+    let (ctx, mut events) = context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child);
+    let addr = agent.url().trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    // Announces twice the limit, sends one byte over it.
+    let head = format!(
+        "POST /fail HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer tok-a\r\nContent-Length: {}\r\n\r\n",
+        2 * MAX_BODY
+    );
+    s.write_all(head.as_bytes()).await.expect("write head");
+    s.write_all(&vec![b' '; MAX_BODY + 1])
+        .await
+        .expect("write body");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("an answer within 5 s")
+            .expect("read");
+        assert!(
+            n > 0,
+            "closed before answering: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        answer.starts_with(b"HTTP/1.1 413"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert!(
+        events.try_recv().is_err(),
+        "the refused /fail reached the node"
+    );
+}
+
 #[tokio::test]
 async fn another_childs_token_acts_on_that_child_only() {
     let agent = agent().await;
