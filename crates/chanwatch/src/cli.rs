@@ -104,6 +104,20 @@ pub fn main(cli: Cli) -> ExitCode {
         _ => "info",
     };
     init_logging(&cli.global, default_level);
+    // The benchmark's compiled worker is a blocking loop, run by the thousand on one machine:
+    // no runtime of its own (threads, an epoll set, a timer in every one of them).
+    if let Command::Bench(cmd::bench::Args {
+        what: cmd::bench::What::ExecWorker(args),
+    }) = &cli.command
+    {
+        return match cmd::bench::exec_worker(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

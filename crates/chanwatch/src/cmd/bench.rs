@@ -452,6 +452,15 @@ pub struct BenchStoreArgs {
     pub etcd: EtcdArgs,
 }
 
+/// Runs `bench exec-worker`, the compiled worker `bench exec` spawns per channel: a
+/// blocking loop, called without a runtime (`cli::main`).
+///
+/// # Errors
+/// See [`exec_worker::run`].
+pub fn exec_worker(args: &BenchExecWorkerArgs) -> Result<()> {
+    exec_worker::run(args)
+}
+
 /// Runs the chosen benchmark.
 ///
 /// # Errors
