@@ -19,9 +19,10 @@
 //! `{"error": "..."}`; a body that is not the JSON object asked for is 400.
 //!
 //! A path the agent does not have is 404, one of its paths with another method 405 (with
-//! `Allow`), both with a JSON error like the rest.
+//! `Allow`; `HEAD` is served wherever `GET` is), a body over 1 MiB 413 — all with a JSON
+//! error like the rest.
 //!
-//! It is served with hyper directly, one HTTP/1.1 connection task per worker, not through a
+//! It is served with hyper directly, a task per HTTP/1 connection, not through a
 //! router framework: a thousand workers each commit in a loop, and axum's routing and boxed
 //! services cost the node 4–6 µs of CPU per request there — a fifth of what the node spends
 //! per agent commit (`bench exec`, docs/BENCHMARKS.md, 2026-12-05 afternoon).
@@ -256,11 +257,21 @@ pub(crate) fn random_token() -> std::io::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// An accept that failed (out of file descriptors, most likely): said, and tried again a
-/// little later rather than in a busy loop; the agent keeps serving the connections it has.
+/// An accept that failed. One connection's own trouble (reset or aborted before it was
+/// taken) is no reason to wait; anything else (out of file descriptors, most likely) is
+/// said, and the accept tried again a second later rather than in a busy loop, the agent
+/// serving the connections it has meanwhile.
 async fn refused_connection(e: &std::io::Error, listener: &str) {
-    tracing::warn!(error = %e, listener, "exec: the agent cannot accept a worker's connection; trying again in 100 ms");
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        tracing::debug!(error = %e, listener, "exec: a worker's connection went before the agent took it");
+        return;
+    }
+    tracing::warn!(error = %e, listener, "exec: the agent cannot accept a worker's connection; trying again in 1 s");
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
 }
 
 /// Serves one worker's keep-alive connection, HTTP/1.1, until it closes.
@@ -308,30 +319,40 @@ fn endpoint(method: &Method, path: &str) -> Result<Endpoint, Box<Answer>> {
             )))
         }
     };
-    if method.as_str() == allowed {
+    // HEAD is GET without the body (hyper leaves it out).
+    if method.as_str() == allowed || (allowed == "GET" && *method == Method::HEAD) {
         return Ok(endpoint);
     }
+    let allow = if allowed == "GET" {
+        "GET, HEAD"
+    } else {
+        allowed
+    };
     let mut refused = error(
         StatusCode::METHOD_NOT_ALLOWED,
-        format!("{path} takes {allowed}, not {method}"),
+        format!("{path} takes {allow}, not {method}"),
     );
     refused
         .headers_mut()
-        .insert(ALLOW, HeaderValue::from_static(allowed));
+        .insert(ALLOW, HeaderValue::from_static(allow));
     Err(Box::new(refused))
 }
 
-/// The largest request body the agent reads: a checkpoint state is capped at 64 KiB
-/// encoded, and its JSON may escape it; a larger body is refused with 413 unread.
+/// The largest request body the agent takes, far over any it needs (a checkpoint state is
+/// capped at 64 KiB encoded). A body that says it is larger (`Content-Length`) is refused
+/// before any of it is read — a client that waits for `100 Continue` (curl) then sends none
+/// of it; a chunked one is read up to the limit, then refused.
 const MAX_BODY: usize = 1 << 20;
 
 /// Answers one request: the endpoint (404, 405), then the caller's token (401, 403), then
 /// the body (413 over [`MAX_BODY`]), then the endpoint's own work.
 ///
-/// Every request's body is read, even one the endpoint ignores: hyper closes a keep-alive
-/// connection whose request body was not read by the time the answer went out, and a
-/// worker that sends the headers and the body in two writes (Python's `http.client`) then
-/// finds its next request on a closed connection (a broken pipe).
+/// The body of a request that passes the first two checks is read whole before the
+/// answer, even when the endpoint ignores it: hyper closes a keep-alive connection whose
+/// request body was not read by the time the answer went out, and a worker that sends the
+/// headers and the body in two writes (Python's `http.client`) would then find its next
+/// request on a closed connection (a broken pipe). A refused request's connection may be
+/// closed after the answer.
 async fn answer(table: Arc<Table>, req: hyper::Request<Incoming>) -> Result<Answer, Infallible> {
     let (parts, body) = req.into_parts();
     let endpoint = match endpoint(&parts.method, parts.uri.path()) {
@@ -342,6 +363,13 @@ async fn answer(table: Arc<Table>, req: hyper::Request<Incoming>) -> Result<Answ
         Ok(c) => c,
         Err(Refused(status, why)) => return Ok(error(status, why)),
     };
+    if usize::try_from(hyper::body::Body::size_hint(&body).lower()).unwrap_or(usize::MAX) > MAX_BODY
+    {
+        return Ok(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is over {MAX_BODY} bytes: nothing the agent takes is this large"),
+        ));
+    }
     let body = match Limited::new(body, MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {

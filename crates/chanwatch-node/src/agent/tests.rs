@@ -33,6 +33,19 @@ async fn call(
     token: Option<&str>,
     body: &str,
 ) -> (u16, Value) {
+    let (status, _, json) = call_raw(agent, method, path, token, body).await;
+    (status, json)
+}
+
+/// One request on a connection of its own: the status, the head (lower-cased) and the JSON
+/// body (`Null` when there is none).
+async fn call_raw(
+    agent: &Agent,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String, Value) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let addr = agent.url().trim_start_matches("http://").to_owned();
     let mut s = tokio::net::TcpStream::connect(&addr)
@@ -49,12 +62,9 @@ async fn call(
     let mut out = String::new();
     s.read_to_string(&mut out).await.expect("read");
     let status = out[9..12].parse().expect("status");
-    let json = out
-        .split("\r\n\r\n")
-        .nth(1)
-        .and_then(|b| serde_json::from_str(b).ok())
-        .unwrap_or(Value::Null);
-    (status, json)
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let json = serde_json::from_str(body).unwrap_or(Value::Null);
+    (status, head.to_ascii_lowercase(), json)
 }
 
 async fn agent() -> Agent {
@@ -97,37 +107,47 @@ async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes
 }
 
 /// A path the agent does not have is 404, one of its paths with another method 405 naming
-/// the method it takes, both with a JSON error and before the token is looked at.
+/// the methods it takes (`Allow`), both with a JSON error and before the token is looked
+/// at; `HEAD` is served wherever `GET` is.
 #[tokio::test]
 async fn a_path_or_a_method_the_agent_does_not_have_is_a_json_error() {
     let agent = agent().await;
     let (ctx, _events) = context("a");
     let child = Arc::new(AgentChild::new(ctx));
     let _reg = agent.register("tok-a".into(), child.clone());
-    let (status, body) = call(&agent, "POST", "/nope", Some("tok-a"), "{}").await;
+    let (status, head, body) = call_raw(&agent, "POST", "/nope", Some("tok-a"), "{}").await;
     assert_eq!(status, 404);
+    assert!(head.contains("content-type: application/json"), "{head}");
     assert!(
         body["error"]
             .as_str()
             .is_some_and(|e| e.contains("/commit")),
         "the error names the endpoints: {body}"
     );
-    let (status, body) = call(&agent, "GET", "/commit", None, "").await;
+    let (status, head, body) = call_raw(&agent, "GET", "/commit", None, "").await;
     assert_eq!(status, 405);
+    assert!(head.contains("\r\nallow: post"), "{head}");
     assert!(
         body["error"].as_str().is_some_and(|e| e.contains("POST")),
         "the error names the method: {body}"
     );
-    let (status, _) = call(&agent, "POST", "/state", Some("tok-a"), "").await;
+    let (status, head, _) = call_raw(&agent, "POST", "/state", Some("tok-a"), "").await;
     assert_eq!(status, 405);
+    assert!(head.contains("\r\nallow: get, head"), "{head}");
     assert_eq!(agent.accepted(), 0, "refused requests are not counted");
     assert!(!*child.ready.borrow());
+    let (status, _, body) = call_raw(&agent, "HEAD", "/state", Some("tok-a"), "").await;
+    assert_eq!(
+        (status, body),
+        (200, Value::Null),
+        "HEAD: GET without the body"
+    );
 }
 
-/// A body over the agent's limit is refused (413) and changes nothing; the connection's
-/// bytes are all read by then, so the answer arrives.
+/// A body that says it is over the agent's limit is refused (413, a JSON error) before any
+/// of it is sent, and changes nothing.
 #[tokio::test]
-async fn a_body_over_the_limit_is_refused() {
+async fn a_body_over_the_limit_is_refused_before_it_is_sent() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let agent = agent().await;
     let (ctx, mut events) = context("a");
@@ -137,34 +157,30 @@ async fn a_body_over_the_limit_is_refused() {
     let mut s = tokio::net::TcpStream::connect(&addr)
         .await
         .expect("connect");
-    // Announces twice the limit, sends one byte over it.
+    // The head alone, as a client that waits for `100 Continue` sends it.
     let head = format!(
-        "POST /fail HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer tok-a\r\nContent-Length: {}\r\n\r\n",
-        2 * MAX_BODY
+        "POST /fail HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer tok-a\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        MAX_BODY + 1
     );
     s.write_all(head.as_bytes()).await.expect("write head");
-    s.write_all(&vec![b' '; MAX_BODY + 1])
-        .await
-        .expect("write body");
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .expect("an answer within 5 s")
-            .expect("read");
-        assert!(
-            n > 0,
-            "closed before answering: {}",
-            String::from_utf8_lossy(&answer)
-        );
-        answer.extend_from_slice(&buf[..n]);
-    }
+    let mut answer = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        s.read_to_string(&mut answer),
+    )
+    .await
+    .expect("an answer, and the connection closed, within 5 s")
+    .expect("read");
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(
-        answer.starts_with(b"HTTP/1.1 413"),
-        "{}",
-        String::from_utf8_lossy(&answer)
+        !answer.contains("100 Continue"),
+        "asked for the body: {answer}"
     );
+    let body: Value = answer
+        .split_once("\r\n\r\n")
+        .and_then(|(_, b)| serde_json::from_str(b).ok())
+        .unwrap_or(Value::Null);
+    assert!(body["error"].as_str().is_some(), "{answer}");
     assert!(
         events.try_recv().is_err(),
         "the refused /fail reached the node"
