@@ -23,9 +23,9 @@
 //! error like the rest.
 //!
 //! It is served with hyper directly, a task per HTTP/1 connection, not through a
-//! router framework: a thousand workers each commit in a loop, and axum's routing and boxed
-//! services cost the node 4–6 µs of CPU per request there — a fifth of what the node spends
-//! per agent commit (`bench exec`, docs/BENCHMARKS.md, 2026-12-05 afternoon).
+//! router framework: a thousand workers each commit in a loop, and with axum's routing and
+//! boxed services the node spent 26–28 µs of CPU per agent commit, without them 22–23 (1–2 µs
+//! less per bare round trip; `bench exec`, docs/BENCHMARKS.md, 2026-12-05 afternoon).
 //!
 //! Owns: the listeners (and the Unix socket's directory), the table token → child, and mapping each request onto the child's
 //! [`ChannelContext`]. Must not: touch the store (commits go through the context), or start and
