@@ -7,7 +7,8 @@
 //! exiting at once on SIGTERM while its commit hangs: `exec/sigterm.rs`; a worker's last commit
 //! on a node's shutdown answered at once: `exec/shutdown.rs`; a worker that hangs up mid-commit
 //! not fenced by its own write: `exec/hangup.rs`; a node cut off from etcd counted paused by the
-//! leader's summary: `exec/summary.rs`.
+//! leader's summary: `exec/summary.rs`; a worker's wrong requests answered with JSON errors:
+//! `exec/errors.rs`.
 //!
 //! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 
 mod procs;
 use procs::{bin, spawn, Proc};
+#[path = "exec/errors.rs"]
+mod errors;
 #[path = "exec/fence.rs"]
 mod fence;
 #[path = "exec/hangup.rs"]
