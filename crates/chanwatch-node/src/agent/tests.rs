@@ -67,6 +67,23 @@ async fn call_raw(
     (status, head.to_ascii_lowercase(), json)
 }
 
+/// A child of `channel` that `agent` answers by `token`: the child, its registration (the
+/// token is revoked when it is dropped) and the node's end of its events.
+fn registered(
+    agent: &Agent,
+    channel: &str,
+    token: &str,
+) -> (
+    Arc<AgentChild>,
+    Registration,
+    mpsc::UnboundedReceiver<RunnerEvent>,
+) {
+    let (ctx, events) = context(channel);
+    let child = Arc::new(AgentChild::new(ctx));
+    let reg = agent.register(token.into(), child.clone());
+    (child, reg, events)
+}
+
 async fn agent() -> Agent {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -77,9 +94,7 @@ async fn agent() -> Agent {
 #[tokio::test]
 async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes_nothing() {
     let agent = agent().await;
-    let (ctx, mut events) = context("a");
-    let child = Arc::new(AgentChild::new(ctx));
-    let _reg = agent.register("tok-a".into(), child.clone());
+    let (child, _reg, mut events) = registered(&agent, "a", "tok-a");
     assert_eq!(call(&agent, "POST", "/ready", None, "").await.0, 401);
     assert_eq!(
         call(&agent, "POST", "/ready", Some("nope"), "").await.0,
@@ -112,9 +127,7 @@ async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes
 #[tokio::test]
 async fn a_path_or_a_method_the_agent_does_not_have_is_a_json_error() {
     let agent = agent().await;
-    let (ctx, _events) = context("a");
-    let child = Arc::new(AgentChild::new(ctx));
-    let _reg = agent.register("tok-a".into(), child.clone());
+    let (child, _reg, _events) = registered(&agent, "a", "tok-a");
     let (status, head, body) = call_raw(&agent, "POST", "/nope", Some("tok-a"), "{}").await;
     assert_eq!(status, 404);
     assert!(head.contains("content-type: application/json"), "{head}");
@@ -150,9 +163,7 @@ async fn a_path_or_a_method_the_agent_does_not_have_is_a_json_error() {
 async fn a_body_over_the_limit_is_refused_before_it_is_sent() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let agent = agent().await;
-    let (ctx, mut events) = context("a");
-    let child = Arc::new(AgentChild::new(ctx));
-    let _reg = agent.register("tok-a".into(), child);
+    let (_child, _reg, mut events) = registered(&agent, "a", "tok-a");
     let addr = agent.url().trim_start_matches("http://").to_owned();
     let mut s = tokio::net::TcpStream::connect(&addr)
         .await
@@ -190,12 +201,8 @@ async fn a_body_over_the_limit_is_refused_before_it_is_sent() {
 #[tokio::test]
 async fn another_childs_token_acts_on_that_child_only() {
     let agent = agent().await;
-    let (ctx_a, mut ev_a) = context("a");
-    let (ctx_b, mut ev_b) = context("b");
-    let a = Arc::new(AgentChild::new(ctx_a));
-    let b = Arc::new(AgentChild::new(ctx_b));
-    let _ra = agent.register("tok-a".into(), a.clone());
-    let _rb = agent.register("tok-b".into(), b.clone());
+    let (a, _ra, mut ev_a) = registered(&agent, "a", "tok-a");
+    let (b, _rb, mut ev_b) = registered(&agent, "b", "tok-b");
     assert_eq!(
         call(&agent, "POST", "/ready", Some("tok-b"), "").await.0,
         200
@@ -222,9 +229,7 @@ async fn another_childs_token_acts_on_that_child_only() {
 #[tokio::test]
 async fn a_dropped_registration_revokes_the_token_and_state_follows_the_pause() {
     let agent = agent().await;
-    let (ctx, _ev) = context("a");
-    let child = Arc::new(AgentChild::new(ctx));
-    let reg = agent.register("tok-a".into(), child.clone());
+    let (child, reg, _ev) = registered(&agent, "a", "tok-a");
     assert_eq!(
         call(&agent, "GET", "/state", Some("tok-a"), "").await.1["state"],
         "running"
@@ -423,9 +428,7 @@ async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_on
 async fn a_request_whose_body_comes_apart_from_its_headers_keeps_the_connection() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let agent = agent().await;
-    let (ctx, _events) = context("a");
-    let child = Arc::new(AgentChild::new(ctx));
-    let _reg = agent.register("tok-a".into(), child.clone());
+    let (child, _reg, _events) = registered(&agent, "a", "tok-a");
     let addr = agent.url().trim_start_matches("http://").to_owned();
     let mut s = tokio::net::TcpStream::connect(&addr)
         .await
@@ -481,9 +484,7 @@ async fn the_unix_socket_serves_the_same_children_and_goes_with_the_agent() {
     let dir = socket.parent().expect("its directory").to_owned();
     let mode = std::fs::metadata(&dir).expect("dir").permissions().mode();
     assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
-    let (ctx, _events) = context("a");
-    let child = Arc::new(AgentChild::new(ctx));
-    let _reg = agent.register("tok-a".into(), child.clone());
+    let (child, _reg, _events) = registered(&agent, "a", "tok-a");
     for (token, want) in [("nope", "403"), ("tok-a", "200")] {
         let mut s = tokio::net::UnixStream::connect(&socket)
             .await

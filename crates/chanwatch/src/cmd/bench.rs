@@ -483,7 +483,11 @@ pub async fn run(args: Args) -> Result<()> {
         What::Consume(args) => consume::run(&args).await,
         What::DataFailover(args) => data_failover::run(&args).await,
         What::Exec(args) => exec::run(&args).await,
-        What::ExecWorker(args) => exec_worker::run(&args),
+        // Run by `cli::main` before any runtime is built (it is a blocking loop, a thousand
+        // of them at once); never from here.
+        What::ExecWorker(_) => {
+            anyhow::bail!("bench exec-worker runs without a runtime: call bench::exec_worker")
+        }
         What::Idle(args) => idle::run(&args).await,
         What::RollingRestart(args) => rolling_restart::run(&args).await,
         What::Register(args) => register::run(&args).await,
