@@ -63,18 +63,65 @@ pub(crate) fn txns_in_metrics(text: &str) -> Option<f64> {
 /// # Errors
 /// An endpoint that does not answer, or answers without the Txn counter.
 pub(crate) async fn etcd_txns(endpoints: &[String]) -> anyhow::Result<f64> {
+    let each = each_metrics(
+        endpoints,
+        "grpc_server_handled_total for Txn",
+        txns_in_metrics,
+    )
+    .await?;
+    Ok(each.iter().sum())
+}
+
+/// The WAL fsyncs an etcd member has done: (seconds they took, how many), from its
+/// `etcd_disk_wal_fsync_duration_seconds` histogram. `None` when the text has neither.
+pub(crate) fn wal_fsyncs_in_metrics(text: &str) -> Option<(f64, f64)> {
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    Some((
+        value("etcd_disk_wal_fsync_duration_seconds_sum")?,
+        value("etcd_disk_wal_fsync_duration_seconds_count")?,
+    ))
+}
+
+/// WAL fsyncs so far, (seconds, count), summed over every endpoint's `/metrics`: over a
+/// window, Δseconds ÷ Δcount is etcd's mean fsync — about a microsecond with its data on
+/// tmpfs, where it syncs nothing, a fraction of a millisecond and up on a disk.
+///
+/// # Errors
+/// An endpoint that does not answer, or answers without the histogram.
+pub(crate) async fn etcd_wal_fsyncs(endpoints: &[String]) -> anyhow::Result<(f64, f64)> {
+    let each = each_metrics(
+        endpoints,
+        "etcd_disk_wal_fsync_duration_seconds",
+        wal_fsyncs_in_metrics,
+    )
+    .await?;
+    Ok(each
+        .iter()
+        .fold((0.0, 0.0), |(s, n), (s1, n1)| (s + s1, n + n1)))
+}
+
+/// `parse` of each endpoint's `/metrics` text; `what` names what it looks for.
+async fn each_metrics<T>(
+    endpoints: &[String],
+    what: &str,
+    parse: impl Fn(&str) -> Option<T>,
+) -> anyhow::Result<Vec<T>> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()?;
-    let mut sum = 0.0;
+    let mut each = Vec::with_capacity(endpoints.len());
     for e in endpoints {
         let url = format!("{}/metrics", e.trim_end_matches('/'));
         let text = client.get(&url).send().await?.text().await?;
-        sum += txns_in_metrics(&text).ok_or_else(|| {
-            anyhow::anyhow!("{url} has no grpc_server_handled_total for Txn; is it etcd 3.4+?")
-        })?;
+        each.push(
+            parse(&text).ok_or_else(|| anyhow::anyhow!("{url} has no {what}; is it etcd 3.4+?"))?,
+        );
     }
-    Ok(sum)
+    Ok(each)
 }
 
 /// The `q` quantile (0..=1) of sorted samples, nearest rank; 0 for none.
@@ -107,6 +154,23 @@ pub(crate) fn machine() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wal_fsyncs_are_the_histograms_sum_and_count() {
+        let text = "\
+# TYPE etcd_disk_wal_fsync_duration_seconds histogram
+etcd_disk_wal_fsync_duration_seconds_bucket{le=\"0.001\"} 180000
+etcd_disk_wal_fsync_duration_seconds_sum 127.05
+etcd_disk_wal_fsync_duration_seconds_count 200522
+etcd_disk_backend_commit_duration_seconds_sum 9
+";
+        assert_eq!(wal_fsyncs_in_metrics(text), Some((127.05, 200_522.0)));
+        assert_eq!(
+            wal_fsyncs_in_metrics("etcd_disk_wal_fsync_duration_seconds_sum 1\n"),
+            None,
+            "a sum without a count"
+        );
+    }
 
     #[test]
     fn the_txn_count_sums_every_code_of_the_txn_method_only() {
