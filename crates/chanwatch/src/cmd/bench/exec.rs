@@ -39,20 +39,7 @@ use chanwatch_node::{ChannelContext, ChannelHandler, ExecHandler, ExecOptions, N
 use chanwatch_store::{EmbeddedStore, MetaStore};
 use serde_json::json;
 
-use super::{BenchExecArgs, StoreKind};
-
-/// The node process's resident memory, bytes.
-fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
-}
+use super::{meter, BenchExecArgs, StoreKind};
 
 /// Where a cluster of this bench runs: a fresh embedded store, or etcd under a fresh root.
 struct Site<'a> {
@@ -221,21 +208,6 @@ while True:
         sys.exit(0)
 "#;
 
-/// This process's CPU time and that of its reaped children, seconds (`/proc/self/stat`
-/// utime + stime and cutime + cstime, at the usual 100 ticks per second).
-fn cpu() -> (f64, f64) {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let f: Vec<f64> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest)
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|v| v.parse().unwrap_or(0.0))
-        .collect();
-    let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / 100.0;
-    (at(11) + at(12), at(13) + at(14))
-}
-
 /// The store's revision: one per txn that wrote.
 async fn revision(store: &dyn MetaStore) -> Result<i64> {
     Ok(store.range("\u{0}").await?.revision)
@@ -298,27 +270,19 @@ fn python() -> String {
         .unwrap_or_else(|| "python3".to_owned())
 }
 
-/// A worker's CPU time, seconds; 0 once it is gone. From `/proc/PID/schedstat` (the time
-/// its main thread ran, in ns — a worker's work is its main thread's): `/proc/PID/stat`
-/// counts in ticks of 10 ms and rounds each process down, and a thousand workers each
-/// running ~1 ms in a window summed to anything from 0 to 21 µs per commit. `stat` when
-/// the kernel has no schedstat.
-fn cpu_of(pid: u32) -> f64 {
-    if let Some(ns) = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
-    {
-        return ns / 1e9;
+/// etcd's WAL fsyncs so far (seconds, count), or `None` — said once per process, as a
+/// warning — when its `/metrics` cannot be read (then no run says which etcd it had).
+async fn etcd_fsyncs(endpoints: &[String]) -> Option<(f64, f64)> {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    match meter::etcd_wal_fsyncs(endpoints).await {
+        Ok(f) => Some(f),
+        Err(e) => {
+            if !SAID.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e, "bench exec: cannot read etcd's WAL fsyncs from its /metrics: the runs will not say whether its data is on a disk that syncs");
+            }
+            None
+        }
     }
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let f: Vec<f64> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest)
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|v| v.parse().unwrap_or(0.0))
-        .collect();
-    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
 }
 
 /// One sample of a commit run: what landed, the store's revision, and the CPU spent so far by
@@ -392,20 +356,21 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
         _ => Vec::new(),
     };
     let sample = || async {
+        // First, so that the window below is what it was before etcd's fsyncs were read
+        // (an HTTP request to a busy etcd).
+        let fsyncs = match site.args.store {
+            StoreKind::Etcd => etcd_fsyncs(&site.args.etcd.endpoints).await,
+            StoreKind::Embedded => None,
+        };
         Ok::<_, anyhow::Error>(Sample {
             committed: match (via, &exec) {
                 (Via::CompiledPing, Some(h)) => h.agent_requests(),
                 _ => committed(&*store, &keys).await?,
             },
             revision: revision(&*store).await?,
-            node_cpu: cpu().0,
-            children_cpu: pids.iter().map(|p| cpu_of(*p)).sum(),
-            fsyncs: match site.args.store {
-                StoreKind::Etcd => super::meter::etcd_wal_fsyncs(&site.args.etcd.endpoints)
-                    .await
-                    .ok(),
-                StoreKind::Embedded => None,
-            },
+            node_cpu: meter::cpu_secs(),
+            children_cpu: pids.iter().map(|p| meter::cpu_of(*p)).sum(),
+            fsyncs,
             at: Instant::now(),
         })
     };
@@ -423,10 +388,7 @@ async fn commit_run(site: &Site<'_>, via: Via, channels: usize, secs: Duration) 
         commits_per_txn: landed as f64 / (s1.revision - s0.revision).max(1) as f64,
         node_us: (s1.node_cpu - s0.node_cpu) * 1e6 / per,
         client_us: (s1.children_cpu - s0.children_cpu) * 1e6 / per,
-        fsync_ms: match (s0.fsyncs, s1.fsyncs) {
-            (Some((t0, n0)), Some((t1, n1))) if n1 > n0 => Some((t1 - t0) * 1e3 / (n1 - n0)),
-            _ => None,
-        },
+        fsync_ms: meter::mean_fsync_ms(s0.fsyncs, s1.fsyncs),
     })
 }
 
@@ -444,11 +406,11 @@ async fn start(site: &Site<'_>, args: &BenchExecArgs) -> Result<()> {
         .await?,
     );
     let Started { coord, node, .. } = site.cluster(exec.clone()).await?;
-    let before = rss();
+    let before = meter::rss_bytes();
     let started = Instant::now();
     add_all(&coord, args.channels).await?;
     let start_secs = started.elapsed().as_secs_f64();
-    let after = rss();
+    let after = meter::rss_bytes();
     let per_child = after.saturating_sub(before) as f64 / args.channels.max(1) as f64;
     let stopping = Instant::now();
     node.stop().await?;
@@ -554,7 +516,7 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
                        "commits_per_txn": (per_txn * 10.0).round() / 10.0,
                        "node_cpu_us_per_commit": node_us.round(),
                        "child_cpu_us_per_commit": client_us.round(),
-                       "etcd_wal_fsync_ms": fsync_ms.map(super::meter::round3)})
+                       "etcd_wal_fsync_ms": fsync_ms.map(meter::round3)})
             );
         }
         // Not a timing: a via that did nothing at all has workers that did not run.
@@ -580,18 +542,14 @@ pub async fn run(args: &BenchExecArgs) -> Result<()> {
             }
         }
     }
+    let fsyncs: Vec<f64> = all.iter().flatten().filter_map(|f| f.fsync_ms).collect();
+    if !fsyncs.is_empty() && super::median(fsyncs.clone()) < NO_SYNC_MS {
+        eprintln!(
+            "note: etcd's WAL fsync took {:.3} ms on average: its data is on storage that syncs nothing (tmpfs?). In-process commits are bound by etcd's txns, so against this etcd they run faster than against any deployed one, and the agent, bound by CPU, does not; docs/BENCHMARKS.md judges the agent ÷ in-process ratio with etcd's data on a disk",
+            super::median(fsyncs)
+        );
+    }
     if let Some(inproc) = rate_of(Via::InProcess) {
-        let inproc_fsync = vias
-            .iter()
-            .position(|v| *v == Via::InProcess)
-            .map(|i| all[i].iter().filter_map(|f| f.fsync_ms).collect::<Vec<_>>())
-            .filter(|ms| !ms.is_empty())
-            .map(super::median);
-        if let Some(ms) = inproc_fsync.filter(|ms| *ms < NO_SYNC_MS) {
-            eprintln!(
-                "note: etcd's WAL fsync took {ms:.3} ms on average: its data is on storage that syncs nothing (tmpfs?). In-process commits are bound by etcd's txns, so against this etcd they run faster than against any deployed one, and the agent, bound by CPU, does not; docs/BENCHMARKS.md judges the ratio below with etcd's data on a disk"
-            );
-        }
         for (via, rate) in vias.iter().zip(&rates) {
             if !matches!(via, Via::InProcess | Via::CompiledPing) {
                 eprintln!(

@@ -1,6 +1,7 @@
-//! What the data-plane benchmarks measure with: a store wrapper that counts the txns sent
-//! through it, etcd's own count of the Txn RPCs it handled (its `/metrics`), latency
-//! percentiles, and the machine line every result carries.
+//! What the benchmarks measure with: a store wrapper that counts the txns sent through it,
+//! etcd's own count of the Txn RPCs it handled and its WAL fsyncs (its `/metrics`), this
+//! process's CPU and memory and a child's CPU (`/proc`), latency percentiles, and the
+//! machine line every result carries.
 //!
 //! Owns: those instruments. Must not: change what passes through the store (the wrapper only
 //! counts), or assert on timings.
@@ -104,6 +105,15 @@ pub(crate) async fn etcd_wal_fsyncs(endpoints: &[String]) -> anyhow::Result<(f64
         .fold((0.0, 0.0), |(s, n), (s1, n1)| (s + s1, n + n1)))
 }
 
+/// The mean WAL fsync between two readings of [`etcd_wal_fsyncs`], ms; `None` without both,
+/// or without an fsync between them.
+pub(crate) fn mean_fsync_ms(before: Option<(f64, f64)>, after: Option<(f64, f64)>) -> Option<f64> {
+    match (before, after) {
+        (Some((t0, n0)), Some((t1, n1))) if n1 > n0 => Some((t1 - t0) * 1e3 / (n1 - n0)),
+        _ => None,
+    }
+}
+
 /// `parse` of each endpoint's `/metrics` text; `what` names what it looks for.
 async fn each_metrics<T>(
     endpoints: &[String],
@@ -122,6 +132,57 @@ async fn each_metrics<T>(
         );
     }
     Ok(each)
+}
+
+/// Resident set size of this process (Linux), in bytes.
+pub(crate) fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// User + system CPU time of this process (Linux, clock ticks of 10 ms), in seconds.
+pub(crate) fn cpu_secs() -> f64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name, which is in parentheses and may hold spaces.
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let utime: f64 = f.get(11)?.parse().ok()?;
+            let stime: f64 = f.get(12)?.parse().ok()?;
+            Some((utime + stime) / 100.0)
+        })
+        .unwrap_or(0.0)
+}
+
+/// A worker's CPU time, seconds; 0 once it is gone. From `/proc/PID/schedstat` (the time
+/// its main thread ran, in ns — a worker's work is its main thread's): `/proc/PID/stat`
+/// counts in ticks of 10 ms and rounds each process down, and a thousand workers each
+/// running ~1 ms in a window summed to anything from 0 to 21 µs per commit. `stat` when
+/// the kernel has no schedstat.
+pub(crate) fn cpu_of(pid: u32) -> f64 {
+    if let Some(ns) = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+    {
+        return ns / 1e9;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let f: Vec<f64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
 }
 
 /// The `q` quantile (0..=1) of sorted samples, nearest rank; 0 for none.
@@ -170,6 +231,18 @@ etcd_disk_backend_commit_duration_seconds_sum 9
             None,
             "a sum without a count"
         );
+    }
+
+    /// Over a window, the mean is Δseconds ÷ Δcount — not the mean since etcd started — and
+    /// a window without an fsync, or a reading missing, has none.
+    #[test]
+    fn the_mean_fsync_is_the_windows_own() {
+        let ms = mean_fsync_ms(Some((100.0, 200_000.0)), Some((100.6, 201_000.0)))
+            .expect("a window with fsyncs");
+        assert!((ms - 0.6).abs() < 1e-9, "{ms}");
+        assert_eq!(mean_fsync_ms(Some((1.0, 10.0)), Some((1.0, 10.0))), None);
+        assert_eq!(mean_fsync_ms(None, Some((1.0, 10.0))), None);
+        assert_eq!(mean_fsync_ms(Some((1.0, 10.0)), None), None);
     }
 
     #[test]

@@ -21,37 +21,7 @@ use super::{median, BenchAckArgs, BenchAssignArgs, BenchBalanceArgs, StoreKind};
 use crate::flags::EtcdArgs;
 use crate::inproc::{InProc, NodeProc, Timings};
 
-pub(crate) fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
-
-/// Resident set size of this process (Linux), in bytes.
-pub(crate) fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// User + system CPU time of this process (Linux, clock ticks of 10 ms), in seconds.
-pub(crate) fn cpu_secs() -> f64 {
-    std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            // Fields after the command name, which is in parentheses and may hold spaces.
-            let rest = s.rsplit_once(')')?.1;
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let utime: f64 = f.get(11)?.parse().ok()?;
-            let stime: f64 = f.get(12)?.parse().ok()?;
-            Some((utime + stime) / 100.0)
-        })
-        .unwrap_or(0.0)
-}
+pub(crate) use super::meter::{cpu_secs, round3, rss_bytes};
 
 /// Cores and, for etcd, the local `etcd --version` line.
 pub(crate) fn machine(store: StoreKind) -> Value {
