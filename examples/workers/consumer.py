@@ -84,14 +84,20 @@ class AgentLog:
     def read(self, max_records):
         """The next messages, as (position, payload); waits up to 1 s for one."""
         status, answer = call("GET", f"/read?after={self.after}&max={max_records}&wait_ms=1000")
-        if status == 404:
-            # The node serves no log (it was started without --log): this never changes, so
-            # say so and fail the channel rather than consume nothing in silence.
-            why = "the node serves no log to read (GET /read: 404): start it with --log file:DIR or nats://HOST:PORT"
+        if status in (404, 400):
+            # No log (the node was started without --log), or a position the log does not
+            # take: this never changes, so say so and fail the channel rather than consume
+            # nothing in silence.
+            why = (f"GET /read: {answer.get('error')}; the node needs --log file:DIR or nats://HOST:PORT"
+                   if status == 404 else f"GET /read after {self.after!r}: {answer.get('error')}")
             call("POST", "/fail", {"reason": why})
             sys.exit(why)
-        if status != 200:
+        if status in (None, 503):  # the node or its log is out of reach for now
             time.sleep(0.2)
+            return []
+        if status != 200:  # the log's own error: say it, and ask again less often
+            print(f"{CHANNEL}: GET /read: {status}: {answer.get('error')}", flush=True)
+            time.sleep(1)
             return []
         out = [(m["position"], bytes.fromhex(m["payload"])) for m in answer["messages"]]
         if out:

@@ -54,6 +54,9 @@ pub(crate) struct AgentChild {
     /// The log `GET /read` serves, when the node has one.
     pub(crate) log: Option<Arc<dyn chanwatch_stream::Log>>,
     pub(crate) ready: watch::Sender<bool>,
+    /// Why the worker said it is broken (`POST /fail`), once it has: before `/ready` it ends
+    /// the load (the node is told through the load's result, not `ctx.fail`).
+    pub(crate) failed: watch::Sender<Option<String>>,
     pub(crate) paused: AtomicBool,
 }
 
@@ -74,6 +77,7 @@ impl AgentChild {
             ctx,
             log: None,
             ready: watch::Sender::new(false),
+            failed: watch::Sender::new(None),
             paused: AtomicBool::new(false),
         }
     }
@@ -422,7 +426,12 @@ fn child(table: &Table, headers: &HeaderMap) -> Result<Arc<AgentChild>, Refused>
     let Some(token) = headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        // The scheme's case does not matter (RFC 9110 §11.1): `bearer x` is `Bearer x`.
+        .and_then(|v| {
+            v.get(..7)
+                .filter(|scheme| scheme.eq_ignore_ascii_case("Bearer "))
+                .map(|_| &v[7..])
+        })
     else {
         return Err(Refused(
             StatusCode::UNAUTHORIZED,
@@ -510,6 +519,16 @@ async fn commit(c: &AgentChild, body: &[u8]) -> Answer {
         Ok(b) => b,
         Err(Refused(status, why)) => return error(status, why),
     };
+    // Fenced before paused: a node that fences itself has mostly paused first, and its
+    // worker must hear 409 (exit) at once, not 503 (commit again later).
+    if c.ctx
+        .committer
+        .as_ref()
+        .is_some_and(crate::checkpoint::Committer::session_closed)
+    {
+        let fenced = CommitError::Fenced("this node's session ended".into());
+        return error(StatusCode::CONFLICT, fenced.to_string());
+    }
     if c.paused.load(Ordering::SeqCst) {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -537,7 +556,10 @@ fn fail(c: &AgentChild, body: &[u8]) -> Answer {
         .get("reason")
         .and_then(Value::as_str)
         .unwrap_or("the worker reported itself broken (no reason given)");
-    c.ctx.fail(format!("worker: {reason}"));
+    let reason = format!("worker: {reason}");
+    // Before `/ready` the node waits on the load, which this ends; after, on `ctx.fail`.
+    c.failed.send_replace(Some(reason.clone()));
+    c.ctx.fail(reason);
     ok()
 }
 
@@ -557,54 +579,8 @@ fn state(c: &AgentChild) -> Answer {
     )
 }
 
-/// `GET /read?after=P&max=N&wait_ms=W`, its query string `query`.
-async fn read(c: &AgentChild, query: &str) -> Answer {
-    use std::fmt::Write;
-    let Some(log) = &c.log else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "this node has no --log: read the log yourself",
-        );
-    };
-    let q: HashMap<String, String> = form_urlencoded::parse(query.as_bytes())
-        .into_owned()
-        .collect();
-    let after = match q.get("after").map(String::as_str).unwrap_or("") {
-        "" => chanwatch_stream::Position::START,
-        p => match p.parse() {
-            Ok(p) => p,
-            Err(e) => return error(StatusCode::BAD_REQUEST, format!("after: {e}")),
-        },
-    };
-    let num = |k: &str, default: u64, max: u64| {
-        q.get(k)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(default)
-            .min(max)
-    };
-    let max = usize::try_from(num("max", 256, 4096)).unwrap_or(256).max(1);
-    let wait = std::time::Duration::from_millis(num("wait_ms", 1000, 10_000));
-    match log
-        .read(c.ctx.info.channel.as_str(), after, max, wait)
-        .await
-    {
-        Ok(batch) => {
-            let messages: Vec<Value> = batch
-                .iter()
-                .map(|m| {
-                    let mut hex = String::with_capacity(m.payload.len() * 2);
-                    for b in m.payload.iter() {
-                        let _ = write!(hex, "{b:02x}");
-                    }
-                    json!({ "position": m.position.to_string(), "payload": hex })
-                })
-                .collect();
-            json_answer(StatusCode::OK, &json!({ "messages": messages }))
-        }
-        Err(e) if e.is_retryable() => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    }
-}
+mod read;
+use read::read;
 
 #[cfg(test)]
 mod tests;

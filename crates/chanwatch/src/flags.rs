@@ -381,15 +381,17 @@ pub struct HandlerArgs {
     /// Run a worker process per channel instead of a built-in handler: `/bin/sh -c CMD` (shell
     /// text: quote it as one argument; prefix `exec` so the worker is the direct child). It gets
     /// CHANWATCH_CHANNEL, CHANWATCH_EPOCH, CHANWATCH_NODE, CHANWATCH_VCHANNEL (JSON),
-    /// CHANWATCH_RESUME_POSITION, CHANWATCH_RESUME_STATE (JSON), CHANWATCH_AGENT_URL and
-    /// CHANWATCH_AGENT_TOKEN, and calls the agent API with the token as bearer:
-    /// POST /ready, /progress {percent}, /commit {position, state?} (409: fenced, exit; 503:
-    /// paused or store away, retry), /fail {reason}; GET /state (running|paused); with --log,
+    /// CHANWATCH_RESUME_POSITION, CHANWATCH_RESUME_STATE (JSON), CHANWATCH_AGENT_URL,
+    /// CHANWATCH_AGENT_TOKEN and CHANWATCH_AGENT_SOCKET (the same API on a Unix socket), and
+    /// calls the agent API with the token as bearer: POST /ready, /progress {percent},
+    /// /commit {position, state?} (409: fenced, exit; 503: paused or store away, retry),
+    /// /fail {reason}; GET /state (running|paused); with --log,
     /// GET /read?after=POS&max=N&wait_ms=MS (the channel's next messages). Its exit fails
     /// the channel; release sends SIGTERM to its process group, SIGKILL after --stop-grace.
     #[arg(long, env = "CHANWATCH_EXEC", value_name = "CMD")]
     pub exec: Option<String>,
-    /// How long a released --exec worker gets between SIGTERM and SIGKILL.
+    /// How long a released --exec worker gets between SIGTERM and SIGKILL (keep it well under
+    /// the coordinator's --release-timeout: a release not acked in time fences the node).
     #[arg(long, env = "CHANWATCH_STOP_GRACE", value_parser = humantime_secs, default_value = "10s")]
     pub stop_grace: Duration,
     /// Where the agent API of --exec workers listens (port 0: a free port).

@@ -46,14 +46,42 @@ async fn call_raw(
     token: Option<&str>,
     body: &str,
 ) -> (u16, String, Value) {
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    request(agent, method, path, &auth, body).await
+}
+
+/// One request with `Authorization: {value}` and no body.
+async fn call_raw_auth(
+    agent: &Agent,
+    method: &str,
+    path: &str,
+    value: &str,
+) -> (u16, String, Value) {
+    request(
+        agent,
+        method,
+        path,
+        &format!("Authorization: {value}\r\n"),
+        "",
+    )
+    .await
+}
+
+/// One request on a connection of its own, `auth` its authorization header line (or empty).
+async fn request(
+    agent: &Agent,
+    method: &str,
+    path: &str,
+    auth: &str,
+    body: &str,
+) -> (u16, String, Value) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let addr = agent.url().trim_start_matches("http://").to_owned();
     let mut s = tokio::net::TcpStream::connect(&addr)
         .await
         .expect("connect");
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
@@ -119,6 +147,11 @@ async fn a_request_without_a_token_or_with_an_unknown_one_is_refused_and_changes
     );
     assert!(*child.ready.borrow());
     assert_eq!(agent.accepted(), 1, "the accepted request is counted");
+    // The scheme in any case.
+    let (status, _, _) = call_raw_auth(&agent, "GET", "/state", "bearer tok-a").await;
+    assert_eq!(status, 200, "a lower-case scheme");
+    let (status, _, _) = call_raw_auth(&agent, "GET", "/state", "Basic tok-a").await;
+    assert_eq!(status, 401, "another scheme");
 }
 
 /// A path the agent does not have is 404, one of its paths with another method 405 naming
@@ -418,6 +451,62 @@ async fn a_commit_whose_worker_hung_up_still_lands_and_is_booked_for_the_next_on
     );
     req.reply.send(Ok(landed + 1)).expect("answered");
     assert_eq!(second.await.expect("joined").0, 200);
+}
+
+/// A node that fences itself has mostly paused first (it lost the store): its workers' commits
+/// are answered 409 (exit) at once, not 503 (commit again later) because of the pause. And a
+/// paused node whose session still holds answers 503, as before.
+#[tokio::test]
+async fn a_fenced_nodes_commit_is_409_even_while_it_is_paused() {
+    let agent = agent().await;
+    let (ctx, commits, _store) = committing_context("a");
+    let child = Arc::new(AgentChild::new(ctx));
+    let _reg = agent.register("tok-a".into(), child.clone());
+    child.paused.store(true, Ordering::SeqCst);
+    let commit = || {
+        call(
+            &agent,
+            "POST",
+            "/commit",
+            Some("tok-a"),
+            "{\"position\":\"1\"}",
+        )
+    };
+    assert_eq!(commit().await.0, 503, "paused, the session holds");
+    // The session's writer is gone: the session fenced itself.
+    drop(commits);
+    let (status, body) = commit().await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"].as_str().is_some_and(|e| e.contains("fenced")),
+        "{body}"
+    );
+}
+
+/// `POST /fail` before `/ready` is heard by the exec handler's load (`failed`), which ends at
+/// once; after `/ready` it reaches the node through `ctx.fail` as well.
+#[tokio::test]
+async fn fail_tells_the_load_and_the_node() {
+    let agent = agent().await;
+    let (child, _reg, mut events) = registered(&agent, "a", "tok-a");
+    assert_eq!(
+        call(
+            &agent,
+            "POST",
+            "/fail",
+            Some("tok-a"),
+            "{\"reason\":\"no disk\"}"
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(
+        child.failed.borrow().as_deref(),
+        Some("worker: no disk"),
+        "the load did not hear it"
+    );
+    assert!(events.try_recv().is_ok(), "the node did not hear it");
 }
 
 /// A worker that writes a request's headers and its body apart (Python's `http.client` does)

@@ -361,15 +361,21 @@ impl ChannelHandler for ExecHandler {
         info!(%channel, epoch, pid, "exec: worker started");
         if !self.options.ready_on_start {
             let mut ready = child.ready.subscribe();
+            let mut failed = child.failed.subscribe();
             let mut ended = exited.clone();
+            // The load ends with `/ready`, the worker's exit, or its `/fail` (the node then
+            // acks `WatchFailed` and the release kills the worker: its load never completed).
             let early = tokio::select! {
                 _ = ready.wait_for(|r| *r) => None,
+                why = async { failed.wait_for(Option::is_some).await.map(|w| w.clone()).ok().flatten() } => {
+                    Some(format!("{} (POST /fail before POST /ready)", why.unwrap_or_default()))
+                }
                 how = async { ended.wait_for(Option::is_some).await.map(|h| h.clone()).ok().flatten() } => {
-                    Some(how.unwrap_or_default())
+                    Some(format!("the worker exited before POST /ready ({})", how.unwrap_or_default()))
                 }
             };
-            if let Some(how) = early {
-                return Err(format!("the worker exited before POST /ready ({how})"));
+            if let Some(why) = early {
+                return Err(why);
             }
         }
         loaded.store(true, Ordering::SeqCst);
