@@ -92,6 +92,8 @@ class AgentLog:
                    if status == 404 else f"GET /read after {self.after!r}: {answer.get('error')}")
             call("POST", "/fail", {"reason": why})
             sys.exit(why)
+        if status in (401, 403):  # this run is over (its token revoked): the node stops us
+            sys.exit(f"GET /read: {status}: {answer.get('error')}")
         if status in (None, 503):  # the node or its log is out of reach for now
             time.sleep(0.2)
             return []

@@ -90,9 +90,10 @@ pub struct Local {
     pub mod_revision: i64,
     /// The runner's phase.
     pub phase: Phase,
-    /// Set when the handler reported the running channel broken: its runner is stopping,
-    /// and once it has stopped the node acknowledges `WatchFailed` with this reason (stop
-    /// first, so the channel never runs here beside its next owner).
+    /// Set when the handler reported the channel broken: its runner is stopping, and once
+    /// it has stopped the node acknowledges `WatchFailed` with this reason (stop first, so
+    /// the channel never runs here beside its next owner). Reported during the load, it waits
+    /// for the load's end: then the run is stopped instead of acknowledged `Watched`.
     pub broken: Option<String>,
 }
 
@@ -243,8 +244,16 @@ impl NodeMachine {
                 if l.phase != Phase::Loading || l.info.epoch != epoch {
                     return vec![];
                 }
+                // Reported broken while it loaded (a worker's `/fail`, or its exit, just before
+                // or after its `/ready`): a load that then succeeds is stopped, not
+                // acknowledged `Watched`; the ack `WatchFailed` comes once it stopped.
+                if result.is_ok() && l.broken.is_some() {
+                    l.phase = Phase::Stopping { release_ack: false };
+                    return vec![NodeCommand::Stop { channel }];
+                }
                 let mut info = l.info.clone();
                 info.progress = None;
+                l.broken = None;
                 match result {
                     Ok(()) => {
                         l.phase = Phase::Running;
@@ -322,10 +331,14 @@ impl NodeMachine {
                 let Some(l) = self.channels.get_mut(&channel) else {
                     return vec![];
                 };
-                let running = l.phase == Phase::Running
-                    && l.info.epoch == epoch
+                let ours = l.info.epoch == epoch
                     && matches!(l.info.state, ChannelState::ToWatch | ChannelState::Watched);
-                if !running {
+                if ours && l.phase == Phase::Loading {
+                    // Acted on when the load returns (`LoadDone`): the first reason stands.
+                    l.broken.get_or_insert(reason);
+                    return vec![];
+                }
+                if !ours || l.phase != Phase::Running {
                     return vec![]; // stale: that run is gone already
                 }
                 l.phase = Phase::Stopping { release_ack: false };

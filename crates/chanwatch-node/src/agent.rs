@@ -7,10 +7,10 @@
 //! |---|---|
 //! | `POST /ready` | 200: the load is done (the node acks `Watched`) |
 //! | `POST /progress {"percent": N}` | 200: load progress, feeds the coordinator's watch timeout |
-//! | `POST /commit {"position": "P", "state": {...}?}` | 200 once the fenced commit landed; 409 fenced (the run no longer owns the channel: exit); 503 not landed (node paused or store unavailable: commit again later); 413 state over 64 KiB |
-//! | `POST /fail {"reason": "..."}` | 200: the channel is broken; the node stops the worker and acks `WatchFailed` |
+//! | `POST /commit {"position": "P", "state": {...}?}` | 200 once the fenced commit landed; 409 fenced (the run no longer owns the channel: exit; said before "paused" when the node both fenced itself and paused); 503 not known to have landed (node paused or store unavailable: commit again later); 413 state over 64 KiB; 400 a body that is not such an object |
+//! | `POST /fail {"reason": "..."}` | 200: the channel is broken; the node stops the worker and acks `WatchFailed` (before `/ready` it ends the load at once) |
 //! | `GET /state` | 200 `{"state": "running" \| "paused", "channel", "epoch"}` |
-//! | `GET /read?after=P&max=N&wait_ms=W` | when the node has a log (`--log`): 200 `{"messages": [{"position", "payload"}]}`, the channel's next messages after `P` (empty: from the start; the payloads in hex), waiting up to `W` ms (default 1000, at most 10000) for one; 404 without a log; 503 log unavailable |
+//! | `GET /read?after=P&max=N&wait_ms=W` | when the node has a log (`--log`): 200 `{"messages": [{"position", "payload"}]}`, the channel's next messages after `P` (empty: from the start; the payloads in hex), waiting up to `W` ms (default 1000, at most 10000) for one; 404 without a log; 400 an `after` that is not a position; 503 log unavailable; 500 any other error of the log's |
 //!
 //! Every request carries `Authorization: Bearer $CHANWATCH_AGENT_TOKEN`: 401 without one, 403
 //! with a token no running child holds (a stopped child's, or a made-up one). The token names

@@ -433,7 +433,7 @@ impl Session {
                 if !current(self, channel) {
                     return vec![]; // an earlier run of the channel: long stopped
                 }
-                warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: the handler reports the running channel broken; stopping it, then acknowledging WatchFailed");
+                warn!(node = %self.reg.id, %channel, %epoch, %reason, "node: the handler reports the channel broken; stopping it (once its load returned, if it is loading), then acknowledging WatchFailed");
             }
             _ => {}
         }

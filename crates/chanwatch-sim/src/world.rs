@@ -74,6 +74,9 @@ struct NodeProc {
     faults: Faults,
     /// While set, every load on this node fails (a node with a broken disk or dependency).
     sick: Arc<AtomicBool>,
+    /// While set, every load on this node reports its channel broken (`ctx.fail`) and then
+    /// succeeds (an `--exec` worker's `/fail` or exit just around its `/ready`).
+    breaking: Arc<AtomicBool>,
 }
 
 impl NodeProc {
@@ -348,6 +351,7 @@ impl World {
         // a seed stays what it was before placement v2).
         config.capacity = 1 + (mix(self.seed, slot as u64) % 3) as u32;
         let sick = Arc::new(AtomicBool::new(false));
+        let breaking = Arc::new(AtomicBool::new(false));
         let inner: Arc<dyn ChannelHandler> = match &self.data {
             None => Arc::new(self.handler.clone()),
             Some(d) => Arc::new(Consuming {
@@ -358,6 +362,7 @@ impl World {
         let handler: Arc<dyn ChannelHandler> = Arc::new(Sickly {
             inner,
             sick: sick.clone(),
+            breaking: breaking.clone(),
         });
         let proc = self
             .harness
@@ -368,6 +373,7 @@ impl World {
             proc,
             faults,
             sick,
+            breaking,
         });
     }
 
@@ -830,19 +836,27 @@ impl World {
             116..=119 => {
                 // A sick node: every load fails there for a while. Its channels move off
                 // and must not be fed back to it by balance (found from outside: 601
-                // transitions in 7 s, epochs in the hundreds).
+                // transitions in 7 s, epochs in the hundreds). Or (118, 119) every load
+                // there reports its channel broken while it loads, then succeeds: each such
+                // run must stop before it is acknowledged `WatchFailed` (found from outside:
+                // a worker's `/fail` before `/ready` was dropped as stale).
                 let Some(i) = self.pick(self.nodes.len()) else {
                     return;
                 };
                 let d = self.ms(5_000, 20_000);
                 let node = &self.nodes[i];
-                let (slot, sick) = (node.slot, node.sick.clone());
-                sick.store(true, Ordering::SeqCst);
-                self.fault("sick-node", &format!("proc{slot} for {d:?}"));
+                let (kind, what, flag) = if roll >= 118 {
+                    ("breaking-node", "breaking", node.breaking.clone())
+                } else {
+                    ("sick-node", "sickness", node.sick.clone())
+                };
+                let slot = node.slot;
+                flag.store(true, Ordering::SeqCst);
+                self.fault(kind, &format!("proc{slot} for {d:?}"));
                 self.schedule(
                     d,
-                    format!("sickness of proc{slot}"),
-                    Box::new(move || sick.store(false, Ordering::SeqCst)),
+                    format!("{what} of proc{slot}"),
+                    Box::new(move || flag.store(false, Ordering::SeqCst)),
                 );
             }
             120..=121 => {
@@ -1143,10 +1157,11 @@ where
 }
 
 /// The recording handler (with the data plane: it, then the consumer), except that every
-/// load fails while `sick` is set.
+/// load fails while `sick` is set, and reports its channel broken while `breaking` is.
 struct Sickly {
     inner: Arc<dyn ChannelHandler>,
     sick: Arc<AtomicBool>,
+    breaking: Arc<AtomicBool>,
 }
 
 #[async_trait::async_trait]
@@ -1154,6 +1169,9 @@ impl ChannelHandler for Sickly {
     async fn load(&self, ctx: chanwatch_node::ChannelContext) -> Result<(), String> {
         if self.sick.load(Ordering::SeqCst) {
             return Err("the node is sick (simulated)".into());
+        }
+        if self.breaking.load(Ordering::SeqCst) {
+            ctx.fail("the channel broke while it loaded (simulated)");
         }
         self.inner.load(ctx).await
     }

@@ -77,6 +77,7 @@ fn seeds_pass_and_inject_every_kind_of_fault() {
         "node-partition",
         "watch-stall",
         "sick-node",
+        "breaking-node",
         "store-outage",
         "nospace",
         "auth-expired",

@@ -482,6 +482,44 @@ async fn a_worker_that_exits_1_fails_its_channel_and_it_runs_on_the_other_node()
     );
 }
 
+/// A worker that reports itself broken before it said it is ready fails its channel at once
+/// with its own reason, and is killed — judged from `ctl channels` and `/proc`. It used to be
+/// answered 200 and ignored: it ran on until the watch timeout (30 s) killed it as a
+/// `timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_fails_before_its_ready_fails_its_channel_at_once() {
+    let w = World::start().await;
+    let marker = w.dir.path().display().to_string();
+    let broken = format!(
+        "curl -s -X POST -H \"Authorization: Bearer $CHANWATCH_AGENT_TOKEN\" -d '{{\"reason\": \"no disk here\"}}' \"$CHANWATCH_AGENT_URL/fail\"; exec sleep 3600 # {marker}"
+    );
+    let node = w.node("node", &broken, &[]);
+    let added = Instant::now();
+    w.add_channel("b-0", &[]);
+    // Alone, the node keeps the channel `WatchFailed` until the back-off ends (no other node
+    // to move it to): its row says so, with the worker's reason.
+    let row = wait_for(
+        15,
+        || format!("b-0 not WatchFailed: {:?}; {}", w.row("b-0"), node.output()),
+        || w.row("b-0").filter(|r| r["state"] == "WatchFailed"),
+    );
+    assert!(
+        added.elapsed() < Duration::from_secs(20),
+        "failed only after the watch timeout: {row}"
+    );
+    assert!(
+        row["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("no disk here")),
+        "the worker's reason is the channel's: {row}"
+    );
+    wait_for(
+        10,
+        || format!("the broken worker still runs: {}", node.output()),
+        || procs_with(&marker).is_empty().then_some(()),
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_ignores_sigterm_is_killed_after_the_grace() {
     let w = World::start().await;

@@ -94,6 +94,78 @@ fn a_running_channel_reported_broken_stops_first_then_acks_watch_failed() {
     assert_eq!(m.step(broke(1, "again")), vec![], "not running any more");
 }
 
+/// A run reported broken while it still loads (an `--exec` worker's `/fail` or exit that
+/// came just around its `/ready`) is not acknowledged `Watched` when its load succeeds: it is
+/// stopped, then `WatchFailed` with the first reason. A load that fails says its own reason.
+#[test]
+fn a_channel_reported_broken_while_loading_is_stopped_when_the_load_returns() {
+    let mut m = NodeMachine::new();
+    let a = info("a", ChannelState::ToWatch, 1);
+    m.step(NodeEvent::Put {
+        info: a.clone(),
+        mod_revision: 10,
+    });
+    let broke = |epoch: u64, why: &str| NodeEvent::Broke {
+        channel: name("a"),
+        epoch: Epoch(epoch),
+        reason: why.to_owned(),
+    };
+    assert_eq!(
+        m.step(broke(1, "worker: no disk")),
+        vec![],
+        "waits for the load"
+    );
+    assert_eq!(m.step(broke(1, "the worker exited")), vec![]);
+    assert_eq!(m.channels()[&name("a")].phase, Phase::Loading);
+    assert_eq!(
+        m.step(NodeEvent::LoadDone {
+            channel: name("a"),
+            epoch: Epoch(1),
+            result: Ok(()),
+        }),
+        vec![NodeCommand::Stop { channel: name("a") }],
+        "stopped, not acknowledged Watched"
+    );
+    let mut failed = a.clone();
+    failed.state = ChannelState::WatchFailed;
+    failed.reason = Some("worker: no disk".into());
+    assert_eq!(
+        m.step(NodeEvent::Stopped { channel: name("a") }),
+        vec![NodeCommand::Ack {
+            info: failed,
+            expect_mod_revision: 10
+        }]
+    );
+    assert_eq!(m.channels()[&name("a")].phase, Phase::Failed);
+
+    // The same, the load failing: its own reason, at once.
+    let b = info("b", ChannelState::ToWatch, 1);
+    m.step(NodeEvent::Put {
+        info: b.clone(),
+        mod_revision: 20,
+    });
+    m.step(NodeEvent::Broke {
+        channel: name("b"),
+        epoch: Epoch(1),
+        reason: "worker: no disk".into(),
+    });
+    let mut failed = b;
+    failed.state = ChannelState::WatchFailed;
+    failed.reason = Some("worker: no disk (POST /fail before POST /ready)".into());
+    assert_eq!(
+        m.step(NodeEvent::LoadDone {
+            channel: name("b"),
+            epoch: Epoch(1),
+            result: Err("worker: no disk (POST /fail before POST /ready)".into()),
+        }),
+        vec![NodeCommand::Ack {
+            info: failed,
+            expect_mod_revision: 20
+        }]
+    );
+    assert_eq!(m.channels()[&name("b")].broken, None);
+}
+
 #[test]
 fn a_broken_channel_moved_away_while_stopping_acks_released_not_failed() {
     let mut m = NodeMachine::new();

@@ -365,14 +365,18 @@ impl ChannelHandler for ExecHandler {
             let mut ended = exited.clone();
             // The load ends with `/ready`, the worker's exit, or its `/fail` (the node then
             // acks `WatchFailed` and the release kills the worker: its load never completed).
+            // In that order of precedence when several came at once: the worker's own reason
+            // first, then its exit; a `/fail` or an exit that comes just after `/ready` reaches
+            // the node through `ctx.fail`, which fails the channel once this load returned.
             let early = tokio::select! {
-                _ = ready.wait_for(|r| *r) => None,
+                biased;
                 why = async { failed.wait_for(Option::is_some).await.map(|w| w.clone()).ok().flatten() } => {
                     Some(format!("{} (POST /fail before POST /ready)", why.unwrap_or_default()))
                 }
                 how = async { ended.wait_for(Option::is_some).await.map(|h| h.clone()).ok().flatten() } => {
                     Some(format!("the worker exited before POST /ready ({})", how.unwrap_or_default()))
                 }
+                _ = ready.wait_for(|r| *r) => None,
             };
             if let Some(why) = early {
                 return Err(why);
