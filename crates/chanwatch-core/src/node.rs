@@ -279,9 +279,12 @@ impl NodeMachine {
                 let Some(l) = self.channels.get(&channel) else {
                     return vec![];
                 };
+                // A load reported broken is not given more time by its progress: it fails
+                // once it returns.
                 if l.phase != Phase::Loading
                     || l.info.epoch != epoch
                     || l.info.state != ChannelState::ToWatch
+                    || l.broken.is_some()
                 {
                     return vec![];
                 }

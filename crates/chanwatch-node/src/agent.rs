@@ -55,7 +55,8 @@ pub(crate) struct AgentChild {
     pub(crate) log: Option<Arc<dyn chanwatch_stream::Log>>,
     pub(crate) ready: watch::Sender<bool>,
     /// Why the worker said it is broken (`POST /fail`), once it has: before `/ready` it ends
-    /// the load (the node is told through the load's result, not `ctx.fail`).
+    /// the load, whose error then names it (`ctx.fail`, sent too, waits for the load's end
+    /// in the node machine).
     pub(crate) failed: watch::Sender<Option<String>>,
     pub(crate) paused: AtomicBool,
 }

@@ -128,7 +128,11 @@ impl ChannelContext {
 
     /// Reports the running channel broken: the node stops it (`release`), then writes
     /// `WatchFailed` with `reason`, and the coordinator moves it elsewhere (cause `failed`).
-    /// Ignored once this run has ended. A load that fails returns its error instead.
+    /// Called while the load runs, it waits for the load: a load that then succeeds is
+    /// stopped all the same, not acknowledged `Watched` (a load that fails says its own
+    /// error), and its progress no longer counts — also when a pause made the node load the
+    /// channel again (the same run). A `ToRelease` meanwhile is acknowledged `Released`, as
+    /// for a running channel. Ignored once this run has ended.
     pub fn fail(&self, reason: impl Into<String>) {
         let _ = self.events.send(RunnerEvent {
             generation: self.generation,

@@ -118,6 +118,18 @@ fn a_channel_reported_broken_while_loading_is_stopped_when_the_load_returns() {
     assert_eq!(m.step(broke(1, "the worker exited")), vec![]);
     assert_eq!(m.channels()[&name("a")].phase, Phase::Loading);
     assert_eq!(
+        m.step(NodeEvent::Progress {
+            channel: name("a"),
+            epoch: Epoch(1),
+            progress: crate::types::Progress {
+                percent: 50,
+                updated_at_ms: 1000,
+            },
+        }),
+        vec![],
+        "a load reported broken gets no more time from its progress"
+    );
+    assert_eq!(
         m.step(NodeEvent::LoadDone {
             channel: name("a"),
             epoch: Epoch(1),
