@@ -195,6 +195,29 @@ impl Tour {
         Ok(())
     }
 
+    /// Waits until the leader's own view holds `n` live nodes: the store shows a session
+    /// before the leader's watch has delivered it, and channels registered in between would
+    /// all go to the nodes it knew (seen in CI: 6, 6 and 0 after step 2).
+    async fn leader_sees(&self, n: usize) -> Result<()> {
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            if self
+                .cluster
+                .handle
+                .nodes()
+                .await
+                .map_or(0, |rows| rows.len())
+                == n
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the leader did not see {n} nodes within {SETTLE:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn add_node(&mut self) -> Result<NodeId> {
         let n = self.cluster.spawn_node();
         let id = self.cluster.node_id(&n).await?;
@@ -346,6 +369,7 @@ pub async fn run() -> Result<()> {
         tour.add_node().await?;
     }
     let s = tour.settle("3 nodes", |s| s.nodes.len() == 3).await?;
+    tour.leader_sees(3).await?;
     tour.check("3 nodes join", &s, false)?;
 
     for i in 0..CHANNELS {
