@@ -149,7 +149,13 @@ pub(crate) fn rss_bytes() -> u64 {
 
 /// User + system CPU time of this process (Linux, clock ticks of 10 ms), in seconds.
 pub(crate) fn cpu_secs() -> f64 {
-    std::fs::read_to_string("/proc/self/stat")
+    stat_cpu_secs("self")
+}
+
+/// utime + stime of `/proc/{pid}/stat` (`self` for this process), seconds at the usual 100
+/// ticks per second; 0 when it cannot be read (the process is gone).
+fn stat_cpu_secs(pid: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|s| {
             // Fields after the command name, which is in parentheses and may hold spaces.
@@ -174,15 +180,7 @@ pub(crate) fn cpu_of(pid: u32) -> f64 {
     {
         return ns / 1e9;
     }
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let f: Vec<f64> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest)
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|v| v.parse().unwrap_or(0.0))
-        .collect();
-    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
+    stat_cpu_secs(&pid.to_string())
 }
 
 /// The `q` quantile (0..=1) of sorted samples, nearest rank; 0 for none.
