@@ -1,5 +1,5 @@
 #!/bin/sh
-# Least-privilege etcd users for chanwatch (README, "etcd users and roles"), on the TLS
+# Least-privilege etcd users for chanwatch (docs/OPERATING.md, "etcd users and roles"), on the TLS
 # cluster of etcd-{1,2,3}.yml. Run once, as an etcd admin, before `auth enable`.
 # ROOT is chanwatch's --root. Each `user add` asks for a password.
 set -eu

@@ -191,7 +191,7 @@ async fn no_such_endpoint(method: axum::http::Method, uri: axum::http::Uri) -> H
     HttpError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "no such endpoint: {method} {}; the README's \"Admin HTTP API\" lists them",
+            "no such endpoint: {method} {}; docs/OPERATING.md, \"Admin HTTP API\", lists them",
             uri.path()
         ),
         leader: None,
@@ -203,7 +203,7 @@ async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> Htt
     HttpError {
         status: StatusCode::METHOD_NOT_ALLOWED,
         message: format!(
-            "{} does not take {method}; the README's \"Admin HTTP API\" says which it takes",
+            "{} does not take {method}; docs/OPERATING.md, \"Admin HTTP API\", says which it takes",
             uri.path()
         ),
         leader: None,

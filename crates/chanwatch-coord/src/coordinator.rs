@@ -255,6 +255,18 @@ impl CoordinatorBuilder {
             .metrics
             .register(&registry)
             .map_err(CoordError::Metrics)?;
+        #[cfg(feature = "planted-bugs")]
+        if let Some(bug) = self.config.planner.planted_bug {
+            tracing::warn!(
+                bug = bug.name(),
+                "coord: a planted bug is on: a safety rule is switched off to prove a check catches it; never run this outside a test"
+            );
+            self.config
+                .metrics
+                .planted_bug
+                .with_label_values(&[bug.name()])
+                .set(1);
+        }
         let reads = crate::handle::Reads {
             store: self.store.clone(),
             keys: self.config.keys.clone(),

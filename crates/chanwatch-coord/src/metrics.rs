@@ -128,6 +128,10 @@ pub struct CoordMetrics {
     pub fences: IntCounter,
     /// Compactions of the store this process ran as leader (DESIGN §8).
     pub compactions: IntCounter,
+    /// `chanwatch_coord_planted_bug{bug} 1` while a planted bug is on (feature
+    /// `planted-bugs` only: a build that can switch a safety rule off says when it does).
+    #[cfg(feature = "planted-bugs")]
+    pub planted_bug: IntGaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -230,6 +234,14 @@ impl CoordMetrics {
                 "chanwatch_compactions_total",
                 "Compactions of etcd run by this coordinator as leader (every --compact-interval).",
             )),
+            #[cfg(feature = "planted-bugs")]
+            planted_bug: must(IntGaugeVec::new(
+                Opts::new(
+                    "chanwatch_coord_planted_bug",
+                    "1 per planted bug switched on in this coordinator: a safety rule is off (a test build).",
+                ),
+                &["bug"],
+            )),
         }
     }
 
@@ -239,6 +251,8 @@ impl CoordMetrics {
     /// A metric of the same name is already registered there.
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.cluster.clone()))?;
+        #[cfg(feature = "planted-bugs")]
+        registry.register(Box::new(self.planted_bug.clone()))?;
         registry.register(Box::new(self.reassignments.clone()))?;
         registry.register(Box::new(self.failover_seconds.clone()))?;
         registry.register(Box::new(self.watch_restarts.clone()))?;

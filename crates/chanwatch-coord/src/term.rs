@@ -13,7 +13,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, PlannerBug, Transition};
+#[cfg(feature = "planted-bugs")]
+use chanwatch_core::planner::PlannerBug;
+use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, Transition};
 use chanwatch_core::{ChannelName, NodeId};
 use chanwatch_store::{Clock, EventKind, KeyRange, LeaseId, ListWatch, MetaStore, Renewal, Update};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -139,15 +141,15 @@ impl<'a> Term<'a> {
             KeyRange::between(keys.all_prefix(), keys.worker_prefix()),
         );
         let blind = lw.blind_since();
-        let mut stall = StallCheck::new(
-            self.renewals.clone(),
-            lw.reached(),
-            if self.config.planner.planted_bug == Some(PlannerBug::NoWatchStallCheck) {
-                Duration::from_secs(365 * 24 * 3600) // test switch: never
-            } else {
-                stall_limit(self.config.session_ttl)
-            },
-        );
+        #[cfg(feature = "planted-bugs")]
+        let limit = if self.config.planner.planted(PlannerBug::NoWatchStallCheck) {
+            Duration::from_secs(365 * 24 * 3600) // never
+        } else {
+            stall_limit(self.config.session_ttl)
+        };
+        #[cfg(not(feature = "planted-bugs"))]
+        let limit = stall_limit(self.config.session_ttl);
+        let mut stall = StallCheck::new(self.renewals.clone(), lw.reached(), limit);
         // Compaction and the db size gauge, on a task of their own that ends with the term.
         let _upkeep = crate::upkeep::spawn(
             crate::upkeep::Upkeep::new(
@@ -565,7 +567,8 @@ impl<'a> Term<'a> {
     /// When the next plan may run: not before `not_before`, nor while it waits for more
     /// session losses of the same burst.
     fn plan_at(&self, not_before: tokio::time::Instant) -> tokio::time::Instant {
-        if self.config.planner.planted_bug == Some(PlannerBug::NoLossHold) {
+        #[cfg(feature = "planted-bugs")]
+        if self.config.planner.planted(PlannerBug::NoLossHold) {
             return not_before;
         }
         self.losses.plan_at(not_before)

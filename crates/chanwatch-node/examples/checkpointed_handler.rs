@@ -1,6 +1,6 @@
 //! A complete handler that keeps its place: it resumes each channel from its checkpoint,
 //! commits `(position, state)` as it goes, stops when fenced, holds still while paused, and
-//! reports a broken channel — the whole handler contract (docs/DESIGN.md §7). README section
+//! reports a broken channel — the whole handler contract (docs/DESIGN.md §7). docs/EMBEDDING.md
 //! "Write your own handler" walks through it.
 //!
 //! The "stream" is a counter: message `n` of a channel has the value `n`, and the handler's

@@ -13,7 +13,6 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use crate::checkpoint::{CommitError, CommitRequest};
-use crate::config::PlantedBug;
 use crate::session::Session;
 
 pub(crate) mod hold;
@@ -182,7 +181,7 @@ impl Session {
         if now.is_empty() && commits.is_empty() {
             return;
         }
-        let unguarded = self.planted_bug == Some(PlantedBug::UnguardedAck);
+        let unguarded = planted!(self.planted, UnguardedAck);
         let session = (!unguarded).then(|| self.session_guard());
         // In channel order: runners woken together (a resume) queue their acks in whatever
         // order the scheduler woke them (tokio's watch wakes its waiters through randomly

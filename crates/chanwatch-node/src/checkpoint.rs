@@ -71,9 +71,8 @@ pub(crate) struct CommitShared {
     pub(crate) node: chanwatch_core::NodeId,
     pub(crate) clock: Clock,
     pub(crate) metrics: Arc<crate::metrics::NodeMetrics>,
-    /// Test-only: [`PlantedBug::UnguardedCommit`](crate::PlantedBug::UnguardedCommit) drops
-    /// guard (i).
-    pub(crate) planted_bug: Option<crate::PlantedBug>,
+    /// A planted `UnguardedCommit` (feature `planted-bugs`) drops guard (i).
+    pub(crate) planted: crate::config::Planted,
 }
 
 /// A run's way to read its resume point and commit; lives in its
@@ -240,7 +239,7 @@ impl Committer {
                 None => Compare::absent(&key),
             },
         ];
-        if self.shared.planted_bug == Some(crate::PlantedBug::UnguardedCommit) {
+        if planted!(self.shared.planted, UnguardedCommit) {
             compares.remove(0);
         }
         let (reply, answer) = oneshot::channel();

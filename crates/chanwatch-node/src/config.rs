@@ -33,14 +33,35 @@ pub struct NodeConfig {
     pub shutdown_timeout: Duration,
     /// Where the node's metrics go (shared by the nodes of one process).
     pub metrics: Arc<crate::metrics::NodeMetrics>,
-    /// Test-only: a safety mechanism switched off, so the simulation can prove that its
-    /// invariant checker notices. Never set outside tests; no flag reaches it.
-    #[doc(hidden)]
+    /// A safety mechanism switched off, so that a check (the simulation's checker, a
+    /// black-box test through `node --plant`) can prove it notices. Only in builds with the
+    /// `planted-bugs` feature (the tests and the lab), never in the binary users get.
+    #[cfg(feature = "planted-bugs")]
     pub planted_bug: Option<PlantedBug>,
 }
 
-/// Safety mechanisms a test can switch off (see [`NodeConfig::planted_bug`]).
-#[doc(hidden)]
+/// The planted bug the runtime consults, if any ([`planted!`](crate::planted)). Without the
+/// `planted-bugs` feature it holds nothing and every bug reads as off.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Planted(#[cfg(feature = "planted-bugs")] pub(crate) Option<PlantedBug>);
+
+impl Planted {
+    /// What `config` plants.
+    pub(crate) fn of(config: &NodeConfig) -> Self {
+        #[cfg(feature = "planted-bugs")]
+        let planted = Planted(config.planted_bug);
+        #[cfg(not(feature = "planted-bugs"))]
+        let planted = {
+            let _ = config;
+            Planted()
+        };
+        planted
+    }
+}
+
+/// Safety mechanisms a test can switch off (see [`NodeConfig::planted_bug`]; feature
+/// `planted-bugs`).
+#[cfg(feature = "planted-bugs")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlantedBug {
     /// Keep running channels while keepalives fail, until the store says the lease is gone
@@ -56,6 +77,19 @@ pub enum PlantedBug {
     UnguardedCommit,
 }
 
+#[cfg(feature = "planted-bugs")]
+impl PlantedBug {
+    /// The bug's name, as its `--plant` value and its metric label say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlantedBug::NoFencing => "no-fencing",
+            PlantedBug::UnguardedAck => "unguarded-ack",
+            PlantedBug::NoWatchProgress => "no-watch-progress",
+            PlantedBug::UnguardedCommit => "unguarded-commit",
+        }
+    }
+}
+
 impl Default for NodeConfig {
     fn default() -> Self {
         NodeConfig {
@@ -68,6 +102,7 @@ impl Default for NodeConfig {
             capacity: 0,
             shutdown_timeout: Duration::from_secs(60),
             metrics: Arc::new(crate::metrics::NodeMetrics::new()),
+            #[cfg(feature = "planted-bugs")]
             planted_bug: None,
         }
     }

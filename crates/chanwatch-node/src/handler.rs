@@ -4,9 +4,9 @@
 //! the handler log around another handler), [`StreamConsumer`] (`consumer`: reads a channel of a
 //! `chanwatch_stream::Log` from its checkpoint and commits fenced checkpoints), [`ExecHandler`]
 //! (`exec`: one supervised child process per channel, talking to the node through the
-//! [agent API](crate::agent)) and, with the
-//! `testing` feature, `RecordingHandler`
-//! (records when each node ran each channel, so tests can check single ownership).
+//! [agent API](crate::agent)); [`OwnershipLog`] records when each node ran each channel (the
+//! single-ownership audit of `demo`) and, with the `testing` feature, the test fixture
+//! `RecordingHandler` records into one.
 //!
 //! Must not: touch the store. A handler reports progress through its [`ChannelContext`].
 
@@ -422,10 +422,12 @@ pub use consumer::{ConsumerOptions, StreamConsumer, StreamState};
 pub mod exec;
 pub use exec::{ExecError, ExecHandler, ExecOptions};
 
+pub mod ownership;
+pub use ownership::{Interval, OwnershipLog};
 #[cfg(any(test, feature = "testing"))]
 mod recording;
 #[cfg(any(test, feature = "testing"))]
-pub use recording::{Behaviour, Interval, RecordingHandler};
+pub use recording::{Behaviour, RecordingHandler};
 
 #[cfg(test)]
 mod tests;

@@ -51,6 +51,22 @@
 //! Must not: decide assignments (that is the coordinator's job) or write any key but its own
 //! session, the ID counter, and acknowledgements of its own channels.
 
+/// Whether planted bug `$bug` (a [`PlantedBug`] variant) is on in `$planted` (a
+/// `config::Planted`): always `false` without the `planted-bugs` feature, where the bug's
+/// branch is not compiled at all.
+macro_rules! planted {
+    ($planted:expr, $bug:ident) => {{
+        #[cfg(feature = "planted-bugs")]
+        let on = $planted.0 == Some(crate::PlantedBug::$bug);
+        #[cfg(not(feature = "planted-bugs"))]
+        let on = {
+            let _ = &$planted;
+            false
+        };
+        on
+    }};
+}
+
 mod acks;
 pub mod admin;
 pub mod agent;
@@ -67,13 +83,16 @@ mod session;
 mod watchdog;
 
 pub use checkpoint::CommitError;
-pub use config::{NodeConfig, NodeError, NodeStatus, PlantedBug, Stop};
+#[cfg(feature = "planted-bugs")]
+pub use config::PlantedBug;
+pub use config::{NodeConfig, NodeError, NodeStatus, Stop};
 pub use embed::{Node, NodeBuilder, NodeHandle, NodeStopper};
 pub use handler::{
-    AuditLog, ChannelContext, ChannelHandler, ExecHandler, ExecOptions, NamePatterns, SimulatedLoad,
+    AuditLog, ChannelContext, ChannelHandler, ExecHandler, ExecOptions, Interval, NamePatterns,
+    OwnershipLog, SimulatedLoad,
 };
 /// Test fixtures (feature `testing`): a handler that records who ran what, when.
 #[cfg(any(test, feature = "testing"))]
-pub use handler::{Behaviour, Interval, RecordingHandler};
+pub use handler::{Behaviour, RecordingHandler};
 pub use metrics::NodeMetrics;
 pub use runtime::{run, run_until};

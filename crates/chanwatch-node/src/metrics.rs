@@ -56,6 +56,10 @@ pub struct NodeMetrics {
     pub consumer_messages: IntCounter,
     /// Positions the stream consumer's runs are behind their channels' ends, summed.
     pub consumer_lag: IntGauge,
+    /// `chanwatch_node_planted_bug{bug} 1` while a planted bug is on (feature
+    /// `planted-bugs` only: a build that can switch a safety mechanism off says when it does).
+    #[cfg(feature = "planted-bugs")]
+    pub planted_bug: IntGaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -160,6 +164,14 @@ impl NodeMetrics {
                 }
                 g
             },
+            #[cfg(feature = "planted-bugs")]
+            planted_bug: must(IntGaugeVec::new(
+                Opts::new(
+                    "chanwatch_node_planted_bug",
+                    "1 per planted bug switched on in this process's nodes: a safety mechanism is off (a test build).",
+                ),
+                &["bug"],
+            )),
         }
     }
 
@@ -178,6 +190,8 @@ impl NodeMetrics {
     /// A metric of the same name is already registered there.
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.running.clone()))?;
+        #[cfg(feature = "planted-bugs")]
+        registry.register(Box::new(self.planted_bug.clone()))?;
         registry.register(Box::new(self.acks.clone()))?;
         registry.register(Box::new(self.ack_latency.clone()))?;
         registry.register(Box::new(self.commits.clone()))?;

@@ -63,6 +63,18 @@ pub async fn run_until(
     mut stop: watch::Receiver<Stop>,
 ) -> Result<(), NodeError> {
     check(&config)?;
+    #[cfg(feature = "planted-bugs")]
+    if let Some(bug) = config.planted_bug {
+        tracing::warn!(
+            bug = bug.name(),
+            "node: a planted bug is on: a safety mechanism is switched off to prove a check catches it; never run this outside a test"
+        );
+        config
+            .metrics
+            .planted_bug
+            .with_label_values(&[bug.name()])
+            .set(1);
+    }
     // Not registered: nothing to drain, whichever stop is asked for.
     let shutdown = {
         let mut stop = stop.clone();

@@ -24,7 +24,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::acks::{AckOutcome, What};
 use crate::checkpoint::{CommitRequest, CommitShared};
-use crate::config::{NodeConfig, NodeStatus, PlantedBug, Stop};
+use crate::config::{NodeConfig, NodeStatus, Planted, Stop};
 use crate::handler::{ChannelHandler, RunnerEvent};
 use crate::register::Registered;
 use crate::runner::Runner;
@@ -54,7 +54,7 @@ pub(crate) struct Session {
     pub(crate) events_tx: mpsc::UnboundedSender<RunnerEvent>,
     pub(crate) events_rx: mpsc::UnboundedReceiver<RunnerEvent>,
     pub(crate) metrics: Arc<crate::metrics::NodeMetrics>,
-    pub(crate) planted_bug: Option<PlantedBug>,
+    pub(crate) planted: Planted,
     /// Cancelled when the session must stop everything (the store says the lease is gone);
     /// every runner's token is a child of it.
     pub(crate) fence: CancellationToken,
@@ -107,7 +107,7 @@ impl Session {
             node: reg.id,
             clock,
             metrics: config.metrics.clone(),
-            planted_bug: config.planted_bug,
+            planted: Planted::of(config),
         });
         Session {
             store,
@@ -125,7 +125,7 @@ impl Session {
             events_tx,
             events_rx,
             metrics: config.metrics.clone(),
-            planted_bug: config.planted_bug,
+            planted: Planted::of(config),
             fence: CancellationToken::new(),
             pause: watch::channel(None).0,
             retry_acks: std::sync::atomic::AtomicBool::new(false),
@@ -188,11 +188,11 @@ impl Session {
         // when it cannot see its assignments for as long: a node that kept renewing its lease
         // between short partitions, yet never saw a release request, must not run the
         // channel once the coordinator fences it (found by the simulation too).
-        let _watchdog = (self.planted_bug != Some(PlantedBug::NoFencing)).then(|| {
+        let _watchdog = (!planted!(self.planted, NoFencing)).then(|| {
             AbortOnDropHandle::new(tokio::spawn(watchdog(
                 last_ok,
                 lw.blind_since(),
-                if self.planted_bug == Some(PlantedBug::NoWatchProgress) {
+                if planted!(self.planted, NoWatchProgress) {
                     // A watch that always looks caught up.
                     watch::channel(chanwatch_store::Revision::MAX).1
                 } else {

@@ -4,7 +4,7 @@
 //! their undo list and the settle phase share the world's state; the checks are in `check.rs`.
 //!
 //! Owns: the processes of one run (coordinators and nodes as pausable tasks started by the
-//! testkit's harness, [`chanwatch_testkit::inproc`], each with its own [`FaultyStore`] over
+//! in-process harness, [`chanwatch_cluster`], each with its own [`FaultyStore`] over
 //! the shared embedded store), the seeded choice of the next fault,
 //! the undo list of timed faults, and the settle phase.
 //! Must not: check invariants itself (the [`Checker`] does) or use anything but the seeded
@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use chanwatch_cluster::{self as inproc, Timings};
 use chanwatch_coord::CoordHandle;
 use chanwatch_core::planner::Placement;
 use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
@@ -22,7 +23,6 @@ use chanwatch_node::handler::{ConsumerOptions, StreamConsumer};
 use chanwatch_node::{Behaviour, ChannelHandler, RecordingHandler};
 use chanwatch_store::{Clock, EmbeddedStore, Faults, FaultyStore, MetaStore};
 use chanwatch_stream::Log;
-use chanwatch_testkit::inproc::{self, Timings};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 use tokio::time::Instant;
@@ -114,7 +114,7 @@ struct World {
     store: EmbeddedStore,
     writers: Writers,
     handler: RecordingHandler,
-    /// Starts the processes (the testkit's harness); each runs on a `FaultyStore` of its own.
+    /// Starts the processes (the in-process harness); each runs on a `FaultyStore` of its own.
     harness: inproc::Cluster,
     nodes: Vec<NodeProc>,
     coords: Vec<CoordProc>,

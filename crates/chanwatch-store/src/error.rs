@@ -82,11 +82,11 @@ pub enum StoreError {
     )]
     Unauthenticated(String),
     /// The user is authenticated but its roles do not allow this access. Fatal until an
-    /// operator grants the permission (README, "etcd users and roles").
+    /// operator grants the permission (docs/OPERATING.md, "etcd users and roles").
     #[error(
         "etcd user {user:?} may not access {key:?} (permission denied); grant its role that \
          key's prefix with `etcdctl role grant-permission ROLE --prefix=true read|readwrite PREFIX` \
-         (README, \"etcd users and roles\")"
+         (docs/OPERATING.md, \"etcd users and roles\")"
     )]
     PermissionDenied {
         /// The etcd user (empty when none was given).

@@ -547,7 +547,8 @@ impl MetaStore for EtcdStore {
                                     continue;
                                 }
                                 // A progress notification (etcd 3.4 answers a progress request
-                                // with the member's revision; see the README on its caveat).
+                                // with the member's revision; see docs/TESTING.md, "Faults the
+                                // world has", on its caveat).
                                 let revision = resp.header().map_or(0, |h| h.revision());
                                 if revision > 0 {
                                     let batch = WatchBatch::progress(revision);

@@ -9,12 +9,11 @@
 //! faults that keep the data: kill and start again, freeze and thaw (one fixture), kill and
 //! start again (members of a cluster); an HTTP/2 proxy in front of a fixture that can stall
 //! its watch streams while every other call flows ([`GrpcProxy`]); a `nats-server -js` with
-//! a temporary store dir ([`NatsFixture`]); with feature `inproc`, a whole cluster as tasks
-//! of this process ([`inproc::Cluster`]), which the binary's `demo`, `standalone` and benches
-//! use too.
+//! a temporary store dir ([`NatsFixture`]). The in-process cluster is a product crate of its
+//! own, `chanwatch-cluster`.
 //!
-//! Must not: be used outside tests (the `inproc` harness and [`free_port`] excepted: the
-//! binary's benches use them), or bind anything but 127.0.0.1.
+//! Must not: be used outside tests and lab tools (no product crate depends on it), or bind
+//! anything but 127.0.0.1.
 //!
 //! The binary is `$CHANWATCH_ETCD_BIN` if set, else `etcd` on `PATH`, else `/usr/bin/etcd`.
 //! A missing binary is an error that says how to install it: integration tests fail rather
@@ -29,8 +28,6 @@ use thiserror::Error;
 
 mod cluster_faults;
 mod grpc_proxy;
-#[cfg(feature = "inproc")]
-pub mod inproc;
 mod nats;
 pub use cluster_faults::ClusterOptions;
 pub use grpc_proxy::{GrpcProxy, ProxyError, WATCH_PATH};
@@ -433,7 +430,7 @@ impl EtcdFixture {
 
     /// Creates user `name` with `password` and a role of the same name holding `grants`:
     /// each is (`read` | `write` | `readwrite`, key or prefix ending in `/`; a trailing `/`
-    /// grants the prefix), as the README's "etcd users and roles" does.
+    /// grants the prefix), as docs/OPERATING.md's "etcd users and roles" does.
     ///
     /// # Errors
     /// [`FixtureError::Etcdctl`] when a command fails (e.g. auth is off).

@@ -66,10 +66,6 @@ pub enum Command {
     Audit(cmd::audit::Args),
     /// Benchmarks; one JSON line per result on stdout, a table on stderr.
     Bench(cmd::bench::Args),
-    /// Deterministic simulation: whole clusters (2 coordinators, nodes, embedded store) on
-    /// simulated time under seeded random faults, checking the invariants of DESIGN.md §6
-    /// after every step. The same seed always replays the same run.
-    Sim(cmd::sim::Args),
 }
 
 /// Sets up `tracing` with `RUST_LOG` (default `default_level`) in the chosen format. Colours
@@ -99,8 +95,6 @@ pub fn main(cli: Cli) -> ExitCode {
         // are the kill step's own, and came between the tour's steps.
         Command::Demo => "warn,chanwatch_node::handler::consumer=error",
         Command::Ctl(_) | Command::Bench(_) | Command::Produce(_) | Command::Audit(_) => "warn",
-        // Thousands of simulated failures would log thousands of warnings.
-        Command::Sim(_) => "off",
         _ => "info",
     };
     init_logging(&cli.global, default_level);
@@ -151,10 +145,6 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => cmd::bench::run(args).await,
         Command::Produce(args) => cmd::produce::run(args).await,
         Command::Audit(args) => cmd::audit::run(args).await,
-        // Each seed runs on a runtime of its own, on plain threads.
-        Command::Sim(args) => tokio::task::spawn_blocking(move || cmd::sim::run(&args))
-            .await
-            .map_err(|e| anyhow::anyhow!("the simulation crashed: {e}"))?,
     }
 }
 

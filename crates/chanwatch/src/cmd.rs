@@ -13,5 +13,4 @@ pub mod demo;
 mod lifecycle;
 pub mod node;
 pub mod produce;
-pub mod sim;
 pub mod standalone;

@@ -1,6 +1,6 @@
 //! A whole cluster in one process on the embedded store: what `standalone`, `demo` and the
-//! benches run — one coordinator and nodes from the testkit's harness
-//! ([`chanwatch_testkit::inproc`]).
+//! benches run — one coordinator and nodes from the in-process harness
+//! ([`chanwatch_cluster`]).
 //!
 //! Owns: the binary's choice of settings for that harness (planner timers scaled to the TTL,
 //! the system clock, one set of node metrics) and its one coordinator.
@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
+use chanwatch_cluster::{Cluster, CoordProc};
+pub use chanwatch_cluster::{NodeProc, Timings};
 use chanwatch_coord::CoordHandle;
 use chanwatch_core::{Keys, NodeId};
 use chanwatch_node::ChannelHandler;
 use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
-use chanwatch_testkit::inproc::{Cluster, CoordProc};
-pub use chanwatch_testkit::inproc::{NodeProc, Timings};
 
 /// How long `ready` and `node_id` wait.
 const WAIT: Duration = Duration::from_secs(10);

@@ -1,20 +1,6 @@
-//! The `chanwatch` binary: applies `--config`, parses the command line and hands it to
-//! `cli::main`.
+//! The `chanwatch` binary: the allocator, then [`chanwatch::main`].
 //!
-//! Every flag can also come from a `CHANWATCH_*` environment variable or a `--config` file.
-//! The modules: `cli` (the subcommand list, logging, dispatch), `cmd::*` (one per subcommand,
-//! each with its `Args` and `run`), `flags` (flag groups several subcommands share), `config`
-//! (`--config FILE`), `inproc` (an in-process cluster for demo, standalone and bench).
-//!
-//! Must not: hold control-plane logic; that lives in the library crates.
-
-mod cli;
-mod cmd;
-mod config;
-mod flags;
-mod inproc;
-
-use clap::Parser;
+//! Must not: hold anything else; the code is in the package's library (`lib.rs`).
 
 /// mimalloc rather than glibc's malloc: with 1,000,000 channels in one process, each
 /// allocation of a few KB made glibc consolidate its fast free lists first, which took most
@@ -25,10 +11,5 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    // The config file becomes environment variables before the flags are parsed, so flags win.
-    if let Err(e) = config::apply(std::env::args_os()) {
-        eprintln!("error: {e:#}");
-        return std::process::ExitCode::FAILURE;
-    }
-    cli::main(cli::Cli::parse())
+    chanwatch::main()
 }

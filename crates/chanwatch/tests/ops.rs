@@ -307,7 +307,7 @@ fn the_systemd_units_pass_systemd_analyze_verify() {
     ] {
         assert!(
             unit.contains("#operating-and-deploying"),
-            "the README anchor"
+            "the docs/OPERATING.md#operating-and-deploying link"
         );
     }
 }
@@ -709,11 +709,11 @@ fn the_dockerfile_copies_what_exists_and_ships_the_binary_cargo_builds() {
     }
 }
 
-/// The README shows the example workers whole, as they are in `examples/workers/` (its
+/// docs/DATA-PLANE.md shows the example workers whole, as they are in `examples/workers/` (its
 /// listings had drifted from the files: a newcomer found lines missing).
 #[test]
-fn the_readme_shows_the_example_workers_as_they_are() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
+fn the_data_plane_doc_shows_the_example_workers_as_they_are() {
+    let doc = std::fs::read_to_string(repo().join("docs/DATA-PLANE.md")).expect("the doc");
     for (anchor, fence, file) in [
         ("A worker in a dozen lines of shell", "```sh\n", "worker.sh"),
         (
@@ -722,17 +722,17 @@ fn the_readme_shows_the_example_workers_as_they_are() {
             "consumer.py",
         ),
     ] {
-        let from = readme
+        let from = doc
             .find(anchor)
-            .unwrap_or_else(|| panic!("{anchor:?} in README"));
-        let start = readme[from..].find(fence).expect("the listing") + from + fence.len();
-        let end = readme[start..].find("\n```\n").expect("its end") + start;
+            .unwrap_or_else(|| panic!("{anchor:?} in docs/DATA-PLANE.md"));
+        let start = doc[from..].find(fence).expect("the listing") + from + fence.len();
+        let end = doc[start..].find("\n```\n").expect("its end") + start;
         let path = repo().join("examples/workers").join(file);
         let text = std::fs::read_to_string(&path).expect("the example");
         assert_eq!(
-            &readme[start..end],
+            &doc[start..end],
             text.trim_end_matches('\n'),
-            "README's listing of {file} differs from the file"
+            "docs/DATA-PLANE.md's listing of {file} differs from the file"
         );
     }
 }

@@ -1,4 +1,4 @@
-//! The least-privilege etcd roles of the README ("etcd users and roles"), tested on an etcd
+//! The least-privilege etcd roles of docs/OPERATING.md ("etcd users and roles"), tested on an etcd
 //! with auth on: a coordinator, a node and `ctl` run as real processes, each as its own
 //! user with its own role, and do their work; the node's user cannot write the leader key or
 //! drain marks, and `ctl`'s user cannot write at all; the coordinator compacts as its own user.
@@ -11,7 +11,7 @@ use chanwatch_testkit::{EtcdFixture, EtcdOptions};
 
 const ROOT: &str = "cw";
 
-/// The README's roles, for `--root cw`: (user, grants). Keep in step with the README.
+/// docs/OPERATING.md's roles, for `--root cw`: (user, grants). Keep in step with that section.
 const ROLES: &[(&str, &[(&str, &str)])] = &[
     (
         "chanwatch-coord",

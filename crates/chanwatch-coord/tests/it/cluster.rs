@@ -1,18 +1,18 @@
 //! A whole chanwatch cluster inside a test: one store (embedded or a real etcd process),
 //! coordinators and nodes as tasks started by the testkit's harness
-//! ([`chanwatch_testkit::inproc`]), one recording handler shared by every node; and what the
+//! ([`chanwatch_cluster`]), one recording handler shared by every node; and what the
 //! tests ask of it (the store's view decoded, waits, requests retried while not ready).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
+use chanwatch_cluster::{self as inproc, CoordProc, NodeProc, Timings};
 use chanwatch_coord::{CoordHandle, CoordinatorConfig};
 use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, ChannelState, Keys, NodeId, VChannelInfo};
 use chanwatch_node::{NodeMetrics, RecordingHandler};
 use chanwatch_store::{Clock, EmbeddedStore, EtcdConfig, EtcdStore, MetaStore};
-use chanwatch_testkit::inproc::{self, CoordProc, NodeProc, Timings};
 use chanwatch_testkit::EtcdFixture;
 
 /// Session TTL of every process in these tests.

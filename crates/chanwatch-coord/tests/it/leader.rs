@@ -360,7 +360,8 @@ pub async fn a_request_flood_beside_a_node_kill_fails_over_within_ttl_plus_1s_an
     for f in flood {
         f.await?;
     }
-    // The figures of the README's measurement (`--nocapture` shows them).
+    // The figures behind README.md's "a burst of admin requests cannot blind the leader"
+    // (`--nocapture` shows them).
     eprintln!(
         "flood: {} channels registered during the flood; at kill + TTL + 1 s: {on_dead} on the dead node, failovers measured {failovers} (sum {:.3} s)",
         view.channels.len().saturating_sub(30),

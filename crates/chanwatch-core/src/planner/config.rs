@@ -36,7 +36,9 @@ pub struct PlannerConfig {
     pub expected_nodes: usize,
     /// Cold start: the longest wait for `expected_nodes`.
     pub startup_grace_ms: u64,
-    /// A safety rule switched off, for tests only: proves the simulation catches it.
+    /// A safety rule switched off, to prove that a check catches it. Only in builds with the
+    /// `planted-bugs` feature (the tests and the lab), never in the binary users get.
+    #[cfg(feature = "planted-bugs")]
     pub planted_bug: Option<PlannerBug>,
     /// `--max-load`: no placement takes a node above this load (weights over capacity);
     /// what fits nowhere waits under `remaining` with a reason. `None`: no cap.
@@ -48,7 +50,9 @@ pub struct PlannerConfig {
     pub auto_balance: bool,
 }
 
-/// Safety rules of the planner a test can switch off ([`PlannerConfig::planted_bug`]).
+/// Safety rules of the planner a test can switch off ([`PlannerConfig::planted_bug`];
+/// feature `planted-bugs`).
+#[cfg(feature = "planted-bugs")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlannerBug {
     /// A release past the release timeout is moved at once, beside a live owner, as before
@@ -66,6 +70,27 @@ pub enum PlannerBug {
     NoLossHold,
 }
 
+#[cfg(feature = "planted-bugs")]
+impl PlannerConfig {
+    /// Whether `bug` is planted.
+    pub fn planted(&self, bug: PlannerBug) -> bool {
+        self.planted_bug == Some(bug)
+    }
+}
+
+#[cfg(feature = "planted-bugs")]
+impl PlannerBug {
+    /// The bug's name, as its `--plant` value and its metric label say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlannerBug::ForceWithoutFence => "force-without-fence",
+            PlannerBug::BalanceIgnoresBackoff => "balance-ignores-backoff",
+            PlannerBug::NoWatchStallCheck => "no-watch-stall-check",
+            PlannerBug::NoLossHold => "no-loss-hold",
+        }
+    }
+}
+
 impl Default for PlannerConfig {
     fn default() -> Self {
         PlannerConfig {
@@ -78,6 +103,7 @@ impl Default for PlannerConfig {
             max_txn_ops: 128,
             max_txn_bytes: 1024 * 1024,
             max_concurrent_moves: 16,
+            #[cfg(feature = "planted-bugs")]
             planted_bug: None,
             expected_nodes: 0,
             startup_grace_ms: 10_000,

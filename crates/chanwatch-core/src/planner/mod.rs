@@ -55,7 +55,9 @@ mod view;
 
 pub use admin::{AdminError, Placement};
 pub use commands::{Cause, Guard, Op, PlannedTxn, Transition};
-pub use config::{PlannerBug, PlannerConfig};
+#[cfg(feature = "planted-bugs")]
+pub use config::PlannerBug;
+pub use config::PlannerConfig;
 pub use placement::{Load, Loads, MaxLoad, PlannedMove, Want};
 pub use planned::StartupWait;
 pub use rows::{ChannelRow, NodeRow};

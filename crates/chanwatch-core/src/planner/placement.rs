@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::keys::ChannelOwner;
 use crate::types::{ChannelInfo, ChannelName, ChannelState, NodeId};
 
-use super::{Planner, PlannerBug};
+use super::Planner;
+#[cfg(feature = "planted-bugs")]
+use super::PlannerBug;
 
 /// A load: `weight / capacity`, compared exactly (cross-multiplied, never as a float).
 #[derive(Debug, Clone, Copy, Default)]
@@ -454,7 +456,8 @@ impl Planner {
     /// Whether balance may move `channel` to `to` now: not onto a node in a back-off for the
     /// channel or one that failed any channel lately, and not a channel in its cool-down.
     pub(super) fn balance_allows(&self, channel: &ChannelName, to: NodeId, now_ms: u64) -> bool {
-        if self.config.planted_bug == Some(PlannerBug::BalanceIgnoresBackoff) {
+        #[cfg(feature = "planted-bugs")]
+        if self.config.planted(PlannerBug::BalanceIgnoresBackoff) {
             return true;
         }
         !self.avoided(channel, to, now_ms)

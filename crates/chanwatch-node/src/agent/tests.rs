@@ -379,7 +379,7 @@ fn committing_context(
         node: NodeId(1),
         clock: chanwatch_store::Clock::system(),
         metrics: Arc::new(crate::metrics::NodeMetrics::new()),
-        planted_bug: None,
+        planted: crate::config::Planted::default(),
     });
     let (mut ctx, _events) = context(channel);
     ctx.committer = Some(Committer::new(

@@ -1,6 +1,6 @@
-//! [`RecordingHandler`]: a test handler that records when each node ran each channel (so
-//! tests can check single ownership) and loads each channel as told ([`Behaviour`]). Behind
-//! the `testing` feature: a fixture, not something to run channels with.
+//! [`RecordingHandler`]: a test handler that records when each node ran each channel into an
+//! [`OwnershipLog`] (so tests can check single ownership) and loads each channel as told
+//! ([`Behaviour`]). Behind the `testing` feature: a fixture, not something to run channels with.
 //!
 //! Must not: touch the store.
 
@@ -9,25 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chanwatch_core::{ChannelInfo, ChannelName, Epoch, NodeId};
+use chanwatch_core::{ChannelInfo, ChannelName, NodeId};
 use chanwatch_store::Clock;
 
+use super::ownership::{Interval, OwnershipLog};
 use super::{ChannelContext, ChannelHandler};
-
-/// One stretch of time during which a node ran (or loaded) a channel.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Interval {
-    /// The node.
-    pub node: NodeId,
-    /// The channel.
-    pub channel: ChannelName,
-    /// The epoch of the assignment.
-    pub epoch: Epoch,
-    /// Unix ms when the load began.
-    pub start_ms: u64,
-    /// Unix ms when it was released or cancelled (`None`: still running).
-    pub end_ms: Option<u64>,
-}
 
 /// How a [`RecordingHandler`] should load a channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +42,6 @@ pub enum Behaviour {
 
 #[derive(Debug, Default)]
 struct Record {
-    intervals: Vec<Interval>,
     behaviours: BTreeMap<String, Behaviour>,
     default: Option<Behaviour>,
 }
@@ -65,23 +50,7 @@ struct Record {
 #[derive(Debug, Clone, Default)]
 pub struct RecordingHandler {
     inner: Arc<Mutex<Record>>,
-    clock: Option<Clock>,
-}
-
-/// Closes an interval when the load or the release ends, even if the future is dropped
-/// (a killed node: its channels stop running when its tasks die).
-struct CloseOnDrop {
-    handler: RecordingHandler,
-    index: usize,
-    armed: bool,
-}
-
-impl Drop for CloseOnDrop {
-    fn drop(&mut self) {
-        if self.armed {
-            self.handler.close(self.index);
-        }
-    }
+    log: OwnershipLog,
 }
 
 impl RecordingHandler {
@@ -89,7 +58,7 @@ impl RecordingHandler {
     pub fn new(clock: Clock) -> Self {
         RecordingHandler {
             inner: Arc::default(),
-            clock: Some(clock),
+            log: OwnershipLog::new(clock),
         }
     }
 
@@ -97,10 +66,6 @@ impl RecordingHandler {
         self.inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn now(&self) -> u64 {
-        self.clock.unwrap_or_default().unix_ms()
     }
 
     /// Sets how `channel` loads from now on.
@@ -113,88 +78,38 @@ impl RecordingHandler {
         self.lock().default = Some(b);
     }
 
+    /// The log it records into.
+    pub fn log(&self) -> &OwnershipLog {
+        &self.log
+    }
+
     /// Every interval so far.
     pub fn intervals(&self) -> Vec<Interval> {
-        self.lock().intervals.clone()
+        self.log.intervals()
     }
 
     /// Channels running (or loading) now, by node.
     pub fn running(&self) -> BTreeMap<ChannelName, Vec<NodeId>> {
-        let mut out: BTreeMap<ChannelName, Vec<NodeId>> = BTreeMap::new();
-        for i in self.lock().intervals.iter().filter(|i| i.end_ms.is_none()) {
-            out.entry(i.channel.clone()).or_default().push(i.node);
-        }
-        out
+        self.log.running()
     }
 
-    /// Pairs of intervals of one channel on two different nodes that overlap in time:
-    /// violations of single ownership. `end` equal to the other's `start` does not overlap.
+    /// Overlapping intervals of one channel on two nodes ([`OwnershipLog::overlaps`]).
     pub fn overlaps(&self) -> Vec<(Interval, Interval)> {
-        let intervals = self.intervals();
-        let mut out = Vec::new();
-        for (i, a) in intervals.iter().enumerate() {
-            for b in &intervals[i + 1..] {
-                if a.channel != b.channel || a.node == b.node {
-                    continue;
-                }
-                let a_end = a.end_ms.unwrap_or(u64::MAX);
-                let b_end = b.end_ms.unwrap_or(u64::MAX);
-                if a.start_ms < b_end && b.start_ms < a_end {
-                    out.push((a.clone(), b.clone()));
-                }
-            }
-        }
-        out
+        self.log.overlaps()
     }
 
-    /// Closes every open interval of `node` now: call it when a test kills the node, the
-    /// moment its process would stop running anything.
+    /// Closes every open interval of `node` now ([`OwnershipLog::mark_dead`]).
     pub fn mark_dead(&self, node: NodeId) {
-        let now = self.now();
-        for i in self.lock().intervals.iter_mut() {
-            if i.node == node && i.end_ms.is_none() {
-                i.end_ms = Some(now);
-            }
-        }
-    }
-
-    fn open(&self, node: NodeId, info: &ChannelInfo) -> usize {
-        let start_ms = self.now();
-        let mut r = self.lock();
-        r.intervals.push(Interval {
-            node,
-            channel: info.channel.clone(),
-            epoch: info.epoch,
-            start_ms,
-            end_ms: None,
-        });
-        r.intervals.len() - 1
-    }
-
-    fn close(&self, index: usize) {
-        let now = self.now();
-        if let Some(i) = self.lock().intervals.get_mut(index) {
-            i.end_ms.get_or_insert(now);
-        }
-    }
-
-    fn find_open(&self, node: NodeId, info: &ChannelInfo) -> Option<usize> {
-        self.lock()
-            .intervals
-            .iter()
-            .rposition(|i| i.node == node && i.channel == info.channel && i.end_ms.is_none())
+        self.log.mark_dead(node);
     }
 }
 
 #[async_trait]
 impl ChannelHandler for RecordingHandler {
     async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
-        let index = self.open(ctx.node, &ctx.info);
-        let mut guard = CloseOnDrop {
-            handler: self.clone(),
-            index,
-            armed: true,
-        };
+        // Closed if the load fails or its future is dropped (a killed node); kept open after
+        // a successful load until `release`, or `mark_dead` for a killed node.
+        let guard = self.log.open_guarded(ctx.node, &ctx.info);
         let behaviour = {
             let r = self.lock();
             r.behaviours
@@ -228,27 +143,23 @@ impl ChannelHandler for RecordingHandler {
                 Ok(())
             }
         };
-        // Still running after a successful load: `release`, or `mark_dead` for a killed
-        // node, closes it.
-        guard.armed = result.is_err();
+        if result.is_ok() {
+            guard.keep();
+        }
         result
     }
 
     async fn release(&self, node: NodeId, info: &ChannelInfo) {
-        if let Some(index) = self.find_open(node, info) {
-            self.close(index);
-        }
+        self.log.close_open(node, info);
     }
 
     /// A paused channel does not run: its interval ends here.
     async fn pause(&self, node: NodeId, info: &ChannelInfo) {
-        if let Some(index) = self.find_open(node, info) {
-            self.close(index);
-        }
+        self.log.close_open(node, info);
     }
 
     /// And a new one begins.
     async fn resume(&self, node: NodeId, info: &ChannelInfo) {
-        self.open(node, info);
+        self.log.open(node, info);
     }
 }

@@ -208,7 +208,7 @@ async fn a_node_keeps_its_session_across_an_auth_etcd_restart_with_its_token_exp
         ..EtcdOptions::default()
     })
     .await?;
-    // The node's role from the README's "etcd users and roles".
+    // The node's role from docs/OPERATING.md's "etcd users and roles".
     fixture.add_user_with_role(
         "cw-node",
         "nodepw",

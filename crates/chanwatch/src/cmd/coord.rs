@@ -70,7 +70,8 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_STARTUP_GRACE", value_parser = humantime_secs, default_value = "10s")]
     pub startup_grace: Duration,
     /// FOR TESTS: switch one safety rule of the planner off, to prove a black-box test
-    /// catches it (tests/blackbox.rs). Never in production.
+    /// catches it (tests/blackbox.rs). Only in builds with the `planted-bugs` feature.
+    #[cfg(feature = "planted-bugs")]
     #[arg(long, value_enum, hide = true)]
     pub plant: Option<PlantArg>,
     /// No placement takes a node above this load (its channels' weights over its
@@ -97,7 +98,8 @@ fn parse_max_load(s: &str) -> Result<chanwatch_core::planner::MaxLoad, String> {
         .ok_or_else(|| format!("{s:?} is not a positive load; give e.g. 2 or 1.5"))
 }
 
-/// Planner bugs `coord --plant` can switch on (a subset of `sim --plant`).
+/// Planner bugs `coord --plant` can switch on (a subset of `chanwatch-lab sim --plant`).
+#[cfg(feature = "planted-bugs")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PlantArg {
     /// A channel stuck in ToRelease is moved beside its live owner, without fencing it.
@@ -110,6 +112,7 @@ pub enum PlantArg {
     NoLossHold,
 }
 
+#[cfg(feature = "planted-bugs")]
 impl PlantArg {
     /// The planner's switch.
     pub fn planner_bug(self) -> chanwatch_core::planner::PlannerBug {
@@ -144,6 +147,7 @@ pub async fn run(args: Args) -> Result<()> {
             failed_node_backoff_ms: args.watch_timeout.as_millis() as u64,
             max_txn_ops: args.max_txn_ops as usize,
             max_concurrent_moves: args.max_concurrent_moves,
+            #[cfg(feature = "planted-bugs")]
             planted_bug: args.plant.map(PlantArg::planner_bug),
             expected_nodes: args.expected_nodes,
             startup_grace_ms: args.startup_grace.as_millis() as u64,
@@ -229,6 +233,7 @@ mod tests {
     use crate::cli::{Cli, Command};
 
     /// What the planted bugs do is tested in the planner and in tests/blackbox.rs.
+    #[cfg(feature = "planted-bugs")]
     #[test]
     fn coord_plant_reaches_the_planner_and_stays_out_of_help() {
         use chanwatch_core::planner::PlannerBug;

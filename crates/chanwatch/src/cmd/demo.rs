@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use chanwatch_core::planner::{ChannelRow, NodeRow, Planner, PlannerConfig};
 use chanwatch_core::{ChannelName, ChannelState, NodeId, VChannelInfo};
-use chanwatch_node::handler::{Behaviour, StreamConsumer};
-use chanwatch_node::RecordingHandler;
+use chanwatch_node::handler::StreamConsumer;
+use chanwatch_node::OwnershipLog;
 use chanwatch_store::Clock;
 
 use crate::inproc::{InProc, NodeProc, Timings};
@@ -35,8 +35,8 @@ struct Snapshot {
 
 struct Tour {
     cluster: InProc,
-    handler: RecordingHandler,
-    /// The data plane every node runs beside the recording handler.
+    ownership: OwnershipLog,
+    /// The data plane every node runs, its runs recorded in `ownership`.
     log: stream::TempLog,
     nodes: Vec<NodeProc>,
     colour: bool,
@@ -159,7 +159,7 @@ impl Tour {
             "invariant 1 broken: channels and keys {seen:?}"
         );
         // 3. No two nodes ran one channel at the same instant.
-        let overlaps = self.handler.overlaps();
+        let overlaps = self.ownership.overlaps();
         ensure!(overlaps.is_empty(), "invariant 3 broken: {overlaps:?}");
         // 4. Epochs only grow.
         for c in &s.channels {
@@ -230,7 +230,7 @@ impl Tour {
         let id = n.id();
         n.kill();
         if let Some(id) = id {
-            self.handler.mark_dead(id);
+            self.ownership.mark_dead(id);
         }
         id
     }
@@ -322,10 +322,7 @@ impl Tour {
 /// A step that does not settle or an invariant that breaks.
 pub async fn run() -> Result<()> {
     let clock = Clock::system();
-    let handler = RecordingHandler::new(clock);
-    handler.set_default(Behaviour::Slow {
-        delay: Duration::from_millis(200),
-    });
+    let ownership = OwnershipLog::new(clock);
     let timings = Timings {
         session_ttl: Duration::from_secs(2),
         watch_timeout: Duration::from_secs(5),
@@ -335,7 +332,8 @@ pub async fn run() -> Result<()> {
     };
     let log = stream::TempLog::open()?;
     let both = stream::Both {
-        recording: handler.clone(),
+        ownership: ownership.clone(),
+        load_time: Duration::from_millis(200),
         consumer: Arc::new(StreamConsumer::new(
             log.log.clone(),
             stream::consumer_options(),
@@ -345,7 +343,7 @@ pub async fn run() -> Result<()> {
     let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let mut tour = Tour {
         cluster,
-        handler,
+        ownership,
         log,
         nodes: Vec::new(),
         colour,

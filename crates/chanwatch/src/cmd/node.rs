@@ -70,12 +70,15 @@ pub struct Args {
     #[arg(long, env = "CHANWATCH_CAPACITY", default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub capacity: u32,
     /// Test only (hidden): switch a node safety mechanism off, so that a black-box test can
-    /// check what stands behind it (tests/blackbox.rs). Never in production.
+    /// check what stands behind it (tests/blackbox.rs). Only in builds with the
+    /// `planted-bugs` feature.
+    #[cfg(feature = "planted-bugs")]
     #[arg(long, value_enum, hide = true)]
     pub plant: Option<PlantArg>,
 }
 
 /// Node safety mechanisms `node --plant` can switch off.
+#[cfg(feature = "planted-bugs")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PlantArg {
     /// The node ignores watch progress: a watch that stalls silently goes unnoticed, and
@@ -109,9 +112,6 @@ pub async fn run(args: Args) -> Result<()> {
     let registry = labelled_registry(&name)?;
     super::lifecycle::register_process_metrics(&registry)?;
     let handler = handler(&args).await?;
-    let planted_bug = args.plant.map(|p| match p {
-        PlantArg::NoWatchProgress => chanwatch_node::PlantedBug::NoWatchProgress,
-    });
     let node = chanwatch_node::Node::builder(store)
         .handler(handler)
         .config(chanwatch_node::NodeConfig {
@@ -122,7 +122,10 @@ pub async fn run(args: Args) -> Result<()> {
             shutdown_timeout: args.shutdown_timeout,
             admin_addr,
             name,
-            planted_bug,
+            #[cfg(feature = "planted-bugs")]
+            planted_bug: args.plant.map(|p| match p {
+                PlantArg::NoWatchProgress => chanwatch_node::PlantedBug::NoWatchProgress,
+            }),
             capacity: args.capacity,
             ..chanwatch_node::NodeConfig::default()
         })

@@ -14,7 +14,9 @@ use crate::types::ChannelState;
 
 use super::super::commands::{park, reassign, release, Cause, Change, Op};
 use super::super::placement::Want;
-use super::super::{PendingMove, Planner, PlannerBug};
+#[cfg(feature = "planted-bugs")]
+use super::super::PlannerBug;
+use super::super::{PendingMove, Planner};
 
 impl Planner {
     pub(super) fn plan_timeouts(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
@@ -160,8 +162,11 @@ impl Planner {
             };
             let stuck = e.info.state == ChannelState::ToRelease
                 && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms;
-            let planted = self.config.planted_bug == Some(PlannerBug::ForceWithoutFence);
-            if stuck && !planted {
+            #[cfg(feature = "planted-bugs")]
+            let fence = stuck && !self.config.planted(PlannerBug::ForceWithoutFence);
+            #[cfg(not(feature = "planted-bugs"))]
+            let fence = stuck;
+            if fence {
                 // The owner is alive but did not release in time: it may be blind (a
                 // stalled watch) and still running the channel. Moving the channel now
                 // would run it twice; fence the owner instead. Once its session is gone,

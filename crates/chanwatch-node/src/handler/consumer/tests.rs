@@ -70,7 +70,7 @@ async fn reading_goes_on_while_a_commit_is_in_flight() {
         node: NodeId(1),
         clock: Clock::system(),
         metrics: Arc::new(crate::metrics::NodeMetrics::new()),
-        planted_bug: None,
+        planted: crate::config::Planted::default(),
     });
     let channel = ChannelName::new("c-0").expect("valid");
     let info = ChannelInfo::new(channel.clone(), Epoch(1), 0, VChannelInfo::default());

@@ -57,6 +57,28 @@ fn spawn(dir: &Path, name: &str, args: &[String]) -> Result<Proc> {
     Ok(Proc(child))
 }
 
+/// The admin address of the coordinator that leads under `keys`, read from its leader key
+/// once there is one (before `deadline`).
+async fn leader_admin(
+    store: &dyn chanwatch_store::MetaStore,
+    keys: &Keys,
+    deadline: Instant,
+) -> Result<String> {
+    loop {
+        if let Ok(Some(kv)) = store.get(&keys.leader()).await {
+            let session = chanwatch_core::CoordSession::decode(&kv.value)
+                .map_err(|e| anyhow::anyhow!("{} does not decode: {e}", keys.leader()))?;
+            return Ok(session.admin_addr);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no coordinator became leader under {}",
+            keys.root()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Percentile `p` (0..=100) of sorted `xs`.
 fn pct(xs: &[f64], p: f64) -> f64 {
     if xs.is_empty() {
@@ -168,16 +190,18 @@ async fn one_run(
 ) -> Result<RunResult> {
     let dir = std::env::temp_dir().join(format!("chanwatch-{}", keys.root()));
     std::fs::create_dir_all(&dir)?;
-    // From below the ephemeral range: a port-0 probe, released, can become an outgoing
-    // connection's local port before the coordinator binds it.
-    let admin = format!("127.0.0.1:{}", chanwatch_testkit::free_port());
     let quiet = args.balance_quiet + Duration::from_secs(2);
     let ttl = format!("--session-ttl={}s", args.session_ttl.as_secs());
     let common = vec![
         format!("--endpoints={endpoints}"),
         format!("--root={}", keys.root()),
     ];
-    let mut coord_args = vec!["coord".to_owned(), format!("--admin={admin}"), ttl.clone()];
+    // Port 0: the coordinator binds a free port itself and says it in its leader key.
+    let mut coord_args = vec![
+        "coord".to_owned(),
+        "--admin=127.0.0.1:0".to_owned(),
+        ttl.clone(),
+    ];
     coord_args.extend(common.clone());
     coord_args.push(format!(
         "--balance-quiet={}ms",
@@ -206,9 +230,10 @@ async fn one_run(
     for i in 0..args.nodes {
         nodes.push(start_node(i)?);
     }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let admin = leader_admin(store, keys, deadline).await?;
     let http = reqwest::Client::new();
     let base = format!("http://{admin}/api/v1");
-    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let n = match http.get(format!("{base}/nodes")).send().await {
             Ok(r) => r

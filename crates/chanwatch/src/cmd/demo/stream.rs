@@ -1,5 +1,5 @@
 //! The demo's data plane: an embedded [`FileLog`] in a temp dir, every node running the
-//! [`StreamConsumer`] beside the [`RecordingHandler`] (see [`Both`]), and a producer task
+//! [`StreamConsumer`] recorded into an [`OwnershipLog`] (see [`Both`]), and a producer task
 //! appending sequence-numbered messages in `produce`'s payload format while a node is killed.
 //!
 //! Owns: the handler pair, the demo's producer, and reading the committed checkpoints back.
@@ -15,44 +15,47 @@ use anyhow::{Context, Result};
 use async_trait::async_trait;
 use chanwatch_core::{ChannelInfo, Checkpoint, Keys, NodeId};
 use chanwatch_node::handler::{ConsumerOptions, StreamConsumer, StreamState};
-use chanwatch_node::{ChannelContext, ChannelHandler, RecordingHandler};
+use chanwatch_node::{ChannelContext, ChannelHandler, OwnershipLog};
 use chanwatch_store::MetaStore;
 use chanwatch_stream::{FileLog, FileLogOptions, Log, Position};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-/// The recording handler (for the single-ownership audit) and the stream consumer, both on
-/// every channel: a channel is loaded when both loaded it, and released, paused and resumed
-/// on both.
+/// The stream consumer on every channel, each run recorded in an [`OwnershipLog`] (the
+/// single-ownership audit): a load first takes `load_time`, reporting progress every tenth
+/// (so the tour shows loading channels), then starts the consumer.
 pub(super) struct Both {
-    pub recording: RecordingHandler,
+    pub ownership: OwnershipLog,
+    pub load_time: Duration,
     pub consumer: Arc<StreamConsumer>,
 }
 
 #[async_trait]
 impl ChannelHandler for Both {
     async fn load(&self, ctx: ChannelContext) -> Result<(), String> {
-        let (node, info) = (ctx.node, ctx.info.clone());
-        self.recording.load(ctx.clone()).await?;
-        if let Err(e) = self.consumer.load(ctx).await {
-            self.recording.release(node, &info).await;
-            return Err(e);
+        // Closed if the load fails or is dropped (a killed node's).
+        let run = self.ownership.open_guarded(ctx.node, &ctx.info);
+        for step in 0..10u8 {
+            ctx.progress(step * 10);
+            ctx.clock().sleep(self.load_time / 10).await;
         }
+        self.consumer.load(ctx).await?;
+        run.keep();
         Ok(())
     }
 
     async fn release(&self, node: NodeId, info: &ChannelInfo) {
         self.consumer.release(node, info).await;
-        self.recording.release(node, info).await;
+        self.ownership.close_open(node, info);
     }
 
     async fn pause(&self, node: NodeId, info: &ChannelInfo) {
         self.consumer.pause(node, info).await;
-        self.recording.pause(node, info).await;
+        self.ownership.close_open(node, info);
     }
 
     async fn resume(&self, node: NodeId, info: &ChannelInfo) {
-        self.recording.resume(node, info).await;
+        self.ownership.open(node, info);
         self.consumer.resume(node, info).await;
     }
 }

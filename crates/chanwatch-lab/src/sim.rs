@@ -1,4 +1,4 @@
-//! `chanwatch sim`: runs many seeds of the deterministic simulation in parallel, shows
+//! `chanwatch-lab sim`: runs many seeds of the deterministic simulation in parallel, shows
 //! progress, and prints a summary — or, for a failing seed, its violations, the tail of its
 //! trace and the command that replays it.
 //!
@@ -238,7 +238,7 @@ fn summarize(reports: &[Report], args: &Args, wall_secs: f64) -> Result<()> {
             .unwrap_or_default();
         let data = if args.data_plane { " --data-plane" } else { "" };
         println!(
-            "  replay: chanwatch sim --seed {} --steps {}{data}{plant} --trace",
+            "  replay: cargo run --release -p chanwatch-lab -- sim --seed {} --steps {}{data}{plant} --trace",
             r.seed, args.steps
         );
     }

@@ -1,7 +1,8 @@
-//! One in-process cluster harness (feature `inproc`): coordinators and nodes as tasks of this
-//! process, on one store or each on a store of its own (a `FaultyStore`, say). The binary's
-//! `demo`, `standalone` and benches, the coordinator's integration tests and the simulation
-//! all start their processes here.
+//! A whole chanwatch cluster in one process: coordinators and nodes as tasks of this process,
+//! on one store or each on a store of its own (a `FaultyStore`, say). The binary's `demo`,
+//! `standalone` and benches, the coordinator's integration tests and the simulation all start
+//! their processes here. A product crate: it holds no test code, and the shipped binary
+//! depends on it.
 //!
 //! Owns: turning [`Timings`] into coordinator and node settings, spawning each process on a
 //! task that can be frozen ([`Task::pause`], reached through both `CoordProc` and `NodeProc`), killed (no lease

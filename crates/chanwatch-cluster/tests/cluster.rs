@@ -5,10 +5,10 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::Duration;
 
+use chanwatch_cluster::{Cluster, InProcError, Timings};
 use chanwatch_core::Keys;
 use chanwatch_node::SimulatedLoad;
 use chanwatch_store::{Clock, EmbeddedStore, MetaStore};
-use chanwatch_testkit::inproc::{Cluster, InProcError, Timings};
 
 type Result<T = ()> = std::result::Result<T, Box<dyn Error>>;
 
