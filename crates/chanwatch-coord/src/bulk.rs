@@ -15,9 +15,8 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use chanwatch_core::planner::{AdminError, PlannedTxn, Transition};
+use chanwatch_core::planner::{AdminError, Transition};
 use chanwatch_core::{ChannelInfo, ChannelName};
-use chanwatch_store::{StoreError, TxnResponse};
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
@@ -53,7 +52,7 @@ pub enum BulkError {
 }
 
 /// The txns of one list, each with its outcome and when it was sent.
-type Outcomes = Vec<(PlannedTxn, Result<TxnResponse, StoreError>, Instant)>;
+type Outcomes = Vec<crate::execute::Sent>;
 
 /// A list whose txns have all returned, waiting to be booked by the loop.
 pub(crate) struct Written {
@@ -135,22 +134,9 @@ impl Term<'_> {
             }
         };
         let planned = self.clock.now();
-        let store = self.store.clone();
-        let clock = self.clock;
         let pipeline = self.config.pipeline.max(1);
         let turn = self.bulk.turn.clone();
-        let encoder = self.encoder();
-        let jobs: Vec<_> = txns
-            .into_iter()
-            .map(|t| {
-                let s = encoder.txn(&t);
-                let store = store.clone();
-                async move {
-                    let started = clock.now();
-                    (t, store.txn(s).await, started)
-                }
-            })
-            .collect();
+        let jobs = crate::execute::sends(self.store.clone(), Arc::new(self.encoder()), txns);
         self.bulk.names.extend(names.iter().cloned());
         self.bulk.writes.push(Box::pin(async move {
             // Never closed: a failed acquire only means no turn to wait for.

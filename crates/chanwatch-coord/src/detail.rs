@@ -3,9 +3,10 @@
 //! history), read from the leader's view and its event history; and undrain.
 //!
 //! Owns: [`ChannelDetail`], [`NodeDetail`], the handle's requests that build them, and the
-//! term's side of undrain (its txn, run like every other write through the term's `run_one`,
-//! guarded by the leader key). Must not: write anything else, or decide anything (which
-//! node to fill is balance's).
+//! term's side of undrain (running the txn the planner's `undrain` decides, like every other
+//! write through the term's `run_one`, guarded by the leader key). Must not: write anything
+//! else, or decide anything (whether and what to undrain is the planner's; which node to
+//! fill is balance's).
 
 use chanwatch_core::planner::{ChannelRow, Planner};
 use chanwatch_core::{ChannelName, NodeId, NodeSession, VChannelInfo};
@@ -177,24 +178,17 @@ impl Term<'_> {
         node: NodeId,
         reply: oneshot::Sender<Result<bool, ApiError>>,
     ) -> Result<(), String> {
-        if !self.state.draining().contains(&node) {
-            // A node with neither a session nor a mark is most likely a mistyped ID: say so
-            // (404) rather than "nothing to do".
-            let answer = if self.state.nodes().contains_key(&node) {
-                Ok(false)
-            } else {
-                Err(ApiError::Admin(
-                    chanwatch_core::planner::AdminError::UnknownNode(node),
-                ))
-            };
-            drop(reply.send(answer));
-            return Ok(());
-        }
-        let planned = Ok(chanwatch_core::planner::PlannedTxn {
-            guards: Vec::new(),
-            ops: vec![chanwatch_core::planner::Op::Undrain { node }],
-            transitions: Vec::new(),
-        });
+        let planned = match self.state.undrain(node) {
+            Ok(Some(txn)) => Ok(txn),
+            Ok(None) => {
+                drop(reply.send(Ok(false)));
+                return Ok(());
+            }
+            Err(e) => {
+                drop(reply.send(Err(ApiError::Admin(e))));
+                return Ok(());
+            }
+        };
         let (tx, rx) = oneshot::channel();
         self.run_one(planned, tx).await?;
         let result = match rx.await {

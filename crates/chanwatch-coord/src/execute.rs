@@ -2,21 +2,49 @@
 //! refused txn's read-back refreshes the view; nodes the planner wants fenced lose their
 //! session lease.
 //!
-//! Owns: the translation of [`PlannedTxn`] into store txns (every one guarded by the leader
-//! key's create revision, so a deposed leader cannot write), fencing by lease revoke, and
-//! the txn metrics and transition log lines.
+//! Owns: the term's one write path ([`sends`]: the translation of [`PlannedTxn`] into store
+//! txns, every one guarded by the leader key's create revision so a deposed leader cannot
+//! write, and their sending — plan rounds, bulk lists and admin requests all write through
+//! it), fencing by lease revoke, and the txn metrics and transition log lines.
 //! Must not: plan — what to write comes from the planner — or write anything but channel
 //! keys, drain and fence marks.
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use chanwatch_core::planner::{Guard, Op, PlannedTxn};
 use chanwatch_core::{Keys, NodeId};
-use chanwatch_store::{Clock, Compare, OpResponse, StoreError, Txn, TxnOp};
+use chanwatch_store::{Clock, Compare, MetaStore, OpResponse, StoreError, Txn, TxnOp};
 use futures_util::StreamExt;
 use tracing::{debug, info, warn};
 
 use crate::term::Term;
+
+/// A planned txn, what the store answered, and when it was sent.
+pub(crate) type Sent = (
+    PlannedTxn,
+    Result<chanwatch_store::TxnResponse, StoreError>,
+    tokio::time::Instant,
+);
+
+/// The term's one write path: each planned txn as a future that encodes it (guarded by the
+/// leader key, [`Encoder`]) and sends it. Plan rounds run these `pipeline` at once in any
+/// order ([`Term::execute`]), bulk lists in order off the loop (`bulk.rs`), an admin
+/// request's one txn alone ([`Term::run_one`]).
+pub(crate) fn sends(
+    store: Arc<dyn MetaStore>,
+    encoder: Arc<Encoder>,
+    txns: Vec<PlannedTxn>,
+) -> impl Iterator<Item = impl std::future::Future<Output = Sent>> {
+    txns.into_iter().map(move |t| {
+        let (store, encoder) = (store.clone(), encoder.clone());
+        async move {
+            let s = encoder.txn(&t);
+            let started = encoder.clock.now();
+            let answer = store.txn(s).await;
+            (t, answer, started)
+        }
+    })
+}
 
 /// What turns a planned txn into a store txn, cut loose from the term: a round's txns are
 /// each encoded by the future that sends it, so the first leaves as soon as its own values
@@ -184,20 +212,11 @@ impl Term<'_> {
             return Ok(0);
         }
         let txns_sent = txns.len();
-        let store = self.store.clone();
-        let encoder = self.encoder();
-        let clock = self.clock;
         // Each txn is encoded in its own future: the first is sent once its own values are
         // serialized, while the others are still being encoded.
-        let mut results = futures_util::stream::iter(txns.into_iter().map(|t| {
-            let (store, encoder) = (store.clone(), &encoder);
-            async move {
-                let s = encoder.txn(&t);
-                let started = clock.now();
-                (t, store.txn(s).await, started)
-            }
-        }))
-        .buffer_unordered(self.config.pipeline.max(1));
+        let mut results =
+            futures_util::stream::iter(sends(self.store.clone(), Arc::new(self.encoder()), txns))
+                .buffer_unordered(self.config.pipeline.max(1));
         // Only a small txn sent alone times the store's commit (the others queue behind each
         // other, and a large one is etcd's apply as much as its commit).
         let alone = txns_sent == 1;
@@ -284,7 +303,7 @@ impl Term<'_> {
     }
 
     /// Counts a txn's outcome and time in the metrics; `pace`: it was small and alone in
-    /// flight, so its time is the store's commit time (see `losses.rs`).
+    /// flight, so its time is the store's commit time (the pacer's loss hold: `core/planner/pacer/losses.rs`).
     pub(crate) fn record_txn(
         &mut self,
         r: &Result<chanwatch_store::TxnResponse, StoreError>,
@@ -293,7 +312,7 @@ impl Term<'_> {
     ) {
         let took = self.clock.now().saturating_duration_since(started);
         if pace && r.is_ok() {
-            self.losses.wrote(took);
+            self.pacer.wrote(took);
         }
         let m = &self.config.metrics;
         m.txn_seconds.observe(took.as_secs_f64());
@@ -360,7 +379,4 @@ impl Term<'_> {
 /// Most ops of a txn whose time counts toward the store's commit pace (`record_txn`).
 pub(crate) const PACE_OPS: usize = 16;
 
-/// Whole milliseconds of `d`, for the planner's `*_ms` inputs (saturating).
-pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
+pub(crate) use chanwatch_store::millis;

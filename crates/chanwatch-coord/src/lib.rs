@@ -57,8 +57,8 @@
 //! ## Modules
 //!
 //! `election.rs` (campaign, leader lease, standby), `term.rs` (one term as leader: the loop
-//! that drives the planner), `execute.rs` (planned txns to store txns, fencing),
-//! `losses.rs` (after a session loss, when the next plan may run), `availability.rs` (how
+//! that drives the planner, fed to the core's `Pacer`, which decides when to plan),
+//! `execute.rs` (planned txns to store txns, fencing), `availability.rs` (how
 //! long the store was away, so timers stand still), `handle.rs`
 //! ([`CoordHandle`]), `coordinator.rs` ([`Coordinator`], its builder and
 //! [`CoordinatorConfig`]), [`api`] (the admin HTTP API), [`summary`] (the status page's reads) with
@@ -82,7 +82,6 @@ mod election;
 pub mod events;
 mod execute;
 mod handle;
-mod losses;
 pub mod metrics;
 pub mod probe;
 pub mod summary;

@@ -1,10 +1,12 @@
 //! One term as leader: the loop that drives the planner (election is in
 //! [`crate::election`], txn execution in [`crate::execute`]).
 //!
-//! Owns: the planner state while leader, serving the requests of [`crate::CoordHandle`], and
-//! the leader's watch of its own key (it steps down the moment the key is no longer its own).
-//! Must not: decide anything itself — every decision comes from the core planner — or write
-//! to the store except through [`crate::execute`].
+//! Owns: the planner state while leader, feeding the loop's events to the core's
+//! [`Pacer`] (which decides when to plan and whether requests are served), serving the
+//! requests of [`crate::CoordHandle`], and the leader's watch of its own key (it steps down
+//! the moment the key is no longer its own).
+//! Must not: decide anything itself — what to do comes from the core planner, when from the
+//! core pacer — or write to the store except through [`crate::execute`].
 //!
 //! Over 600 lines: every arm of the leader loop mutates the term's one state, and its unit
 //! tests sit at the end; splitting the loop would spread that state's borrows over modules.
@@ -13,9 +15,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use chanwatch_core::planner::pacer::REQUESTS_PER_TURN;
 #[cfg(feature = "planted-bugs")]
 use chanwatch_core::planner::PlannerBug;
-use chanwatch_core::planner::{AdminError, PlannedTxn, Planner, Transition};
+use chanwatch_core::planner::{AdminError, GateLog, Pacer, PlannedTxn, Planner, Transition};
 use chanwatch_core::{ChannelName, NodeId};
 use chanwatch_store::{Clock, EventKind, KeyRange, LeaseId, ListWatch, MetaStore, Renewal, Update};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -26,16 +29,7 @@ use crate::availability::StoreAvailability;
 use crate::coordinator::CoordinatorConfig;
 use crate::execute::millis;
 use crate::handle::{refuse, ApiError, CoordStatus, Request};
-use crate::losses::LossHold;
 use crate::watch_health::{resync_wait, stall_limit, StallCheck};
-
-/// Least time between two plans driven by store events (ticks and admin requests aside).
-const PLAN_EVERY: Duration = Duration::from_millis(10);
-
-/// Most admin requests served in one turn of the leader loop. Every turn ends by draining
-/// the watch and planning when a plan is due, so a burst of requests delays a watch batch
-/// (a dead node, an ack) by at most this many requests and one plan round.
-const REQUESTS_PER_TURN: usize = 16;
 
 /// How a term as leader ended.
 pub(crate) enum TermEnd {
@@ -53,6 +47,27 @@ pub(crate) struct Failover {
     left: Vec<ChannelName>,
 }
 
+/// Whether rounds wait for a burst of session losses to be over: always, but under the
+/// planted `NoLossHold`.
+fn hold_losses(config: &CoordinatorConfig) -> bool {
+    #[cfg(feature = "planted-bugs")]
+    let hold = !config.planner.planted(PlannerBug::NoLossHold);
+    #[cfg(not(feature = "planted-bugs"))]
+    let hold = {
+        let _ = config;
+        true
+    };
+    hold
+}
+
+/// Sleeps until `at`, or forever when there is nothing to wake for.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// One term as leader.
 pub(crate) struct Term<'a> {
     pub(crate) store: Arc<dyn MetaStore>,
@@ -66,8 +81,11 @@ pub(crate) struct Term<'a> {
     pub(crate) status: &'a watch::Sender<CoordStatus>,
     /// Sessions seen gone, with the channels they held, until those are all Watched again.
     pub(crate) failovers: Vec<Failover>,
-    /// The hold over a burst of session losses, and the store's commit pace that sets it.
-    pub(crate) losses: LossHold,
+    /// When to plan and whether requests are served (the core's decisions; this loop only
+    /// feeds it), the hold over a burst of session losses among them.
+    pub(crate) pacer: Pacer,
+    /// The term's start: the pacer's times are durations since it.
+    pub(crate) origin: tokio::time::Instant,
     /// A request (drain, balance) wants a plan round; the loop runs it when its view is
     /// fresh (found by the simulation: a balance request right after an etcd outage planned
     /// from the stale view and fenced a node that was releasing).
@@ -107,7 +125,8 @@ impl<'a> Term<'a> {
             state: Planner::new(config.keys.clone(), config.planner.clone()),
             status,
             failovers: Vec::new(),
-            losses: LossHold::default(),
+            pacer: Pacer::new(hold_losses(config)),
+            origin: clock.now(),
             replan: false,
             availability: StoreAvailability::new(
                 config.session_ttl,
@@ -170,23 +189,10 @@ impl<'a> Term<'a> {
             resyncs,
         ));
         tokio::pin!(resync);
-        let mut recovered = false;
         let mut restarts_seen = 0;
-        // A plan walks every channel that needs attention (all of them during a burst), so
-        // bursts of events (a failover's acks arrive one batch each) are planned together:
-        // at most one plan per `PLAN_EVERY`.
-        let mut dirty = false;
-        let mut ticked = false;
-        let mut last_plan = self.clock.now() - PLAN_EVERY;
-        // A plan costs O(channels needing attention), which is every channel during a mass
-        // registration; spacing plans by twice their own cost keeps planning to at most a
-        // third of the time, so nodes and acks are not starved on a big cluster.
-        let mut plan_gap = PLAN_EVERY;
-        // The last round's txns were refused and the next one was let run at once.
-        let mut retried = false;
-        // When the cold-start gate's wait was last logged (`None`: not waiting).
-        let mut last_gate_log: Option<tokio::time::Instant> = None;
         loop {
+            let blinded = blind.borrow().is_some();
+            let wake = self.pacer.wake_at(blinded).map(|at| self.origin + at);
             tokio::select! {
                 biased;
                 () = shutdown.as_mut() => return TermEnd::Shutdown,
@@ -200,27 +206,24 @@ impl<'a> Term<'a> {
                     // Timers stood still while the store was away; a new term starts with
                     // one watch timeout of grace, knowing nothing of what came before.
                     if relisted {
-                        let away = self.availability.relisted(self.clock.now(), !recovered);
+                        let away = self
+                            .availability
+                            .relisted(self.clock.now(), !self.pacer.recovered());
                         if !away.is_zero() {
                             debug!(away_ms = millis(away), "coord: the store was away; timeouts wait as long");
                             self.timers_stand_still(away);
                         }
                     }
-                    dirty = true;
+                    self.pacer.changed();
                 }
                 _ = tick.tick() => {
-                    dirty |= recovered;
-                    ticked = true;
-                    // A leader that cannot list or watch (e.g. its auth token expired while
-                    // its lease renewals, which need none, still pass) plans from a stale
-                    // view and holds the key from a standby that might do better: it steps
-                    // down after a TTL of blindness, as it would after a TTL of failed
-                    // renewals.
+                    self.pacer.tick();
                     let since = *blind.borrow();
                     if let Some(since) = since {
                         self.availability.unreachable(since);
-                        let for_ = self.clock.now().saturating_duration_since(since);
-                        if for_ >= self.config.session_ttl {
+                        if let Some(for_) =
+                            Pacer::resign_blind(self.since(self.clock.now()), Some(self.since(since)), self.config.session_ttl)
+                        {
                             return TermEnd::Lost(format!(
                                 "could not list or watch the store for {} ms (session TTL {} ms); resigning so a standby can lead",
                                 for_.as_millis(),
@@ -229,7 +232,7 @@ impl<'a> Term<'a> {
                         }
                     }
                 }
-                () = tokio::time::sleep_until(self.plan_at(last_plan + plan_gap)), if dirty && blind.borrow().is_none() => {}
+                () = sleep_until_some(wake) => {}
                 stalled = stall.stalled() => {
                     let behind = self.clock.now().saturating_duration_since(stalled.sent);
                     warn!(
@@ -247,7 +250,7 @@ impl<'a> Term<'a> {
                     if let Err(why) = self.bulk_written(written) {
                         return TermEnd::Lost(why);
                     }
-                    dirty = true;
+                    self.pacer.changed();
                 }
                 () = &mut resync => {
                     lw.relist();
@@ -259,7 +262,7 @@ impl<'a> Term<'a> {
                     let mut next = Some(req);
                     let mut served = 0;
                     while let Some(req) = next.take() {
-                        if !recovered {
+                        if !self.pacer.recovered() {
                             refuse(req, ApiError::Store("the leader is still recovering; retry shortly".into()));
                         } else if let Err(why) = self.handle(req).await {
                             return TermEnd::Lost(why);
@@ -270,9 +273,7 @@ impl<'a> Term<'a> {
                         }
                     }
                     if std::mem::take(&mut self.replan) {
-                        // Plan now (not after `plan_gap`), unless the view is stale.
-                        dirty = true;
-                        last_plan = self.clock.now() - plan_gap;
+                        self.pacer.replan(self.since(self.clock.now()));
                     }
                 }
             }
@@ -281,15 +282,14 @@ impl<'a> Term<'a> {
                 if let Err(why) = self.apply(more) {
                     return TermEnd::Lost(why);
                 }
-                dirty = true;
+                self.pacer.changed();
             }
             // A failover is done when its last ack is seen, not at the next plan round (that
-            // waited up to `plan_gap`: ~70 ms at 10,000 channels).
+            // waited up to the plan gap: ~70 ms at 10,000 channels).
             if !self.failovers.is_empty() {
                 self.finish_failovers();
             }
-            if dirty && !recovered {
-                recovered = true;
+            if self.pacer.recover() {
                 info!(
                     channels = self.state.channel_count(),
                     nodes = self.state.nodes().len(),
@@ -302,100 +302,100 @@ impl<'a> Term<'a> {
                 .watch_restarts
                 .inc_by(restarts - restarts_seen);
             restarts_seen = restarts;
-            // No plan from a view the list-watch cannot refresh (the store is away): its
-            // timers would fire on time that measured etcd's absence (see
-            // `Planner::store_was_away`), and what it plans would be refused anyway.
-            if dirty
-                && self.clock.now() >= self.plan_at(last_plan + plan_gap)
-                && blind.borrow().is_none()
+            if self
+                .pacer
+                .due(self.since(self.clock.now()), blind.borrow().is_some())
             {
-                self.losses.planned();
-                last_plan = self.clock.now();
-                dirty = false;
-                // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand
-                // still, round by round, as they do while the store is away.
-                // Until the next refusal: a round that writes nothing must not keep the
-                // timers (and forgotten moves) frozen forever (found by the simulation: 16
-                // balance moves whose txns NOSPACE refused blocked balance for good).
-                if let Some(refused) = self.availability.writes_taken(self.clock.now()) {
-                    self.timers_stand_still(refused);
-                }
-                if self.bulk.len() > 0 {
-                    self.state.hold_balance(self.clock.unix_ms());
-                }
-                let txns = self.state.plan(self.clock.unix_ms());
-                let planned = (
-                    txns.len(),
-                    self.clock.now().saturating_duration_since(last_plan),
-                );
-                if let Some(w) = self.state.startup_wait(self.clock.unix_ms()) {
-                    if !last_gate_log.is_some_and(|t| self.clock.now() < t + Duration::from_secs(1))
-                    {
-                        last_gate_log = Some(self.clock.now());
-                        info!(
-                            live = w.live,
-                            expected = w.expected,
-                            left_s = w.left_ms.div_ceil(1000),
-                            "coord: cold start: waiting for {} more node(s) ({} of {} expected are live), {}s left",
-                            w.expected.saturating_sub(w.live),
-                            w.live,
-                            w.expected,
-                            w.left_ms.div_ceil(1000)
-                        );
-                    }
-                } else if last_gate_log.take().is_some() {
-                    info!(
-                        nodes = self.state.nodes().len(),
-                        "coord: cold start: placing channels"
-                    );
-                }
-                plan_gap =
-                    PLAN_EVERY.max(self.clock.now().saturating_duration_since(last_plan) * 2);
-                let executing = self.clock.now();
-                let result = self.execute(txns).await;
-                if planned.0 > 0 {
-                    debug!(
-                        txns = planned.0,
-                        plan_us = u64::try_from(planned.1.as_micros()).unwrap_or(u64::MAX),
-                        execute_us = u64::try_from(
-                            self.clock
-                                .now()
-                                .saturating_duration_since(executing)
-                                .as_micros()
-                        )
-                        .unwrap_or(u64::MAX),
-                        "coord: planned and wrote a round"
-                    );
-                }
-                match result {
-                    // Re-plan on the refreshed view without waiting for another event or
-                    // the plan gap: a refusal's read-back fixed the view (found by the
-                    // failover bench: sessions lost together but seen in two watch batches
-                    // made the first round's txns fail on the second batch's dead nodes, and
-                    // the retry waited out the gap, ~10 ms). At once — unless the read-back
-                    // found more sessions gone: the burst is not over, and the retry waits
-                    // for its quiet period (`losses.rs`) like any loss.
-                    // Once in a row: a view the read-back cannot fix retries at the gap's
-                    // pace, not in a tight loop.
-                    Ok(refused) if refused > 0 => {
-                        dirty = true;
-                        if !retried {
-                            retried = true;
-                            last_plan = self.clock.now() - plan_gap;
-                        }
-                    }
-                    Ok(_) => retried = false,
-                    Err(why) => return TermEnd::Lost(why),
-                }
-                self.finish_failovers();
-                self.config.metrics.observe(&self.state, ticked);
-                ticked = false;
-                if recovered && !self.status.borrow().ready {
-                    self.status.send_modify(|s| s.ready = true);
-                    info!("coord: recovered and ready");
+                if let Err(why) = self.round().await {
+                    return TermEnd::Lost(why);
                 }
             }
         }
+    }
+
+    /// `at` as the pacer's time: since the term began.
+    fn since(&self, at: tokio::time::Instant) -> Duration {
+        at.saturating_duration_since(self.origin)
+    }
+
+    /// One plan round: plan from the view, write the txns, book the outcome.
+    async fn round(&mut self) -> Result<(), String> {
+        let began = self.clock.now();
+        self.pacer.round_begins(self.since(began));
+        // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand still,
+        // round by round, as they do while the store is away. Until the next refusal: a round
+        // that writes nothing must not keep the timers (and forgotten moves) frozen forever
+        // (found by the simulation: 16 balance moves whose txns NOSPACE refused blocked
+        // balance for good).
+        if let Some(refused) = self.availability.writes_taken(began) {
+            self.timers_stand_still(refused);
+        }
+        if self.bulk.len() > 0 {
+            self.state.hold_balance(self.clock.unix_ms());
+        }
+        let txns = self.state.plan(self.clock.unix_ms());
+        let planned = (
+            txns.len(),
+            self.clock.now().saturating_duration_since(began),
+        );
+        let gate = self.state.startup_wait(self.clock.unix_ms());
+        match self
+            .pacer
+            .gate(self.since(self.clock.now()), gate.is_some())
+        {
+            GateLog::Waiting => {
+                if let Some(w) = gate {
+                    info!(
+                        live = w.live,
+                        expected = w.expected,
+                        left_s = w.left_ms.div_ceil(1000),
+                        "coord: cold start: waiting for {} more node(s) ({} of {} expected are live), {}s left",
+                        w.expected.saturating_sub(w.live),
+                        w.live,
+                        w.expected,
+                        w.left_ms.div_ceil(1000)
+                    );
+                }
+            }
+            GateLog::Opened => info!(
+                nodes = self.state.nodes().len(),
+                "coord: cold start: placing channels"
+            ),
+            GateLog::Quiet => {}
+        }
+        self.pacer.round_planned(self.since(self.clock.now()));
+        let executing = self.clock.now();
+        let result = self.execute(txns).await;
+        if planned.0 > 0 {
+            debug!(
+                txns = planned.0,
+                plan_us = u64::try_from(planned.1.as_micros()).unwrap_or(u64::MAX),
+                execute_us = u64::try_from(
+                    self.clock
+                        .now()
+                        .saturating_duration_since(executing)
+                        .as_micros()
+                )
+                .unwrap_or(u64::MAX),
+                "coord: planned and wrote a round"
+            );
+        }
+        // Refused txns: the read-back fixed the view, and the pacer re-plans at once (found
+        // by the failover bench: sessions lost together but seen in two watch batches made
+        // the first round's txns fail on the second batch's dead nodes, and the retry waited
+        // out the gap, ~10 ms) — unless the read-back found more sessions gone: the burst is
+        // not over, and the retry waits for its quiet period like any loss.
+        let refused = result?;
+        self.pacer
+            .round_written(self.since(self.clock.now()), refused);
+        self.finish_failovers();
+        let ticked = self.pacer.take_ticked();
+        self.config.metrics.observe(&self.state, ticked);
+        if self.pacer.recovered() && !self.status.borrow().ready {
+            self.status.send_modify(|s| s.ready = true);
+            info!("coord: recovered and ready");
+        }
+        Ok(())
     }
 
     /// Applies what the list-watch delivered. `Err` when it shows that the leader key is no
@@ -538,7 +538,7 @@ impl<'a> Term<'a> {
                 node = %id,
                 channels = held.len(),
                 seen_by = how,
-                wait_for_more_ms = self.losses.quiet().as_secs_f64() * 1e3,
+                wait_for_more_ms = self.pacer.quiet().as_secs_f64() * 1e3,
                 "coord: node session gone; its channels fail over once no other loss is seen for wait_for_more_ms (at most 40 ms after the first of a burst)"
             );
         }
@@ -551,7 +551,7 @@ impl<'a> Term<'a> {
             )),
         );
         if !held.is_empty() {
-            self.losses.lost(self.clock.now());
+            self.pacer.lost(self.since(self.clock.now()));
         }
         // Bounded: a storm of dead nodes must not grow this without limit.
         if !held.is_empty() && self.failovers.len() < 1024 {
@@ -562,16 +562,6 @@ impl<'a> Term<'a> {
                 left: held,
             });
         }
-    }
-
-    /// When the next plan may run: not before `not_before`, nor while it waits for more
-    /// session losses of the same burst.
-    fn plan_at(&self, not_before: tokio::time::Instant) -> tokio::time::Instant {
-        #[cfg(feature = "planted-bugs")]
-        if self.config.planner.planted(PlannerBug::NoLossHold) {
-            return not_before;
-        }
-        self.losses.plan_at(not_before)
     }
 
     /// Records a node event when `key` is the session of a node the view does not know yet.
@@ -701,8 +691,12 @@ impl<'a> Term<'a> {
                 return Ok(());
             }
         };
-        let started = self.clock.now();
-        let result = self.store.txn(self.encoder().txn(&txn)).await;
+        let mut send =
+            crate::execute::sends(self.store.clone(), Arc::new(self.encoder()), vec![txn]);
+        let Some(one) = send.next() else {
+            return Ok(()); // one txn in, one send out
+        };
+        let (txn, result, started) = one.await;
         self.record_txn(&result, started, txn.ops.len() <= crate::execute::PACE_OPS);
         match result {
             Ok(r) if r.succeeded => {
@@ -732,7 +726,7 @@ impl<'a> Term<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::losses::{HOLD_MAX, QUIET_MIN};
+    use chanwatch_core::planner::pacer::{HOLD_MAX, QUIET_MIN};
     use chanwatch_core::Keys;
     use chanwatch_store::{EmbeddedStore, KeyValue};
 
@@ -785,6 +779,14 @@ mod tests {
                 why.contains("deposed") || why.contains("gone"),
                 "{case}: {why}"
             );
+        }
+    }
+
+    impl Term<'_> {
+        /// When a round may run, not before `not_before` (the gap's end), as the pacer sees
+        /// the losses this term fed it.
+        fn plan_at(&self, not_before: tokio::time::Instant) -> tokio::time::Instant {
+            not_before.max(self.origin + self.pacer.round_at())
         }
     }
 

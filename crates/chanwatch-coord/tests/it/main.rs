@@ -7,6 +7,7 @@
 mod api;
 mod browser;
 mod bulk;
+mod burst;
 mod cluster;
 mod events;
 mod leader;

@@ -309,6 +309,27 @@ impl Planner {
         })
     }
 
+    /// Undrain `node`: the txn that deletes its drain mark, `None` when it has none (nothing
+    /// to do), or [`AdminError::UnknownNode`] when it has neither a mark nor a session (most
+    /// likely a mistyped ID: said rather than "nothing to do"). Balance fills it afterwards.
+    ///
+    /// # Errors
+    /// [`AdminError::UnknownNode`], as above.
+    pub fn undrain(&self, node: NodeId) -> Result<Option<PlannedTxn>, AdminError> {
+        if !self.draining.contains(&node) {
+            return if self.nodes.contains_key(&node) {
+                Ok(None)
+            } else {
+                Err(AdminError::UnknownNode(node))
+            };
+        }
+        Ok(Some(PlannedTxn {
+            guards: Vec::new(),
+            ops: vec![Op::Undrain { node }],
+            transitions: Vec::new(),
+        }))
+    }
+
     /// The moves balance would make now, without making them.
     pub fn balance_plan(&self) -> Vec<PlannedMove> {
         // As if no move were in flight and any number could be: loads are the keys each
@@ -451,5 +472,22 @@ mod tests {
             .add_channel(name("c"), VChannelInfo::default(), 0)
             .expect("new");
         assert!(matches!(&txn.ops[..], [Op::Put { owner, .. }] if *owner == n(2)));
+    }
+
+    #[test]
+    fn undrain_deletes_a_drain_mark_does_nothing_without_one_and_refuses_an_unknown_node() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        assert_eq!(w.state.undrain(NodeId(1)), Ok(None), "live, not draining");
+        assert_eq!(
+            w.state.undrain(NodeId(9)),
+            Err(AdminError::UnknownNode(NodeId(9)))
+        );
+        let txn = w.state.drain(NodeId(1)).expect("live");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
+        let undrain = w.state.undrain(NodeId(1)).expect("known").expect("a mark");
+        assert_eq!(undrain.ops, vec![Op::Undrain { node: NodeId(1) }]);
+        assert!(undrain.transitions.is_empty());
     }
 }

@@ -36,6 +36,10 @@
 //! - `admin`: operator commands (add, remove, move, drain, the balance plan), [`AdminError`];
 //! - `bulk`: registering a list of channels at once, packed ([`Planner::add_channels`]);
 //! - `rows`: [`ChannelRow`] and [`NodeRow`] for `ctl` and the admin API;
+//! - `pacer`: when the leader plans and what it serves — [`Pacer`] (round spacing, the retry
+//!   of a refused round, the hold over a burst of session losses, recovery, a blind leader's
+//!   resignation, the cold-start gate's log); a struct of its own beside the planner, fed by
+//!   the coordinator's loop;
 //! - `tests` (test builds only): the `World` helper every module's tests use, and the tests
 //!   of the planner as a whole.
 
@@ -44,6 +48,7 @@ mod bulk;
 mod commands;
 mod config;
 mod fencing;
+pub mod pacer;
 mod packing;
 mod passes;
 mod placement;
@@ -58,6 +63,7 @@ pub use commands::{Cause, Guard, Op, PlannedTxn, Transition};
 #[cfg(feature = "planted-bugs")]
 pub use config::PlannerBug;
 pub use config::PlannerConfig;
+pub use pacer::{GateLog, Pacer};
 pub use placement::{Load, Loads, MaxLoad, PlannedMove, Want};
 pub use planned::StartupWait;
 pub use rows::{ChannelRow, NodeRow};

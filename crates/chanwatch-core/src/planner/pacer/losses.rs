@@ -2,8 +2,9 @@
 //!
 //! Owns: the burst's first and last loss, and the pace at which the store commits writes
 //! (from the leader's own txns), which sets how long a burst is waited for.
-//! Must not: plan, write, or read the store — the leader's loop ([`crate::term`]) asks it
-//! when the next plan may run and tells it what it saw.
+//! Must not: plan, write, or read the store or a clock — the [`Pacer`](super::Pacer) asks it
+//! when the next plan may run and tells it what the leader saw, with the time as an argument
+//! (monotonic, since any fixed origin).
 //!
 //! Why a hold: nodes that die together (a rack; etcd revokes the expired leases it finds
 //! together, each in a revoke of its own) are seen in several watch batches, and a round
@@ -21,20 +22,18 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 /// Least quiet period after a loss (the whole of it before the pace was measured).
-pub(crate) const QUIET_MIN: Duration = Duration::from_millis(2);
+pub const QUIET_MIN: Duration = Duration::from_millis(2);
 /// Most quiet period after a loss, however slow the store commits.
-pub(crate) const QUIET_MAX: Duration = Duration::from_millis(20);
+pub const QUIET_MAX: Duration = Duration::from_millis(20);
 /// Losses that keep coming hold the plan no longer than this after the first.
-pub(crate) const HOLD_MAX: Duration = Duration::from_millis(40);
+pub const HOLD_MAX: Duration = Duration::from_millis(40);
 
 /// The hold over a burst of session losses (see the module docs).
 #[derive(Debug, Default)]
-pub(crate) struct LossHold {
+pub struct LossHold {
     /// When the first and the last loss of the current burst were seen.
-    burst: Option<(Instant, Instant)>,
+    burst: Option<(Duration, Duration)>,
     /// How long the leader's last [`PACE_TXNS`] small txns sent alone took (the caller
     /// picks them: txns of a round queue behind each other, and a large one times etcd's
     /// apply as much as its commit), oldest overwritten first; the least of them is the
@@ -50,7 +49,7 @@ const PACE_TXNS: usize = 8;
 
 impl LossHold {
     /// Notes a txn of the leader's that took `took` from send to answer.
-    pub(crate) fn wrote(&mut self, took: Duration) {
+    pub fn wrote(&mut self, took: Duration) {
         if self.recent.len() < PACE_TXNS {
             self.recent.push(took);
         } else {
@@ -60,13 +59,13 @@ impl LossHold {
     }
 
     /// Notes a session lost at `now` that held channels.
-    pub(crate) fn lost(&mut self, now: Instant) {
+    pub fn lost(&mut self, now: Duration) {
         self.burst = Some((self.burst.map_or(now, |(first, _)| first), now));
     }
 
     /// How long no other loss must be seen before the burst counts as over: twice the
     /// store's commit time, within [`QUIET_MIN`, `QUIET_MAX`].
-    pub(crate) fn quiet(&self) -> Duration {
+    pub fn quiet(&self) -> Duration {
         self.recent
             .iter()
             .min()
@@ -76,7 +75,7 @@ impl LossHold {
 
     /// When the next plan may run: not before `not_before`, nor while a burst may still be
     /// going on.
-    pub(crate) fn plan_at(&self, not_before: Instant) -> Instant {
+    pub fn plan_at(&self, not_before: Duration) -> Duration {
         match self.burst {
             Some((first, last)) => not_before.max((last + self.quiet()).min(first + HOLD_MAX)),
             None => not_before,
@@ -84,7 +83,7 @@ impl LossHold {
     }
 
     /// A plan round ran: the burst is planned.
-    pub(crate) fn planned(&mut self) {
+    pub fn planned(&mut self) {
         self.burst = None;
     }
 }
@@ -123,7 +122,7 @@ mod tests {
 
     #[test]
     fn a_burst_holds_the_plan_until_it_is_quiet_or_held_long_enough() {
-        let t0 = Instant::now();
+        let t0 = ms(1000);
         let mut h = LossHold::default();
         assert_eq!(h.plan_at(t0), t0, "no loss: no hold");
         h.wrote(ms(3));
