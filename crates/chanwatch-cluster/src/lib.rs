@@ -22,7 +22,7 @@ use chanwatch_coord::{
 use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::{Keys, NodeId};
 use chanwatch_node::{ChannelHandler, NodeConfig, NodeError, NodeMetrics, NodeStatus, Stop};
-use chanwatch_store::{Clock, MetaStore};
+use chanwatch_store::{millis, Clock, MetaStore};
 use thiserror::Error;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -103,10 +103,6 @@ impl Timings {
             ..NodeConfig::default()
         }
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Runs `f` except while the gate says paused: a frozen process.

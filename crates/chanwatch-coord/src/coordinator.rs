@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use chanwatch_core::planner::PlannerConfig;
 use chanwatch_core::Keys;
-use chanwatch_store::{Clock, MetaStore};
+use chanwatch_store::{millis, Clock, MetaStore};
 use tracing::error;
 
 use crate::handle::HandleEnds;
@@ -189,14 +189,14 @@ impl CoordinatorBuilder {
 
     /// How long a node may take to load a channel and ack it before it is reassigned.
     pub fn watch_timeout(mut self, timeout: Duration) -> Self {
-        self.config.planner.watch_timeout_ms = crate::execute::millis(timeout);
+        self.config.planner.watch_timeout_ms = millis(timeout);
         self
     }
 
     /// How long a node may take to release a channel before it is fenced (its lease
     /// revoked); must exceed the nodes' session TTL.
     pub fn release_timeout(mut self, timeout: Duration) -> Self {
-        self.config.planner.release_timeout_ms = crate::execute::millis(timeout);
+        self.config.planner.release_timeout_ms = millis(timeout);
         self
     }
 

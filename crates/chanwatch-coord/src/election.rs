@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use chanwatch_core::CoordSession;
 use chanwatch_store::{
-    keep_lease, Clock, Compare, EventKind, KeyValue, MetaStore, OpResponse, Renewal, StoreError,
-    Txn, TxnOp,
+    keep_lease, Backoff, Clock, Compare, EventKind, KeyValue, MetaStore, OpResponse, Renewal,
+    StoreError, Txn, TxnOp,
 };
 use futures_util::StreamExt;
 use tokio::sync::{mpsc, watch};
@@ -25,10 +25,8 @@ use crate::coordinator::CoordinatorConfig;
 use crate::handle::{refuse, ApiError, CoordStatus, Request};
 use crate::term::{Term, TermEnd};
 
-/// First wait after a failed store call.
-const BACKOFF_START: Duration = Duration::from_millis(200);
-/// Longest wait between two attempts.
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// The wait after a failed store call: 200 ms, doubling up to 5 s.
+const BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 
 /// Why a coordinator could not start, or stopped for good.
 #[derive(Debug, thiserror::Error)]
@@ -51,16 +49,10 @@ pub enum CoordError {
     NoRuntime,
 }
 
-/// Jittered exponential back-off: `attempt` 1 waits about [`BACKOFF_START`], doubling up to
-/// [`BACKOFF_MAX`]. The jitter (up to half the wait) comes from a hash of who waits and how
-/// often, so coordinators spread out and a simulation replays the same waits.
+/// The wait before retry `attempt` (from 1) of the coordinator `id`: the jitter's seed is who
+/// waits and how often, so coordinators spread out.
 fn backoff(id: &str, attempt: u32) -> Duration {
-    use std::hash::{Hash, Hasher};
-    let exp = BACKOFF_START.saturating_mul(1u32 << attempt.saturating_sub(1).min(10));
-    let capped = exp.min(BACKOFF_MAX);
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (id, attempt).hash(&mut h);
-    capped.saturating_sub(capped.mul_f64((h.finish() % 500) as f64 / 1000.0))
+    BACKOFF.wait(attempt, (id, attempt))
 }
 
 /// Logs a failed store call the way its kind deserves: an outage is a warning; anything
@@ -442,22 +434,7 @@ mod tests {
     }
 
     #[test]
-    fn backoff_grows_to_its_cap_with_jitter_below_the_nominal_wait() {
-        let waits: Vec<Duration> = (1..12).map(|a| backoff("c", a)).collect();
-        for (i, w) in waits.iter().enumerate() {
-            let nominal = BACKOFF_START
-                .saturating_mul(1 << i.min(10))
-                .min(BACKOFF_MAX);
-            assert!(
-                *w <= nominal && *w >= nominal / 2,
-                "attempt {}: {w:?}",
-                i + 1
-            );
-        }
-        assert_ne!(
-            backoff("a", 3),
-            backoff("b", 3),
-            "jitter differs per coordinator"
-        );
+    fn the_backoff_differs_per_coordinator() {
+        assert_ne!(backoff("a", 3), backoff("b", 3));
     }
 }

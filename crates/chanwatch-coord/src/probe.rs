@@ -7,14 +7,16 @@
 //! running, and carries the answers of the last finished round (none on the first). A round
 //! asks every node at once, each with [`ASK_TIMEOUT`].
 //!
-//! Owns: those reads ([`ask`], which `ctl` uses too) and their cache. Must not: make a summary wait for a node, write
-//! anything, or start more than one round per [`FRESH`].
+//! Owns: those reads ([`ask_all`], which `ctl` uses too), what they make of an
+//! answer ([`NodeSays`]; the answer's shape is the wire type [`StatusAnswer`]) and their cache.
+//! Must not: make a summary wait for a node, write anything, or start more than one round per
+//! [`FRESH`].
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use serde_json::Value;
+use chanwatch_core::StatusAnswer;
 use tokio::time::Instant;
 
 /// How old the last round's answers may be before a summary starts another.
@@ -23,7 +25,7 @@ pub const FRESH: Duration = Duration::from_secs(3);
 /// How long one node may take to answer.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// What a node said about itself.
+/// What a node said about itself (the coordinator's status page and `ctl` show it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeSays {
     /// Running its channels.
@@ -84,50 +86,65 @@ impl NodeProbe {
 
     /// Asks every node at once.
     async fn round(&self, nodes: &[(u64, String)]) -> BTreeMap<u64, NodeSays> {
-        let client = self.client.get_or_init(|| {
-            reqwest::Client::builder()
-                .timeout(ASK_TIMEOUT)
-                .build()
-                .map_err(|e| format!("no HTTP client: {e}"))
-        });
-        let client = match client {
-            Ok(c) => c,
-            Err(why) => {
-                return nodes
-                    .iter()
-                    .map(|(id, _)| (*id, NodeSays::Unknown(why.clone())))
-                    .collect();
-            }
-        };
-        let asks = nodes
-            .iter()
-            .map(|(id, addr)| async move { (*id, ask(client, addr).await) });
-        futures_util::future::join_all(asks)
-            .await
-            .into_iter()
-            .collect()
+        let client = self.client.get_or_init(client);
+        ask_all(client.as_ref().map_err(String::as_str), nodes).await
     }
 }
 
-/// What the node whose admin HTTP is at `addr` says of itself (its `GET /status`); `ctl`
-/// asks the same way.
-pub async fn ask(client: &reqwest::Client, addr: &str) -> NodeSays {
+/// A client for asking nodes, each given [`ASK_TIMEOUT`], or why there is none.
+///
+/// # Errors
+/// Why no client could be built (what every node's answer then says).
+pub fn client() -> Result<reqwest::Client, String> {
+    reqwest::Client::builder()
+        .timeout(ASK_TIMEOUT)
+        .build()
+        .map_err(|e| format!("no HTTP client: {e}"))
+}
+
+/// Asks every node of `nodes` (ID, admin address) at once with `client` ([`client`]'s
+/// answer), by ID.
+pub async fn ask_all(
+    client: Result<&reqwest::Client, &str>,
+    nodes: &[(u64, String)],
+) -> BTreeMap<u64, NodeSays> {
+    let client = match client {
+        Ok(c) => c,
+        Err(why) => {
+            return nodes
+                .iter()
+                .map(|(id, _)| (*id, NodeSays::Unknown(why.to_owned())))
+                .collect();
+        }
+    };
+    let asks = nodes
+        .iter()
+        .map(|(id, addr)| async move { (*id, ask(client, addr).await) });
+    futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .collect()
+}
+
+/// What the node whose admin HTTP is at `addr` says of itself (its `GET /status`).
+async fn ask(client: &reqwest::Client, addr: &str) -> NodeSays {
     if addr.is_empty() {
         return NodeSays::Unknown("the node serves no admin HTTP".into());
     }
-    let status: Value = match client.get(format!("http://{addr}/status")).send().await {
+    let status: StatusAnswer = match client.get(format!("http://{addr}/status")).send().await {
         Ok(resp) => match resp.json().await {
             Ok(v) => v,
-            Err(e) => return NodeSays::Unknown(format!("{addr}/status is not JSON: {e}")),
+            Err(e) => {
+                return NodeSays::Unknown(format!("{addr}/status is not a node's status: {e}"))
+            }
         },
         Err(e) => return NodeSays::Unknown(format!("{addr} did not answer: {e}")),
     };
-    if status["paused"] == Value::Bool(true) {
+    if status.paused {
         NodeSays::Paused(
-            status["paused_reason"]
-                .as_str()
-                .unwrap_or("no reason given")
-                .to_owned(),
+            status
+                .paused_reason
+                .unwrap_or_else(|| "no reason given".to_owned()),
         )
     } else {
         NodeSays::Running
@@ -137,6 +154,8 @@ pub async fn ask(client: &reqwest::Client, addr: &str) -> NodeSays {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use serde_json::Value;
 
     async fn serve(body: Value) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

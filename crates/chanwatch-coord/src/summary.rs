@@ -375,7 +375,7 @@ impl CoordHandle {
         let ask = nodes.iter().map(|n| (n.id, n.admin_addr.clone())).collect();
         let answers = self.probe().answers(ask);
         let mut out = PausedNodes {
-            asked_ms_ago: answers.at.map(|t| crate::execute::millis(t.elapsed())),
+            asked_ms_ago: answers.at.map(|t| chanwatch_store::millis(t.elapsed())),
             ..PausedNodes::default()
         };
         for n in nodes {

@@ -40,11 +40,13 @@ pub mod keys;
 pub mod natural;
 pub mod node;
 pub mod planner;
+pub mod status;
 pub mod types;
 
 pub use error::{DecodeError, KeyError, NameError};
 pub use keys::{ChannelKey, ChannelOwner, KeyKind, Keys};
 pub use natural::natural;
+pub use status::StatusAnswer;
 pub use types::{
     ChannelInfo, ChannelName, ChannelState, Checkpoint, CoordSession, Epoch, NodeId, NodeSession,
     Progress, RoundHint, VChannelInfo, CHANNEL_INFO_VERSION, COORDINATOR_FIELDS,

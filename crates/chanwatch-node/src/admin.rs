@@ -1,30 +1,40 @@
 //! The node's admin HTTP: `GET /healthz` (the process answers), `GET /readyz` (200 once
 //! registered and not paused, else 503 with the reason), `GET /metrics` (Prometheus text) and
-//! `GET /status` (JSON: id, name, sessions, fences, paused, paused_reason, pauses) — what `ctl`
-//! and monitoring read.
+//! `GET /status` (JSON: id, name, sessions, fences, paused, paused_reason, pauses) — what `ctl`,
+//! the coordinator's status page and monitoring read.
 //!
-//! Owns: the routes and the status JSON's shape. Must not: change the node (read-only), or
-//! bind sockets (the caller serves the router where it wants).
+//! Owns: the routes, and filling the status JSON ([`StatusAnswer`], a wire type of
+//! `chanwatch-core`, which the readers deserialize: `chanwatch_coord::probe`, and `ctl`
+//! through it). Must not: change the node
+//! (read-only), or bind sockets (the caller serves the router where it wants).
 
 use axum::http::StatusCode;
 use axum::routing::get;
-use serde_json::json;
 use tokio::sync::watch;
 
 use crate::config::NodeStatus;
 
+pub use chanwatch_core::StatusAnswer;
+
+impl From<&NodeStatus> for StatusAnswer {
+    fn from(s: &NodeStatus) -> Self {
+        StatusAnswer {
+            id: s.id.map(|i| i.0),
+            name: s.name.clone(),
+            sessions: s.sessions,
+            fences: s.fences,
+            paused: s.paused.is_some(),
+            paused_reason: s.paused.clone(),
+            pauses: s.pauses,
+        }
+    }
+}
+
 /// The status as `GET /status` shows it.
 #[must_use]
 pub fn status_json(s: &NodeStatus) -> serde_json::Value {
-    json!({
-        "id": s.id.map(|i| i.0),
-        "name": s.name,
-        "sessions": s.sessions,
-        "fences": s.fences,
-        "paused": s.paused.is_some(),
-        "paused_reason": s.paused,
-        "pauses": s.pauses,
-    })
+    // A struct of numbers, strings and options always serializes.
+    serde_json::to_value(StatusAnswer::from(s)).unwrap_or_default()
 }
 
 /// Renders a registry as Prometheus text.
@@ -77,6 +87,8 @@ pub fn router(status: watch::Receiver<NodeStatus>, registry: prometheus::Registr
 mod tests {
     use super::*;
 
+    use serde_json::json;
+
     #[test]
     fn the_status_json_names_the_pause_and_why() {
         let s = NodeStatus {
@@ -93,6 +105,23 @@ mod tests {
         assert_eq!(v["paused_reason"], json!("no keepalive succeeded for 3s"));
         assert_eq!(v["pauses"], json!(2));
         assert_eq!(v["name"], json!("db-7"));
+        let back: StatusAnswer = serde_json::from_value(v).expect("a status answer");
+        assert_eq!(back, StatusAnswer::from(&s));
+    }
+
+    #[test]
+    fn an_answer_lacking_fields_reads_them_as_defaults() {
+        let a: StatusAnswer =
+            serde_json::from_value(json!({"paused": true, "paused_reason": "no keepalive"}))
+                .expect("a status answer");
+        assert_eq!(
+            a,
+            StatusAnswer {
+                paused: true,
+                paused_reason: Some("no keepalive".into()),
+                ..StatusAnswer::default()
+            }
+        );
     }
 
     async fn get_readyz(status: &NodeStatus) -> (StatusCode, String) {

@@ -14,7 +14,7 @@ use chanwatch_store::StoreError;
 pub struct NodeConfig {
     /// Key layout.
     pub keys: Keys,
-    /// Lease TTL of the session (minimum 2 s).
+    /// Lease TTL of the session (minimum 2 s: [`chanwatch_store::MIN_SESSION_TTL`]).
     pub session_ttl: Duration,
     /// How early, before the lease could expire, a node that cannot renew it stops its
     /// channels: `max(1 s, ttl / 5)` unless set.

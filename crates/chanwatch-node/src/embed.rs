@@ -84,7 +84,7 @@ impl NodeBuilder {
         self
     }
 
-    /// The session lease's TTL (default 10 s, minimum 2 s).
+    /// The session lease's TTL (default 10 s, minimum 2 s: [`chanwatch_store::MIN_SESSION_TTL`]).
     pub fn session_ttl(mut self, ttl: Duration) -> Self {
         self.config.session_ttl = ttl;
         self

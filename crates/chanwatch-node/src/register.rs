@@ -2,27 +2,20 @@
 //! session key.
 //!
 //! Owns: the ID allocation and the session value. Must not: serve the session (see
-//! `session.rs`) or retry by itself (the runtime's loop retries with [`register_backoff`]).
+//! `session.rs`) or retry by itself (the runtime's loop retries with [`REGISTER_BACKOFF`]).
 
 use chanwatch_core::{NodeId, NodeSession};
-use chanwatch_store::{Clock, Compare, MetaStore, StoreError, Txn, TxnOp};
+use chanwatch_store::{Backoff, Clock, Compare, MetaStore, StoreError, Txn, TxnOp};
 use std::time::Duration;
 
 use crate::config::NodeConfig;
 
-/// The wait before registration attempt `attempt` (from 1): 100 ms doubling to 5 s, less a
-/// jitter of up to half, picked from `seed` (the clock) so that nodes that failed together
+/// The wait before registration attempt `n` (from 1): 100 ms doubling to 5 s, less a jitter
+/// the runtime seeds with the clock's Unix time and `n`, so that nodes that failed together
 /// (an etcd restart, a NOSPACE alarm disarmed) do not retry together, and a simulation with a
 /// paused clock still replays the same waits.
-pub(crate) fn register_backoff(attempt: u32, seed: u64) -> Duration {
-    use std::hash::{Hash, Hasher};
-    let full = Duration::from_millis(100)
-        .saturating_mul(1u32 << attempt.saturating_sub(1).min(6))
-        .min(Duration::from_secs(5));
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (seed, attempt).hash(&mut h);
-    full.saturating_sub(full.mul_f64((h.finish() % 500) as f64 / 1000.0))
-}
+pub(crate) const REGISTER_BACKOFF: Backoff =
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
 /// A registered session.
 #[derive(Debug, Clone, Copy)]

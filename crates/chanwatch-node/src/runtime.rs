@@ -8,14 +8,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chanwatch_store::{Clock, MetaStore};
+use chanwatch_store::{Clock, MetaStore, MIN_SESSION_TTL};
 use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::config::{NodeConfig, NodeError, NodeStatus, Stop};
 use crate::handler::ChannelHandler;
-use crate::register::{register, register_backoff};
+use crate::register::{register, REGISTER_BACKOFF};
 use crate::session::{Session, SessionEnd};
 
 /// Runs a node until `shutdown` completes: register, serve, fence and re-register as needed.
@@ -114,7 +114,7 @@ pub async fn run_until(
             Err(e) if e.is_config() && !registered_once => return Err(NodeError::Store(e)),
             Err(e) => {
                 attempt += 1;
-                let wait = register_backoff(attempt, clock.unix_ms());
+                let wait = REGISTER_BACKOFF.wait(attempt, (clock.unix_ms(), attempt));
                 // Say it once per kind of trouble, then quietly keep trying.
                 let text = e.to_string();
                 if last_error.as_deref() != Some(text.as_str()) {
@@ -160,9 +160,9 @@ pub async fn run_until(
 
 /// Refuses a configuration that cannot work.
 pub(crate) fn check(config: &NodeConfig) -> Result<(), NodeError> {
-    if config.session_ttl < Duration::from_secs(2) {
+    if config.session_ttl < MIN_SESSION_TTL {
         return Err(NodeError::Config(format!(
-            "--session-ttl {:?} is below the minimum of 2s",
+            "--session-ttl {:?} is below the minimum of {MIN_SESSION_TTL:?}",
             config.session_ttl
         )));
     }

@@ -16,7 +16,9 @@ use std::time::Duration;
 use chanwatch_core::node::leave::{Departure, DepartureStep};
 use chanwatch_core::node::{NodeCommand, NodeEvent, NodeMachine};
 use chanwatch_core::{ChannelInfo, ChannelName, ChannelState, Keys, RoundHint};
-use chanwatch_store::{keep_lease, Clock, Compare, EventKind, ListWatch, MetaStore, Update};
+use chanwatch_store::{
+    keep_lease, millis, Clock, Compare, EventKind, ListWatch, MetaStore, Update,
+};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -503,10 +505,6 @@ impl Session {
     pub(crate) fn session_guard(&self) -> Compare {
         Compare::create_revision(self.keys.session(self.reg.id), self.reg.session_revision)
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Drop for Session {

@@ -1,7 +1,8 @@
 //! The one clock of chanwatch.
 //!
 //! Owns: reading "now" (monotonic, for timers and lease deadlines) and "now" as Unix
-//! milliseconds (for values written to the store).
+//! milliseconds (for values written to the store); [`millis`], the one conversion of a
+//! duration to the whole milliseconds that store values and the planner's inputs count in.
 //!
 //! Both are derived from tokio's clock, so a test under `tokio::time::pause()` (or a
 //! single-threaded simulation with paused time) controls every timer and every timestamp in
@@ -16,6 +17,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
+/// Whole milliseconds of `d`, saturating at `u64::MAX`: durations as store values and the
+/// planner's `*_ms` inputs count them.
+#[must_use]
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// A cheap, cloneable handle to the time source.
 #[derive(Debug, Clone, Copy)]
 pub struct Clock {
@@ -28,7 +36,7 @@ impl Clock {
     pub fn system() -> Self {
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .map(millis)
             .unwrap_or(0);
         Self::with_unix_base(unix_ms)
     }
@@ -49,8 +57,7 @@ impl Clock {
     /// Unix milliseconds now, for values written to the store.
     pub fn unix_ms(&self) -> u64 {
         let since = self.now().saturating_duration_since(self.base_instant);
-        self.base_unix_ms
-            .saturating_add(u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+        self.base_unix_ms.saturating_add(millis(since))
     }
 
     /// Sleeps until `deadline` on this clock.
@@ -73,6 +80,13 @@ impl Default for Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn millis_are_whole_and_saturate() {
+        assert_eq!(millis(Duration::from_micros(2_999)), 2);
+        assert_eq!(millis(Duration::from_secs(3)), 3_000);
+        assert_eq!(millis(Duration::MAX), u64::MAX);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn unix_time_follows_paused_tokio_time() {

@@ -69,7 +69,7 @@ impl Faults {
     }
     /// Delays every keepalive by `d` before it is sent (a slow network to the store).
     pub fn delay_keepalives(&self, d: Duration) {
-        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let ms = crate::millis(d);
         self.keepalive_delay_ms.store(ms, Ordering::SeqCst);
     }
     /// While on, every call waits (is neither sent nor failed) until it is turned off: what

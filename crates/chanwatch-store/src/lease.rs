@@ -5,9 +5,9 @@
 //! second that the store is back; at once after one that went unanswered — the store sends it
 //! to the next etcd member), the per-attempt timeout (ttl/6), what a success means (the
 //! [`Renewal`]: when the request was *sent* — the lease runs from when the store got it, which
-//! is no earlier — and the revision the answer named) and the log lines. Must not: decide what
-//! a failing lease means for its holder (a node pauses, a leader steps down): it reports, the
-//! holder decides.
+//! is no earlier — and the revision the answer named), the log lines, and the least TTL this
+//! cadence can keep alive ([`MIN_SESSION_TTL`]). Must not: decide what a failing lease means
+//! for its holder (a node pauses, a leader steps down): it reports, the holder decides.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,6 +67,11 @@ impl UnreachedRenewals {
         self.0.clear();
     }
 }
+
+/// The shortest session TTL a coordinator or node accepts: below it a lease can expire between
+/// two keepalives of a loaded process. The node's library refuses a shorter one, and so does
+/// the binary's `--session-ttl` (`coord`, `node`, `standalone`).
+pub const MIN_SESSION_TTL: Duration = Duration::from_secs(2);
 
 /// How long before a lease could expire its holder stops acting on it (a node pauses, a
 /// leader steps down) when renewals fail: `max(1 s, ttl / 5)`. The one definition for

@@ -43,6 +43,7 @@
 //! | A user whose role allows only the root prefix connects; outside it, calls fail with `PermissionDenied` naming the user and the key; a wrong password names the user. | `a_user_limited_to_the_root_prefix_can_connect_and_is_refused_by_name_outside` |
 
 pub mod alarms;
+pub mod backoff;
 pub mod clock;
 pub mod embedded;
 pub mod error;
@@ -63,7 +64,8 @@ use async_trait::async_trait;
 use futures_util::Stream;
 
 pub use alarms::follow_alarms;
-pub use clock::Clock;
+pub use backoff::Backoff;
+pub use clock::{millis, Clock};
 pub use embedded::{EmbeddedOptions, EmbeddedStore, Observed};
 pub use error::{StoreError, StoreResult};
 pub use etcd::{EtcdConfig, EtcdStore, MemberStatus, TlsFiles};
@@ -71,7 +73,7 @@ pub use etcd::{EtcdConfig, EtcdStore, MemberStatus, TlsFiles};
 #[cfg(any(test, feature = "testing"))]
 pub use faults::{CommitHook, Faults, FaultyStore};
 pub use layer::{Layer, Layered};
-pub use lease::{fence_margin, keep_lease, Renewal, UnreachedRenewals};
+pub use lease::{fence_margin, keep_lease, Renewal, UnreachedRenewals, MIN_SESSION_TTL};
 pub use listwatch::{ListWatch, Update};
 pub use types::{
     Alarm, AlarmKind, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, Lease,

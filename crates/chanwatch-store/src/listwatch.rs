@@ -17,14 +17,13 @@ use futures_util::StreamExt;
 use tokio::sync::{mpsc, Notify};
 use tracing::warn;
 
+use crate::backoff::Backoff;
 use crate::error::StoreError;
 use crate::types::{KeyRange, KeyValue, Revision, WatchEvent};
 use crate::{MetaStore, WatchStream};
 
-/// First back-off after a failure.
-const BACKOFF_START: Duration = Duration::from_millis(100);
-/// Longest back-off.
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// The wait before listing again: 100 ms after a failure, doubling up to 5 s.
+const BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
 /// What the consumer receives.
 #[derive(Debug)]
@@ -148,18 +147,11 @@ impl ListWatch {
     }
 }
 
+/// The wait after `attempt` consecutive failures (from 0). The jitter's seed names the
+/// watcher and how often it failed: it spreads the relists of many watchers after an etcd
+/// restart.
 fn backoff(prefix: &str, attempt: u32, restarts: u64) -> Duration {
-    use std::hash::{Hash, Hasher};
-    let exp = BACKOFF_START.saturating_mul(1u32 << attempt.min(10));
-    let capped = exp.min(BACKOFF_MAX);
-    // Jitter (up to half the wait) from a hash of who is waiting and how often it failed:
-    // it spreads the relists of many watchers after an etcd restart, and, unlike the wall
-    // clock or an OS RNG, gives the same waits in every run of a deterministic simulation.
-    // `DefaultHasher::new()` has fixed keys.
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (prefix, attempt, restarts).hash(&mut h);
-    let jitter = capped.mul_f64((h.finish() % 500) as f64 / 1000.0);
-    capped.saturating_sub(jitter)
+    BACKOFF.wait(attempt.saturating_add(1), (prefix, attempt, restarts))
 }
 
 async fn run(

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use chanwatch_core::Keys;
-use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, TlsFiles};
+use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore, TlsFiles, MIN_SESSION_TTL};
 use clap::Args;
 
 /// How to reach etcd (used by every subcommand that talks to a real store).
@@ -143,17 +143,13 @@ pub fn humantime_secs(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{s:?} is not a duration ({e}); use e.g. 10s, 500ms, 2m"))
 }
 
-/// The shortest session TTL a coordinator or node accepts: below it a lease can expire between
-/// two keepalives of a loaded process (the node's library refuses it too).
-pub const MIN_SESSION_TTL: Duration = Duration::from_secs(2);
-
 /// Parses a `--session-ttl`: a duration of at least [`MIN_SESSION_TTL`], the same rule for
 /// `coord`, `node` and `standalone`.
 pub fn session_ttl(s: &str) -> Result<Duration, String> {
     let ttl = humantime_secs(s)?;
     if ttl < MIN_SESSION_TTL {
         return Err(format!(
-            "{s:?} is below the minimum session TTL of 2s (a lease that short can expire between two keepalives); use 2s or more"
+            "{s:?} is below the minimum session TTL of {MIN_SESSION_TTL:?} (a lease that short can expire between two keepalives); use {MIN_SESSION_TTL:?} or more"
         ));
     }
     Ok(ttl)

@@ -3,26 +3,24 @@
 //! has no etcd) it reads through that API too. One object at a time (`get`, `describe`),
 //! the event feed (`events`), `undrain` and `completion` are in `describe` and `events`.
 //!
-//! Owns: its flags (`Args`, `Command`), checking input before any network call, and
-//! presentation (`-o table|wide|json|yaml`, in `output`; the channel lines with their
-//! checkpoints in `channels`). The leader's API, typed, is in `leader`; what the nodes say
-//! about themselves in `live`.
+//! Owns: its flags (`Args`, `Command`: the one list of its commands, whose value parsers check
+//! the input as the command line is parsed, before any network call; `describe` runs its
+//! share of the same `Command`), and presentation (`-o table|wide|json|yaml`, in `output`; the
+//! channel lines with their checkpoints in `channels`). The leader's API, typed, is in
+//! `leader`; what the nodes say about themselves in `live`.
 //! Must not: write to etcd: only the coordinator writes assignments.
-//!
-//! Just over 600 lines: the one `Command` enum with every command's flags, their checks and
-//! the dispatch, which read best together (the tables of its answers are beside them).
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use chanwatch_core::planner::{NodeRow, Planner, PlannerConfig, Transition};
 use chanwatch_core::{ChannelName, ChannelOwner, ChannelState, Keys, NodeId, VChannelInfo};
 use chanwatch_store::KeyValue;
 use clap::{Args as ClapArgs, Subcommand};
 
 use crate::flags::{EtcdArgs, RootArg};
-use leader::BalancePlan;
+use leader::{BalancePlan, Leader};
 use output::{emit, machine, Columns, Format, OutputArgs};
 
 mod bulk;
@@ -61,12 +59,12 @@ pub enum Command {
     /// position, epoch and age.
     Channels {
         /// Only the channels of this node (an ID, or `remaining`).
-        #[arg(long, env = "CHANWATCH_CTL_NODE")]
-        node: Option<String>,
+        #[arg(long, env = "CHANWATCH_CTL_NODE", value_parser = owner)]
+        node: Option<ChannelOwner>,
         /// Only the channels in this state (ToWatch, Watched, WatchFailed, ToRelease,
         /// Released; any case).
-        #[arg(long, env = "CHANWATCH_CTL_STATE")]
-        state: Option<String>,
+        #[arg(long, env = "CHANWATCH_CTL_STATE", value_parser = state)]
+        state: Option<ChannelState>,
     },
     /// List live nodes, their channel counts and status (running, PAUSED, ? when the node
     /// did not answer its `/status`).
@@ -74,47 +72,53 @@ pub enum Command {
     /// Register a channel; the leader assigns it to the least-loaded node.
     AddChannel {
         /// Channel name: 1-255 characters of [A-Za-z0-9._-].
-        name: String,
+        #[arg(value_parser = channel_name)]
+        name: ChannelName,
         /// What a node needs to restore it, as JSON (at most 64 KiB), e.g.
         /// '{"collection_id":7,"seek_position":"..."}'.
-        #[arg(long, env = "CHANWATCH_CTL_VCHANNEL")]
-        vchannel: Option<String>,
+        // Boxed: up to 64 KiB of JSON, parsed.
+        #[arg(long, env = "CHANWATCH_CTL_VCHANNEL", value_parser = vchannel)]
+        vchannel: Option<Box<VChannelInfo>>,
         /// Its relative load (1 to 1000000; default 1): a node's load is the weights of its
         /// channels over its --capacity.
         #[arg(long, env = "CHANWATCH_CTL_WEIGHT", allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         weight: Option<u32>,
         /// A group (e.g. the collection) whose channels placement spreads across nodes.
-        #[arg(long, env = "CHANWATCH_CTL_GROUP")]
+        #[arg(long, env = "CHANWATCH_CTL_GROUP", value_parser = group)]
         group: Option<String>,
     },
     /// Pin a channel: balance never moves it (drains and failovers still do). Moves nothing.
     Pin {
         /// Channel name.
-        name: String,
+        #[arg(value_parser = channel_name)]
+        name: ChannelName,
     },
     /// Unpin a channel: balance may move it again.
     Unpin {
         /// Channel name.
-        name: String,
+        #[arg(value_parser = channel_name)]
+        name: ChannelName,
     },
     /// Remove a channel; its node stops it at once.
     RemoveChannel {
         /// Channel name.
-        name: String,
+        #[arg(value_parser = channel_name)]
+        name: ChannelName,
     },
     /// Move a channel to a node (break-before-make).
     Move {
         /// Channel name.
-        name: String,
+        #[arg(value_parser = channel_name)]
+        name: ChannelName,
         /// Target node ID (the ID column of `ctl nodes`).
         #[arg(long, env = "CHANWATCH_CTL_TO", value_parser = node_id)]
-        to: u64,
+        to: NodeId,
     },
     /// Move every channel off a node and stop assigning to it.
     Drain {
         /// Node ID (the ID column of `ctl nodes`).
         #[arg(value_parser = node_id)]
-        node: u64,
+        node: NodeId,
     },
     /// Even out load over nodes (weights over capacity, until the spread is within one
     /// channel's weight); runs even with the coordinator's --auto-balance=false.
@@ -143,7 +147,7 @@ pub enum Command {
     Undrain {
         /// Node ID (the ID column of `ctl nodes`).
         #[arg(value_parser = node_id)]
-        node: u64,
+        node: NodeId,
     },
     /// Print a shell completion script: `source <(chanwatch ctl completion bash)`.
     Completion {
@@ -170,153 +174,58 @@ pub enum Command {
     },
 }
 
-/// A `ctl` command with its input validated and parsed, before any network call.
-enum Checked {
-    Channels {
-        filter: channels::Filter,
-    },
-    Nodes,
-    Add {
-        name: ChannelName,
-        /// Boxed: up to 64 KiB of JSON, parsed.
-        vchannel: Option<Box<VChannelInfo>>,
-        weight: Option<u32>,
-        group: Option<String>,
-    },
-    Pin {
-        name: ChannelName,
-        pinned: bool,
-    },
-    Remove {
-        name: ChannelName,
-    },
-    Move {
-        name: ChannelName,
-        to: NodeId,
-    },
-    Drain {
-        node: NodeId,
-    },
-    Balance {
-        dry_run: bool,
-    },
-    /// `get`, `describe`, `events`, `undrain` (in `describe`).
-    More(describe::Ask),
-    Status {
-        quota: u64,
-    },
-    AddMany(bulk::File),
-}
-
-impl Checked {
-    fn new(what: Command) -> Result<Self> {
-        let name = |n: String| ChannelName::new(n).map_err(|e| anyhow!("{e}"));
-        Ok(match what {
-            Command::Channels { node, state } => Checked::Channels {
-                filter: channels::Filter {
-                    owner: node.as_deref().map(parse_owner).transpose()?,
-                    state: state.as_deref().map(parse_state).transpose()?,
-                },
-            },
-            Command::Nodes => Checked::Nodes,
-            Command::AddChannel {
-                name: n,
-                vchannel,
-                weight,
-                group,
-            } => {
-                chanwatch_core::planner::Placement {
-                    weight: weight.unwrap_or(1),
-                    group: group.clone(),
-                }
-                .check()
-                .map_err(|e| anyhow!("{e}"))?;
-                Checked::Add {
-                    name: name(n)?,
-                    vchannel: vchannel
-                        .map(|v| VChannelInfo::from_json(v.as_bytes()).map(Box::new))
-                        .transpose()
-                        .map_err(|e| anyhow!("--vchannel: {e}"))?,
-                    weight,
-                    group,
-                }
-            }
-            Command::Pin { name: n } => Checked::Pin {
-                name: name(n)?,
-                pinned: true,
-            },
-            Command::Unpin { name: n } => Checked::Pin {
-                name: name(n)?,
-                pinned: false,
-            },
-            Command::RemoveChannel { name: n } => Checked::Remove { name: name(n)? },
-            Command::Move { name: n, to } => Checked::Move {
-                name: name(n)?,
-                to: NodeId(to),
-            },
-            Command::Drain { node } => Checked::Drain { node: NodeId(node) },
-            Command::Balance { dry_run } => Checked::Balance { dry_run },
-            Command::AddChannels { from_file } => Checked::AddMany(bulk::read(&from_file)?),
-            Command::Status {
-                quota_backend_bytes,
-            } => Checked::Status {
-                quota: quota_backend_bytes,
-            },
-            other => Checked::More(describe::Ask::new(other)?),
-        })
-    }
-}
-
-fn parse_owner(raw: &str) -> Result<ChannelOwner> {
-    if raw == chanwatch_core::keys::REMAINING {
-        return Ok(ChannelOwner::Remaining);
-    }
-    raw.parse()
-        .map(|n| ChannelOwner::Node(NodeId(n)))
-        .map_err(|_| anyhow!("--node {raw:?}: expected a node ID (a number) or `remaining`"))
-}
-
-fn parse_state(raw: &str) -> Result<ChannelState> {
-    ChannelState::ALL
-        .into_iter()
-        .find(|s| s.as_str().eq_ignore_ascii_case(raw))
-        .ok_or_else(|| {
-            let names: Vec<&str> = ChannelState::ALL.iter().map(|s| s.as_str()).collect();
-            anyhow!("--state {raw:?}: expected one of {}", names.join(", "))
-        })
-}
-
-/// Runs one `ctl` command.
+/// Runs one `ctl` command. Its input was checked as the flags were parsed (the value parsers
+/// below), before any network call.
 ///
 /// # Errors
 /// Bad input (before any network call), etcd unreachable, no leader, or the leader's refusal.
 pub async fn run(args: Args) -> Result<()> {
     let keys = args.root.keys()?;
-    if let Command::Completion { shell } = args.what {
-        return describe::completion(shell);
-    }
-    // Validate input before touching the network.
-    let what = Checked::new(args.what)?;
     let format = args.output.format();
-    let (leader, store) =
-        match describe::reach(&args.reach, &args.etcd, &keys, args.admin_token).await {
-            Ok(reached) => reached,
-            // A file's bad lines are known without etcd: they come first.
-            Err(e) => {
-                if let Checked::AddMany(file) = &what {
-                    bulk::refuse_bad(file)?;
-                }
-                return Err(e);
+    let what = match args.what {
+        Command::Completion { shell } => return describe::completion(shell),
+        // A file's lines are checked before any network call, like the flags.
+        Command::AddChannels { from_file } => {
+            let file = bulk::read(&from_file)?;
+            let (leader, store) =
+                match describe::reach(&args.reach, &args.etcd, &keys, args.admin_token).await {
+                    Ok(reached) => reached,
+                    // Its bad lines are known without etcd: they come first.
+                    Err(e) => {
+                        bulk::refuse_bad(&file)?;
+                        return Err(e);
+                    }
+                };
+            match store.as_deref() {
+                Some(store) => bulk::check_registered(&file, store, &keys).await?,
+                None => bulk::refuse_bad(&file)?,
             }
-        };
+            let text = bulk::send(
+                &file,
+                &leader,
+                format != Format::Table && format != Format::Wide,
+            )
+            .await?;
+            return emit(&text);
+        }
+        other => other,
+    };
+    let (leader, store) = describe::reach(&args.reach, &args.etcd, &keys, args.admin_token).await?;
     let text = match what {
-        Checked::More(ask) => describe::run(ask, &leader, store.as_deref(), format).await?,
+        what @ (Command::Get(_)
+        | Command::Describe(_)
+        | Command::Events { .. }
+        | Command::Undrain { .. }) => {
+            describe::run(what, &leader, store.as_deref(), format).await?
+        }
         // `--admin`: no etcd; reads go through the admin API.
-        Checked::Channels { filter } if store.is_none() => {
+        Command::Channels { node, state } if store.is_none() => {
+            let filter = channels::Filter { owner: node, state };
             describe::remote_channels(&leader, &filter, format).await?
         }
-        Checked::Nodes if store.is_none() => describe::remote_nodes(&leader, format).await?,
-        Checked::Channels { filter } => {
+        Command::Nodes if store.is_none() => describe::remote_nodes(&leader, format).await?,
+        Command::Channels { node, state } => {
+            let filter = channels::Filter { owner: node, state };
             let (state, kvs) = snapshot(store.as_deref(), &keys).await?;
             let live = live::ask(&state.node_rows()).await;
             let now = now_ms();
@@ -335,7 +244,7 @@ pub async fn run(args: Args) -> Result<()> {
                 }
             }
         }
-        Checked::Nodes => {
+        Command::Nodes => {
             let (state, _) = snapshot(store.as_deref(), &keys).await?;
             let rows = state.node_rows();
             let live = live::ask(&rows).await;
@@ -344,7 +253,7 @@ pub async fn run(args: Args) -> Result<()> {
                 None => nodes_table(&rows, &live, format == Format::Wide),
             }
         }
-        Checked::Add {
+        Command::AddChannel {
             name,
             vchannel,
             weight,
@@ -355,64 +264,61 @@ pub async fn run(args: Args) -> Result<()> {
                 .add_channel_with(&name, vchannel.as_deref(), weight, group.as_deref())
                 .await?,
         )?,
-        Checked::Pin { name, pinned } => {
-            let done = leader.pin(&name, pinned).await?;
-            let word = if pinned { "pinned" } else { "unpinned" };
-            machine(
-                format,
-                &serde_json::json!({ "channel": name, "pinned": pinned }),
-            )?
-            .unwrap_or_else(|| {
-                if done.transitions.is_empty() {
-                    format!("channel {name} was already {word}\n")
-                } else {
-                    format!("channel {name} {word}; nothing moved\n")
-                }
-            })
-        }
-        Checked::Remove { name } => transitions(format, &leader.remove_channel(&name).await?)?,
-        Checked::Move { name, to } => move_started(format, &name, to, &leader.move_channel(&name, to).await?)?,
-        Checked::Drain { node } => {
+        Command::Pin { name } => pin(&leader, format, &name, true).await?,
+        Command::Unpin { name } => pin(&leader, format, &name, false).await?,
+        Command::RemoveChannel { name } => transitions(format, &leader.remove_channel(&name).await?)?,
+        Command::Move { name, to } => move_started(format, &name, to, &leader.move_channel(&name, to).await?)?,
+        Command::Drain { node } => {
             leader.drain(node).await?;
             machine(format, &serde_json::json!({ "draining": node.0 }))?.unwrap_or_else(|| {
                 format!("node {node} is draining: its channels move off, break-before-make\n")
             })
         }
-        Checked::Balance { dry_run } => {
+        Command::Balance { dry_run } => {
             let plan = leader.balance(dry_run).await?;
             match machine(format, &plan.moves)? {
                 Some(text) => text,
                 None => balance_table(&plan),
             }
         }
-        Checked::Status { quota } => status::render(
+        Command::Status {
+            quota_backend_bytes,
+        } => status::render(
             &status::gather(
                 store.as_ref().ok_or_else(|| {
                     anyhow!("ctl status reads etcd (its members, alarms and db size): give --endpoints, not --admin")
                 })?,
                 &keys,
                 &args.etcd,
-                quota,
+                quota_backend_bytes,
             )
             .await?,
             format,
             now_ms(),
         )?,
-        Checked::AddMany(file) => {
-            match store.as_deref() {
-                Some(store) => bulk::check_registered(&file, store, &keys).await?,
-                None => bulk::refuse_bad(&file)?,
-            }
-            bulk::send(
-                &file,
-                &leader,
-                format != Format::Table && format != Format::Wide,
-            )
-            .await?
+        Command::Completion { .. } | Command::AddChannels { .. } => {
+            bail!("ctl: {what:?} is run above (a bug)")
         }
     };
     emit(&text)?;
     Ok(())
+}
+
+/// `ctl pin` (`pinned`) or `ctl unpin`.
+async fn pin(leader: &Leader, format: Format, name: &ChannelName, pinned: bool) -> Result<String> {
+    let done = leader.pin(name, pinned).await?;
+    let word = if pinned { "pinned" } else { "unpinned" };
+    Ok(machine(
+        format,
+        &serde_json::json!({ "channel": name, "pinned": pinned }),
+    )?
+    .unwrap_or_else(|| {
+        if done.transitions.is_empty() {
+            format!("channel {name} was already {word}\n")
+        } else {
+            format!("channel {name} {word}; nothing moved\n")
+        }
+    }))
 }
 
 /// Everything under `{root}/` in one range read (checkpoints included), and the planner's
@@ -560,7 +466,7 @@ fn age(ms: u64) -> String {
     }
 }
 
-fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -> String {
+fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::NodeSays>, wide: bool) -> String {
     let mut header = vec![
         "ID", "NAME", "ADMIN", "CHANNELS", "AGE", "STATUS", "DRAINING",
     ];
@@ -578,14 +484,14 @@ fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -
             r.admin_addr.clone(),
             r.channels.to_string(),
             age(now.saturating_sub(r.started_at_ms)),
-            l.map_or("", live::Live::cell).to_owned(),
+            l.map_or("", live::cell).to_owned(),
             if r.draining { "draining" } else { "" }.to_owned(),
             r.capacity.to_string(),
             format!("{:.2}", r.load),
         ];
         if wide {
             cells.push(match l {
-                Some(live::Live::Paused(why) | live::Live::Unknown(why)) => why.clone(),
+                Some(live::NodeSays::Paused(why) | live::NodeSays::Unknown(why)) => why.clone(),
                 _ => String::new(),
             });
         }
@@ -600,25 +506,69 @@ fn nodes_table(rows: &[NodeRow], live: &BTreeMap<u64, live::Live>, wide: bool) -
 }
 
 /// One line per node that is paused or did not say, with why (the table has no room).
-fn paused_lines(live: &BTreeMap<u64, live::Live>) -> String {
+fn paused_lines(live: &BTreeMap<u64, live::NodeSays>) -> String {
     let mut out = String::new();
     for (id, l) in live {
         match l {
-            live::Live::Paused(why) => {
+            live::NodeSays::Paused(why) => {
                 out += &format!("node {id} has paused its channels: {why}\n");
             }
-            live::Live::Unknown(why) => out += &format!("node {id}: status unknown ({why})\n"),
-            live::Live::Running => {}
+            live::NodeSays::Unknown(why) => out += &format!("node {id}: status unknown ({why})\n"),
+            live::NodeSays::Running => {}
         }
     }
     out
 }
 
 /// A node ID as `ctl` arguments take it: the number in the ID column of `ctl nodes`.
-pub(crate) fn node_id(s: &str) -> Result<u64, String> {
-    s.trim().parse().map_err(|_| {
+pub(crate) fn node_id(s: &str) -> Result<NodeId, String> {
+    s.trim().parse().map(NodeId).map_err(|_| {
         format!("'{s}' is not a node ID: give the number in the ID column of `ctl nodes` (node names are not accepted here)")
     })
+}
+
+/// A channel name as `ctl` arguments take it.
+fn channel_name(s: &str) -> Result<ChannelName, String> {
+    ChannelName::new(s).map_err(|e| e.to_string())
+}
+
+/// `--node` of `ctl channels`: a node ID or `remaining`.
+fn owner(raw: &str) -> Result<ChannelOwner, String> {
+    if raw == chanwatch_core::keys::REMAINING {
+        return Ok(ChannelOwner::Remaining);
+    }
+    raw.parse()
+        .map(|n| ChannelOwner::Node(NodeId(n)))
+        .map_err(|_| "expected a node ID (a number) or `remaining`".to_owned())
+}
+
+/// `--state` of `ctl channels`, in any case.
+fn state(raw: &str) -> Result<ChannelState, String> {
+    ChannelState::ALL
+        .into_iter()
+        .find(|s| s.as_str().eq_ignore_ascii_case(raw))
+        .ok_or_else(|| {
+            let names: Vec<&str> = ChannelState::ALL.iter().map(|s| s.as_str()).collect();
+            format!("expected one of {}", names.join(", "))
+        })
+}
+
+/// `--vchannel`: JSON, at most 64 KiB.
+fn vchannel(raw: &str) -> Result<Box<VChannelInfo>, String> {
+    VChannelInfo::from_json(raw.as_bytes())
+        .map(Box::new)
+        .map_err(|e| e.to_string())
+}
+
+/// `--group`: the rule the leader applies to a group's name.
+fn group(raw: &str) -> Result<String, String> {
+    chanwatch_core::planner::Placement {
+        group: Some(raw.to_owned()),
+        ..Default::default()
+    }
+    .check()
+    .map(|()| raw.to_owned())
+    .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

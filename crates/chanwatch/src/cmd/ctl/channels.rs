@@ -16,7 +16,7 @@ use chanwatch_core::{ChannelInfo, ChannelName, ChannelOwner, Checkpoint, Keys, V
 use chanwatch_store::KeyValue;
 use serde::Serialize;
 
-use super::live::Live;
+use super::live::{self, NodeSays};
 use super::output::{natural, Columns};
 
 /// Which channels to show.
@@ -64,7 +64,7 @@ pub fn lines(
     keys: &Keys,
     kvs: &[KeyValue],
     rows: Vec<ChannelRow>,
-    live: &BTreeMap<u64, Live>,
+    live: &BTreeMap<u64, NodeSays>,
     filter: &Filter,
     now_ms: u64,
 ) -> Vec<Line> {
@@ -113,7 +113,7 @@ pub fn lines(
             paused: row
                 .node
                 .and_then(|n| live.get(&n))
-                .and_then(|l| l.fields().0.as_bool()),
+                .and_then(|l| live::fields(l).0.as_bool()),
             vchannel: vchannels.remove(&(row.channel.clone(), row.node)),
             checkpoint: checkpoints.get(&row.channel).cloned(),
             row,

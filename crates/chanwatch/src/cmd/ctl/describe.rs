@@ -2,13 +2,14 @@
 //! `events`), `ctl undrain`, `ctl completion`, and how `ctl` reaches the cluster
 //! (`--timeout`, `--admin URL`: a `standalone` has no etcd, so reads go through its admin API).
 //!
-//! Owns: those commands' flags, checks and presentation. Must not: write to etcd (undrain is
-//! the leader's txn, asked over its API).
+//! Owns: running those commands (their variants of `ctl`'s one `Command`; `get`'s and
+//! `describe`'s own subcommands, `GetWhat` and `DescribeWhat`) and their presentation. Must
+//! not: write to etcd (undrain is the leader's txn, asked over its API).
 
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use chanwatch_core::planner::{ChannelRow, NodeRow};
 use chanwatch_core::{ChannelName, ChannelOwner, ChannelState, Keys, NodeId, VChannelInfo};
 use chanwatch_store::MetaStore;
@@ -39,7 +40,8 @@ pub enum GetWhat {
     /// One channel, as a row of `ctl channels`.
     Channel {
         /// Channel name.
-        name: String,
+        #[arg(value_parser = super::channel_name)]
+        name: ChannelName,
     },
 }
 
@@ -49,38 +51,15 @@ pub enum DescribeWhat {
     /// A channel: assignment, epoch, state, vchannel, checkpoint, last transitions.
     Channel {
         /// Channel name.
-        name: String,
+        #[arg(value_parser = super::channel_name)]
+        name: ChannelName,
     },
     /// A node: session, drain mark, channels, last events.
     Node {
         /// Node ID (the ID column of `ctl nodes`).
         #[arg(value_parser = super::node_id)]
-        node: u64,
+        node: NodeId,
     },
-}
-
-/// The commands of this module, their input checked.
-pub enum Ask {
-    GetChannel(ChannelName),
-    DescribeChannel(ChannelName),
-    DescribeNode(NodeId),
-    Events { follow: bool, since: u64 },
-    Undrain(NodeId),
-}
-
-impl Ask {
-    /// Checks the input of one of this module's commands.
-    pub fn new(what: Command) -> Result<Self> {
-        let name = |n: String| ChannelName::new(n).map_err(|e| anyhow!("{e}"));
-        Ok(match what {
-            Command::Get(GetWhat::Channel { name: n }) => Ask::GetChannel(name(n)?),
-            Command::Describe(DescribeWhat::Channel { name: n }) => Ask::DescribeChannel(name(n)?),
-            Command::Describe(DescribeWhat::Node { node }) => Ask::DescribeNode(NodeId(node)),
-            Command::Events { follow, since } => Ask::Events { follow, since },
-            Command::Undrain { node } => Ask::Undrain(NodeId(node)),
-            other => bail!("{other:?} is not handled here (a bug)"),
-        })
-    }
 }
 
 /// The leader's API, and etcd unless `--admin` was given.
@@ -119,15 +98,19 @@ pub fn completion(shell: clap_complete::Shell) -> Result<()> {
     emit(&String::from_utf8_lossy(&out))
 }
 
-/// Runs one of this module's commands; the text to print.
+/// Runs one of this module's commands (`get`, `describe`, `events`, `undrain`); the text to
+/// print.
+///
+/// # Errors
+/// Another command (a bug), etcd or the leader unreachable, or the leader's refusal.
 pub async fn run(
-    ask: Ask,
+    what: Command,
     leader: &Leader,
     store: Option<&dyn MetaStore>,
     format: Format,
 ) -> Result<String> {
-    match ask {
-        Ask::GetChannel(name) => {
+    match what {
+        Command::Get(GetWhat::Channel { name }) => {
             let lines = match store {
                 Some(store) => {
                     let keys = &leader.keys;
@@ -154,22 +137,22 @@ pub async fn run(
             };
             get_channel(&name, &lines, format)
         }
-        Ask::DescribeChannel(name) => {
+        Command::Describe(DescribeWhat::Channel { name }) => {
             let d = leader.channel_detail(&name).await?;
             Ok(machine(format, &d)?.unwrap_or_else(|| describe_channel(&d, now_ms())))
         }
-        Ask::DescribeNode(node) => {
+        Command::Describe(DescribeWhat::Node { node }) => {
             let d = leader.node_detail(node).await?;
             Ok(machine(format, &d)?.unwrap_or_else(|| describe_node(&d, now_ms())))
         }
-        Ask::Events {
+        Command::Events {
             follow: true,
             since,
         } => {
             super::events::follow(leader, since, format).await?;
             Ok(String::new())
         }
-        Ask::Events {
+        Command::Events {
             follow: false,
             since,
         } => {
@@ -184,7 +167,7 @@ pub async fn run(
             out += &format!("{} event(s)\n", list.events.len());
             Ok(out)
         }
-        Ask::Undrain(node) => {
+        Command::Undrain { node } => {
             let was = leader.undrain(node).await?;
             Ok(machine(
                 format,
@@ -198,6 +181,7 @@ pub async fn run(
                 }
             }))
         }
+        other => bail!("{other:?} is not handled here (a bug)"),
     }
 }
 

@@ -3,88 +3,51 @@
 //! etcd cannot say: a node pauses exactly when it cannot reach etcd (or cannot trust its watch),
 //! so it writes nothing about it. `ctl` asks each node's admin HTTP (`GET /status`, the address
 //! in its session) with a short timeout, all nodes at once, and reports what each said or why it
-//! could not tell.
+//! could not tell. The asking, and what an answer means ([`NodeSays`]), are the coordinator's
+//! (`chanwatch_coord::probe`, which its status page uses); the answer's shape is the node's
+//! (`chanwatch_node::admin::StatusAnswer`).
 //!
-//! Owns: those HTTP reads and the columns they add. Must not: write anywhere, or fail the
-//! command when a node does not answer (that is a finding to show, not an error).
+//! Owns: the columns and fields those answers add to `ctl`'s output. Must not: write anywhere,
+//! or fail the command when a node does not answer (that is a finding to show, not an error).
 
 use std::collections::BTreeMap;
 
 use chanwatch_core::planner::NodeRow;
 use serde_json::{json, Value};
 
-use chanwatch_coord::probe::{NodeSays, ASK_TIMEOUT};
+pub use chanwatch_coord::probe::NodeSays;
 
-/// What one node said about itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Live {
-    /// Running its channels.
-    Running,
-    /// Every channel paused, and why.
-    Paused(String),
-    /// It did not answer (the reason), or it has no admin address.
-    Unknown(String),
-}
-
-impl Live {
-    /// The table cell.
-    pub fn cell(&self) -> &str {
-        match self {
-            Live::Running => "running",
-            Live::Paused(_) => "PAUSED",
-            Live::Unknown(_) => "?",
-        }
-    }
-
-    /// `paused` (true, false, or null when unknown) and the reason, for `-o json|yaml`.
-    pub fn fields(&self) -> (Value, Value) {
-        match self {
-            Live::Running => (json!(false), Value::Null),
-            Live::Paused(why) => (json!(true), json!(why)),
-            Live::Unknown(why) => (Value::Null, json!(format!("unknown: {why}"))),
-        }
+/// The table cell of what a node said.
+pub fn cell(said: &NodeSays) -> &'static str {
+    match said {
+        NodeSays::Running => "running",
+        NodeSays::Paused(_) => "PAUSED",
+        NodeSays::Unknown(_) => "?",
     }
 }
 
-/// Asks every node at once.
-pub async fn ask(rows: &[NodeRow]) -> BTreeMap<u64, Live> {
-    let client = match reqwest::Client::builder().timeout(ASK_TIMEOUT).build() {
-        Ok(c) => c,
-        Err(e) => {
-            let why = format!("no HTTP client: {e}");
-            return rows
-                .iter()
-                .map(|r| (r.id, Live::Unknown(why.clone())))
-                .collect();
-        }
-    };
-    let asks = rows.iter().map(|r| {
-        let client = client.clone();
-        let addr = r.admin_addr.clone();
-        async move { (r.id, ask_one(&client, &addr).await) }
-    });
-    futures_util::future::join_all(asks)
-        .await
-        .into_iter()
-        .collect()
+/// `paused` (true, false, or null when unknown) and the reason, for `-o json|yaml`.
+pub fn fields(said: &NodeSays) -> (Value, Value) {
+    match said {
+        NodeSays::Running => (json!(false), Value::Null),
+        NodeSays::Paused(why) => (json!(true), json!(why)),
+        NodeSays::Unknown(why) => (Value::Null, json!(format!("unknown: {why}"))),
+    }
 }
 
-/// The coordinator's status page asks the same way (`chanwatch_coord::probe`).
-async fn ask_one(client: &reqwest::Client, addr: &str) -> Live {
-    match chanwatch_coord::probe::ask(client, addr).await {
-        NodeSays::Running => Live::Running,
-        NodeSays::Paused(why) => Live::Paused(why),
-        NodeSays::Unknown(why) => Live::Unknown(why),
-    }
+/// Asks every node at once, as the coordinator's status page does
+/// (`chanwatch_coord::probe`).
+pub async fn ask(rows: &[NodeRow]) -> BTreeMap<u64, NodeSays> {
+    let nodes: Vec<(u64, String)> = rows.iter().map(|r| (r.id, r.admin_addr.clone())).collect();
+    let client = chanwatch_coord::probe::client();
+    chanwatch_coord::probe::ask_all(client.as_ref().map_err(String::as_str), &nodes).await
 }
 
 /// `ctl nodes -o json`: each row with `paused` and `paused_reason`.
-pub fn nodes_json(rows: &[NodeRow], live: &BTreeMap<u64, Live>) -> Value {
+pub fn nodes_json(rows: &[NodeRow], live: &BTreeMap<u64, NodeSays>) -> Value {
     let out = rows.iter().map(|r| {
         let mut v = json!(r);
-        let (paused, why) = live
-            .get(&r.id)
-            .map_or((Value::Null, Value::Null), Live::fields);
+        let (paused, why) = live.get(&r.id).map_or((Value::Null, Value::Null), fields);
         v["paused"] = paused;
         v["paused_reason"] = why;
         v
@@ -130,9 +93,9 @@ mod tests {
         };
         let rows = [row(7, &paused_addr), row(8, &closed_addr), row(9, "")];
         let live = ask(&rows).await;
-        assert_eq!(live[&7], Live::Paused("no keepalive".into()));
-        assert!(matches!(&live[&8], Live::Unknown(w) if w.contains("did not answer")));
-        assert!(matches!(&live[&9], Live::Unknown(w) if w.contains("no admin HTTP")));
+        assert_eq!(live[&7], NodeSays::Paused("no keepalive".into()));
+        assert!(matches!(&live[&8], NodeSays::Unknown(w) if w.contains("did not answer")));
+        assert!(matches!(&live[&9], NodeSays::Unknown(w) if w.contains("no admin HTTP")));
         let v = nodes_json(&rows, &live);
         assert_eq!(v[0]["paused"], json!(true));
         assert_eq!(v[0]["paused_reason"], json!("no keepalive"));

@@ -24,7 +24,7 @@ use chanwatch_store::{EtcdConfig, EtcdStore, MetaStore};
 use serde::Serialize;
 
 use super::age;
-use super::live::{self, Live};
+use super::live::{self, NodeSays};
 use super::output::{machine, Columns, Format};
 use crate::flags::EtcdArgs;
 
@@ -210,9 +210,9 @@ pub async fn gather(
     let (mut paused, mut unknown) = (Vec::new(), Vec::new());
     for (id, l) in said {
         match l {
-            Live::Paused(why) => paused.push(NodeNote { node: id, why }),
-            Live::Unknown(why) => unknown.push(NodeNote { node: id, why }),
-            Live::Running => {}
+            NodeSays::Paused(why) => paused.push(NodeNote { node: id, why }),
+            NodeSays::Unknown(why) => unknown.push(NodeNote { node: id, why }),
+            NodeSays::Running => {}
         }
     }
     let alarms = match store.alarms().await {

@@ -32,6 +32,54 @@ fn a_node_name_where_an_id_is_wanted_says_what_to_give() {
     assert!(crate::cli::Cli::try_parse_from(["chanwatch", "ctl", "drain", "7"]).is_ok());
 }
 
+/// Input is checked as the command line is parsed, before any network call: each bad value
+/// is refused with what to give instead, and good ones arrive parsed.
+#[test]
+fn bad_input_is_refused_as_the_command_line_is_parsed_and_good_input_arrives_parsed() {
+    use clap::Parser;
+    let refused = |args: &[&str], says: &str| {
+        let mut all = vec!["chanwatch", "ctl"];
+        all.extend(args);
+        let e = crate::cli::Cli::try_parse_from(&all).expect_err("bad input");
+        assert!(e.to_string().contains(says), "{args:?}: {e}");
+    };
+    refused(&["add-channel", "bad name"], "[A-Za-z0-9._-]");
+    refused(&["pin", "bad name"], "[A-Za-z0-9._-]");
+    refused(&["describe", "channel", "bad name"], "[A-Za-z0-9._-]");
+    refused(
+        &["channels", "--state", "bogus"],
+        "expected one of ToWatch, Watched",
+    );
+    refused(
+        &["channels", "--node", "x"],
+        "a node ID (a number) or `remaining`",
+    );
+    refused(&["add-channel", "x", "--vchannel", "{"], "--vchannel");
+    refused(&["add-channel", "x", "--group", "a b"], "group \"a b\"");
+    let parsed = |args: &[&str]| {
+        let mut all = vec!["chanwatch", "ctl"];
+        all.extend(args);
+        match crate::cli::Cli::try_parse_from(&all)
+            .expect("good input")
+            .command
+        {
+            crate::cli::Command::Ctl(ctl) => ctl.what,
+            other => panic!("not ctl: {other:?}"),
+        }
+    };
+    assert!(matches!(
+        parsed(&["channels", "--state", "towatch", "--node", "remaining"]),
+        Command::Channels {
+            node: Some(ChannelOwner::Remaining),
+            state: Some(ChannelState::ToWatch),
+        }
+    ));
+    assert!(matches!(
+        parsed(&["move", "orders-0", "--to", "3"]),
+        Command::Move { name, to: NodeId(3) } if name.as_str() == "orders-0"
+    ));
+}
+
 /// A negative number gets the range it must be in (a newcomer's `--weight -1` got clap's
 /// "to pass '-1' as a value, use '-- -1'", which then failed anyway).
 #[test]
