@@ -2,7 +2,7 @@
 //!
 //! It runs on the embedded store (etcd's semantics, in memory), registers one channel through
 //! the coordinator's handle, prints what the coordinator knows, and stops — in well under a
-//! second:
+//! second. It exits non-zero when any of that does not happen as shown (CI runs it):
 //!
 //! ```sh
 //! cargo run -p chanwatch-coord --example embed_coordinator
@@ -40,25 +40,42 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // What the admin HTTP API (`chanwatch_coord::api::router`) does, straight on the handle.
     let name = ChannelName::new("orders-0")?;
-    for t in coordinator
-        .add_channel(name, VChannelInfo::default())
-        .await?
-    {
+    let transitions = coordinator
+        .add_channel(name.clone(), VChannelInfo::default())
+        .await?;
+    for t in &transitions {
         println!("transition: {t:?}");
     }
-    for row in coordinator.channels().await? {
+    if transitions.is_empty() {
+        return Err("adding orders-0 changed nothing".into());
+    }
+    let rows = coordinator.channels().await?;
+    for row in &rows {
         let node = row.node.map_or("remaining".to_owned(), |n| n.to_string());
         println!("channel {} on {node}: {}", row.channel, row.state);
+    }
+    // No node is alive: the channel waits under `remaining`.
+    if !rows.iter().any(|r| r.channel == name && r.node.is_none()) {
+        return Err(format!("orders-0 is not waiting under remaining: {rows:?}").into());
     }
 
     // Its metrics, registered for you (serve them on your own /metrics).
     let metrics = chanwatch_coord::metrics::render(coordinator.registry());
-    let leader = metrics.lines().find(|l| l.starts_with("chanwatch_leader "));
-    println!("metric: {}", leader.unwrap_or("chanwatch_leader missing"));
+    let Some(leader) = metrics.lines().find(|l| l.starts_with("chanwatch_leader ")) else {
+        return Err("the metrics have no chanwatch_leader".into());
+    };
+    println!("metric: {leader}");
+    if leader != "chanwatch_leader 1" {
+        return Err(format!("the coordinator does not say it leads: {leader}").into());
+    }
 
     // Stop: the leader resigns (revokes its lease) so a standby would take over at once.
     // Dropping the last handle stops it too, without waiting.
     coordinator.stop().await?;
-    println!("stopped: {:?}", coordinator.status());
+    let stopped = coordinator.status();
+    println!("stopped: {stopped:?}");
+    if stopped.leader {
+        return Err("still leader after stop".into());
+    }
     Ok(())
 }

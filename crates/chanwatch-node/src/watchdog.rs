@@ -174,9 +174,10 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(1)).await;
             renew(&rig, rev);
             rig.reached.send_replace(rev);
+            settle().await;
+            // At every step, not only at the end: a pause that came and went is a pause.
+            assert_eq!(*rig.pause.borrow(), None, "paused at revision {rev}");
         }
-        settle().await;
-        assert_eq!(*rig.pause.borrow(), None);
     }
 
     #[tokio::test(start_paused = true)]

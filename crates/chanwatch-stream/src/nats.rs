@@ -157,11 +157,7 @@ impl NatsLog {
 
     /// The subject of `channel` (a valid name): `{prefix}.{channel}`, `.` written `~`.
     pub fn subject(&self, channel: &str) -> String {
-        format!(
-            "{}.{}",
-            self.config.subject_prefix,
-            channel.replace('.', "~")
-        )
+        subject(&self.config.subject_prefix, channel)
     }
 
     fn unavailable(&self, e: impl std::fmt::Display) -> LogError {
@@ -426,6 +422,12 @@ impl Log for NatsLog {
     }
 }
 
+/// The subject of `channel` under `prefix`: `{prefix}.{channel}`, each `.` of the channel
+/// written `~` (a valid channel name has no `~`), so the channel is one subject token.
+fn subject(prefix: &str, channel: &str) -> String {
+    format!("{prefix}.{}", channel.replace('.', "~"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,10 +436,15 @@ mod tests {
     fn dots_in_channel_names_stay_one_subject_token() {
         let config = NatsConfig::new("nats://127.0.0.1:4222", "CW");
         assert!(check_names(&config).is_ok());
-        let subject = |c: &str| format!("{}.{}", config.subject_prefix, c.replace('.', "~"));
-        assert_eq!(subject("orders-0"), "CW.orders-0");
-        assert_eq!(subject("a.b"), "CW.a~b");
-        assert_ne!(subject(".."), subject("."));
+        let of = |c: &str| subject(&config.subject_prefix, c);
+        assert_eq!(of("orders-0"), "CW.orders-0");
+        assert_eq!(of("a.b"), "CW.a~b");
+        assert_ne!(of(".."), of("."));
+        // One token after the prefix: no `.` left in the channel's part.
+        for c in ["a.b.c", "..", "x.", ".y"] {
+            let s = of(c);
+            assert_eq!(s.split('.').count(), 2, "{c:?} → {s:?}");
+        }
     }
 
     #[test]

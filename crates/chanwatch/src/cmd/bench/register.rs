@@ -7,8 +7,8 @@
 //! --from-file` run as a child process (or, with `--one-by-one`, one API call per channel
 //! from 16 clients: the old way). The floor writes the same keys and acks straight to the
 //! store: the assignments in packed txns (127 puts, each guarded by its key's absence), then
-//! the `Watched` acks in packed txns (each guarded by the assignment's revision), 8 txns in
-//! flight like the coordinator's pipeline.
+//! the `Watched` acks in packed txns (each guarded by the assignment's revision), as many txns
+//! in flight as the coordinator's default pipeline (`CoordinatorConfig::pipeline`, 32).
 //! Must not: assert on timings.
 
 use std::sync::Arc;
@@ -27,8 +27,11 @@ use super::system::{compact_history, machine, open, timings};
 use super::{median, BenchRegisterArgs, StoreKind};
 use crate::inproc::InProc;
 
-/// Txns in flight in the floor (the coordinator's default `pipeline`).
-const FLOOR_PIPELINE: usize = 8;
+/// Txns in flight in the floor: the coordinator's default `pipeline`, which the cluster
+/// measured beside it runs with.
+fn floor_pipeline() -> usize {
+    chanwatch_coord::CoordinatorConfig::default().pipeline
+}
 
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
@@ -269,13 +272,13 @@ async fn floor(
     Ok(took)
 }
 
-/// Runs `txns`, [`FLOOR_PIPELINE`] at once; their revisions, in order.
+/// Runs `txns`, [`floor_pipeline`] at once; their revisions, in order.
 async fn run_txns(store: &Arc<dyn MetaStore>, txns: Vec<Txn>) -> Result<Vec<i64>> {
     let results: Vec<_> = futures_util::stream::iter(txns.into_iter().map(|t| {
         let store = store.clone();
         async move { store.txn(t).await }
     }))
-    .buffered(FLOOR_PIPELINE)
+    .buffered(floor_pipeline())
     .collect()
     .await;
     let mut revs = Vec::with_capacity(results.len());
