@@ -8,8 +8,8 @@
 //! Must not: decide anything itself — what to do comes from the core planner, when from the
 //! core pacer — or write to the store except through [`crate::execute`].
 //!
-//! Over 600 lines: every arm of the leader loop mutates the term's one state, and its unit
-//! tests sit at the end; splitting the loop would spread that state's borrows over modules.
+//! Requests are served in `term/requests.rs`, the unit tests are in `term/tests.rs`; this file
+//! is just over 600 lines because the loop and the ingest share the term's one state.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -18,10 +18,10 @@ use std::time::Duration;
 use chanwatch_core::planner::pacer::REQUESTS_PER_TURN;
 #[cfg(feature = "planted-bugs")]
 use chanwatch_core::planner::PlannerBug;
-use chanwatch_core::planner::{AdminError, GateLog, Pacer, PlannedTxn, Planner, Transition};
+use chanwatch_core::planner::{GateLog, Pacer, Planner};
 use chanwatch_core::{ChannelName, NodeId};
 use chanwatch_store::{Clock, EventKind, KeyRange, LeaseId, ListWatch, MetaStore, Renewal, Update};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -30,6 +30,8 @@ use crate::coordinator::CoordinatorConfig;
 use crate::execute::millis;
 use crate::handle::{refuse, ApiError, CoordStatus, Request};
 use crate::watch_health::{resync_wait, stall_limit, StallCheck};
+
+mod requests;
 
 /// How a term as leader ended.
 pub(crate) enum TermEnd {
@@ -600,275 +602,7 @@ impl<'a> Term<'a> {
             false
         });
     }
-
-    /// Handles an admin request. `Err` only when leadership was lost.
-    async fn handle(&mut self, req: Request) -> Result<(), String> {
-        let now = self.clock.unix_ms();
-        match req {
-            Request::Channels(reply) => drop(reply.send(Ok(self.state.channel_rows()))),
-            Request::Nodes(reply) => drop(reply.send(Ok(self.state.node_rows()))),
-            Request::Add { name, reply, .. } | Request::AddPlaced { name, reply, .. }
-                if self.bulk.holds(&name) =>
-            {
-                drop(reply.send(Err(AdminError::AlreadyExists(name).into())));
-            }
-            Request::Add {
-                name,
-                vchannel,
-                reply,
-            } => {
-                let planned = self.state.add_channel(name, vchannel, now);
-                self.run_one(planned, reply).await?;
-            }
-            Request::Remove { name, reply } => {
-                let planned = self.state.remove_channel(&name);
-                self.run_one(planned, reply).await?;
-            }
-            Request::Move { name, to, reply } => {
-                let planned = self.state.move_channel(&name, to, now);
-                self.run_one(planned, reply).await?;
-            }
-            Request::Drain { node, reply } => {
-                let planned = self.state.drain(node);
-                let (tx, rx) = oneshot::channel();
-                self.run_one(planned, tx).await?;
-                let result = match rx.await {
-                    Ok(Ok(_)) => {
-                        info!(node = %node, "coord: draining node");
-                        Ok(())
-                    }
-                    Ok(Err(e)) => Err(e),
-                    Err(_) => Err(ApiError::Store("drain request dropped".into())),
-                };
-                drop(reply.send(result));
-                self.replan = true;
-            }
-            Request::Balance { dry_run, reply } => {
-                let plan = self.state.balance_plan();
-                drop(reply.send(Ok(plan)));
-                if !dry_run {
-                    // Runs even with --auto-balance=false, until balanced.
-                    self.state.ask_balance();
-                    self.replan = true;
-                }
-            }
-            Request::AddPlaced {
-                name,
-                vchannel,
-                placement,
-                reply,
-            } => {
-                let planned = self.state.add_channel_with(name, vchannel, placement, now);
-                self.run_one(planned, reply).await?;
-            }
-            Request::Pin {
-                name,
-                pinned,
-                reply,
-            } => {
-                match self.state.set_pinned(&name, pinned) {
-                    // Already so: nothing to write.
-                    Ok(t) if t.ops.is_empty() => drop(reply.send(Ok(Vec::new()))),
-                    planned => self.run_one(planned, reply).await?,
-                }
-            }
-            Request::View(read) => (read.0)(Ok(&self.state)),
-            Request::Undrain { node, reply } => self.undrain(node, reply).await?,
-            Request::AddMany { infos, reply } => self.add_many(infos, reply),
-        }
-        Ok(())
-    }
-
-    pub(crate) async fn run_one(
-        &mut self,
-        planned: Result<PlannedTxn, AdminError>,
-        reply: oneshot::Sender<Result<Vec<Transition>, ApiError>>,
-    ) -> Result<(), String> {
-        let txn = match planned {
-            Ok(t) => t,
-            Err(e) => {
-                drop(reply.send(Err(e.into())));
-                return Ok(());
-            }
-        };
-        let mut send =
-            crate::execute::sends(self.store.clone(), Arc::new(self.encoder()), vec![txn]);
-        let Some(one) = send.next() else {
-            return Ok(()); // one txn in, one send out
-        };
-        let (txn, result, started) = one.await;
-        self.record_txn(&result, started, txn.ops.len() <= crate::execute::PACE_OPS);
-        match result {
-            Ok(r) if r.succeeded => {
-                self.state.applied(&txn, r.revision);
-                self.log_transitions(&txn);
-                drop(reply.send(Ok(txn.transitions)));
-                Ok(())
-            }
-            Ok(r) => {
-                self.refresh(&txn, &r)?;
-                drop(reply.send(Err(ApiError::Store(
-                    "the channel changed meanwhile; retry".into(),
-                ))));
-                Ok(())
-            }
-            Err(e) => {
-                // The asker hears it (503), and so does the operator of this process: a
-                // newcomer's leader whose credentials etcd refused logged nothing at all.
-                warn!(error = %e, channels = txn.transitions.len(), "coord: the txn of an admin request failed; answered 503 (the asker may retry)");
-                drop(reply.send(Err(ApiError::Store(e.to_string()))));
-                Ok(())
-            }
-        }
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use chanwatch_core::planner::pacer::{HOLD_MAX, QUIET_MIN};
-    use chanwatch_core::Keys;
-    use chanwatch_store::{EmbeddedStore, KeyValue};
-
-    /// What a test's `Term` borrows or takes (it borrows the first two from its caller).
-    fn parts() -> (
-        CoordinatorConfig,
-        watch::Sender<CoordStatus>,
-        Arc<dyn MetaStore>,
-    ) {
-        let (status, _) = watch::channel(CoordStatus::default());
-        (
-            CoordinatorConfig::default(),
-            status,
-            Arc::new(EmbeddedStore::new()),
-        )
-    }
-
-    fn leader_kv(keys: &Keys, create_revision: i64, lease: Option<LeaseId>) -> KeyValue {
-        KeyValue {
-            key: keys.leader(),
-            value: b"{}".to_vec(),
-            create_revision,
-            mod_revision: create_revision,
-            version: 1,
-            lease,
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_full_list_deposes_the_leader_unless_the_key_is_its_own() {
-        let (config, status, store) = parts();
-        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
-        let reset = |kvs: Vec<KeyValue>| Update::Reset { kvs, revision: 9 };
-        let keys = &config.keys;
-        assert_eq!(
-            term.apply(reset(vec![leader_kv(keys, 5, Some(0x77))])),
-            Ok(())
-        );
-        for (case, kvs) in [
-            ("gone", vec![]),
-            ("re-created", vec![leader_kv(keys, 8, Some(0x78))]),
-            ("rewritten without a lease", vec![leader_kv(keys, 5, None)]),
-            (
-                "rewritten on another lease",
-                vec![leader_kv(keys, 5, Some(0x78))],
-            ),
-        ] {
-            let why = term.apply(reset(kvs)).expect_err(case);
-            assert!(
-                why.contains("deposed") || why.contains("gone"),
-                "{case}: {why}"
-            );
-        }
-    }
-
-    impl Term<'_> {
-        /// When a round may run, not before `not_before` (the gap's end), as the pacer sees
-        /// the losses this term fed it.
-        fn plan_at(&self, not_before: tokio::time::Instant) -> tokio::time::Instant {
-            not_before.max(self.origin + self.pacer.round_at())
-        }
-    }
-
-    /// A node holding `channel` in `term`'s view, then its session gone.
-    fn lose(term: &mut Term<'_>, node: u64, channel: &str, rev: i64) {
-        use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Epoch, NodeSession};
-        let keys = term.config.keys.clone();
-        let id = NodeId(node);
-        let session = NodeSession {
-            id,
-            admin_addr: String::new(),
-            version: String::new(),
-            started_at_ms: 1,
-            capacity: 0,
-            name: String::new(),
-            extra: Default::default(),
-        };
-        term.state
-            .apply_put(&keys.session(id), &session.encode(), rev);
-        if !channel.is_empty() {
-            let name = ChannelName::new(channel).expect("a valid test channel name");
-            let mut info = ChannelInfo::new(name.clone(), Epoch(1), 1, Default::default());
-            info.state = ChannelState::Watched;
-            let key = keys.channel(ChannelOwner::Node(id), &name);
-            term.state.apply_put(&key, &info.encode(), rev + 1);
-        }
-        term.state.apply_delete(&keys.session(id), rev + 2);
-        term.session_gone(id, "a test");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_burst_of_session_losses_is_planned_once_it_is_over() {
-        let (config, status, store) = parts();
-        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
-        let now = || tokio::time::Instant::now();
-        // Nothing lost: a plan may run when the gap allows.
-        assert_eq!(term.plan_at(now()), now());
-        // A node that held nothing is no failover: no hold.
-        lose(&mut term, 9, "", 10);
-        assert_eq!(term.plan_at(now()), now());
-        // A loss holds the plan until the quiet period (QUIET_MIN: no txn timed yet) has
-        // passed without another.
-        let first = now();
-        lose(&mut term, 1, "c1", 20);
-        assert_eq!(term.plan_at(now()), first + QUIET_MIN);
-        tokio::time::advance(Duration::from_millis(2)).await;
-        lose(&mut term, 2, "c2", 30);
-        assert_eq!(term.plan_at(now()), now() + QUIET_MIN);
-        // A plan gap that ends later still rules.
-        assert_eq!(term.plan_at(now() + HOLD_MAX), now() + HOLD_MAX);
-        // Losses that keep coming hold it no longer than HOLD_MAX after the first.
-        for n in 3..30 {
-            tokio::time::advance(Duration::from_millis(2)).await;
-            lose(&mut term, n, &format!("c{n}"), 10 * n as i64 + 40);
-        }
-        assert!(now() > first + HOLD_MAX);
-        assert_eq!(term.plan_at(first), first + HOLD_MAX);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_leaders_txns_set_how_long_a_burst_is_waited_for() {
-        let (config, status, store) = parts();
-        let mut term = Term::new(store, &config, Clock::system(), 5, 0x77, &status);
-        let now = || tokio::time::Instant::now();
-        // Eight txns that took `ms` each, timing the commit (`pace`) or not.
-        async fn txns(term: &mut Term<'_>, ms: u64, pace: bool) {
-            for _ in 0..8 {
-                let started = tokio::time::Instant::now();
-                tokio::time::advance(Duration::from_millis(ms)).await;
-                let answer = chanwatch_store::TxnResponse {
-                    succeeded: true,
-                    revision: 9,
-                    responses: Vec::new(),
-                };
-                term.record_txn(&Ok(answer), started, pace);
-            }
-        }
-        // The store commits in 5 ms (etcd on a slow disk): a loss is waited on 10 ms.
-        txns(&mut term, 5, true).await;
-        // Txns that do not time the commit (large, pipelined, bulk) change nothing.
-        txns(&mut term, 50, false).await;
-        lose(&mut term, 1, "c1", 20);
-        assert_eq!(term.plan_at(now()), now() + Duration::from_millis(10));
-    }
-}
+mod tests;
