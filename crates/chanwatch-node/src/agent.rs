@@ -1,4 +1,4 @@
-//! The local agent API (issue 14, DESIGN §7): the HTTP endpoints an `--exec` worker process
+//! The local agent API (DESIGN §7): the HTTP endpoints an `--exec` worker process
 //! calls to talk to its node — one listener per [`ExecHandler`](crate::handler::ExecHandler)
 //! (TCP, and the same API on a Unix socket in a private directory: `CHANWATCH_AGENT_SOCKET`),
 //! one random bearer token per child.

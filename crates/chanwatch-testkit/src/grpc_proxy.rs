@@ -1,7 +1,8 @@
 //! An HTTP/2-aware proxy in front of one etcd endpoint, for faults a TCP proxy cannot make:
 //! a *stalled watch*. The connection and every other call (lease keepalives, txns, ranges)
 //! keep flowing while the responses of `/etcdserverpb.Watch/Watch` calls are held, exactly
-//! what a client sees when etcd's watch stream is stuck (issue 11, finding 1). Likewise the
+//! what a client sees when etcd's watch stream is stuck — the fault in which a drained node never saw its release requests and
+//! kept running its channels beside their new owner. Likewise the
 //! answers of txns can be held while the txns themselves reach etcd and land: a write whose
 //! caller gives up before it hears the outcome.
 //!

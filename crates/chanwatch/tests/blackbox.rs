@@ -1,10 +1,10 @@
-//! Two faults of issue 11 driven against the real binary and judged only from outside: the
+//! Faults of a cluster losing touch with etcd driven against the real binary and judged only from outside: the
 //! keys in etcd (`chanwatch ctl ... --json` and a watch of the test's own), the nodes' handler
 //! logs (`--handler-log`) and the processes' `/metrics`. Each starts a real etcd from
 //! chanwatch-testkit (a missing binary fails the test with install instructions), runs in
 //! well under a minute, and is part of `cargo test`.
 //!
-//! - A drained node whose watch stalls silently (finding 1): the node reaches etcd through a
+//! - A drained node whose watch stalls silently: the node reaches etcd through a
 //!   [`GrpcProxy`] that holds its watch responses while its keepalives pass, so it never sees
 //!   its `ToRelease`. Judged: no channel ever runs on two nodes at once; the node's session
 //!   ends or its channels move within a bound; once the stream recovers every channel is
@@ -13,7 +13,7 @@
 //!   reported, not asserted. A variant keeps the node blind throughout: it must still let its
 //!   channels go (it notices by watch progress, relists and acknowledges the release; before
 //!   that, its channels failed over to its own next session, again and again).
-//! - A channel that fails to load on one node (finding 5): it settles elsewhere and is not put
+//! - A channel that fails to load on one node (before, it was put straight back there): it settles elsewhere and is not put
 //!   back on that node within the back-off or the move cool-down; nothing else churns.
 //!
 //! - The leader's own watch stalls silently (a proxy holds its watch responses) past the watch

@@ -1,4 +1,5 @@
-//! (Over 600 lines: one black-box scenario per finding of issue 15, sharing one small harness.)
+//! (Over 600 lines: one black-box scenario per operator-facing behaviour, sharing one small
+//! harness.)
 //!
 //! `chanwatch ctl get|describe|events|undrain`, waiting through a leader failover, and
 //! `--admin` against `standalone`, as an operator runs them: the real binary, a real etcd

@@ -1,4 +1,4 @@
-//! The data plane through the real binary (issue 12): `standalone --handler stream` consumes
+//! The data plane through the real binary: `standalone --handler stream` consumes
 //! what `produce` appends to a file log while the node owning a channel is drained (its
 //! channels move mid-stream), and `audit` finds every channel exact; and the same on real etcd
 //! with `coord` and two `node --handler stream` processes, one killed mid-stream, with

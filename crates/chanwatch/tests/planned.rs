@@ -1,4 +1,4 @@
-//! Planned events (DESIGN §5, issue 16) driven against the real binary and real etcd, judged
+//! Planned events (DESIGN §5) driven against the real binary and real etcd, judged
 //! only from outside: `chanwatch ctl ... --json`, a watch of the test's own on the assignment
 //! keys, the nodes' handler logs, the coordinator's `/metrics` and the processes' exit codes.
 //!

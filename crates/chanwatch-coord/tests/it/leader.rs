@@ -1,5 +1,4 @@
-//! Leader honesty, a fair leader loop and a coordinator that never exits on store trouble
-//! (issue 11, findings 6 and 10 and the coordinator half of 3/4).
+//! Leader honesty, a fair leader loop and a coordinator that never exits on store trouble.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;

@@ -65,7 +65,7 @@ all_backends!(
     a_drain_moves_everything_off_and_survives_a_leader_failover,
 );
 
-/// Leader honesty (issue 11 finding 6), on both backends.
+/// Leader honesty (a leader whose key is gone must stop acting as leader), on both backends.
 mod leader_key {
     on_both_backends!(
         leader,
@@ -170,8 +170,8 @@ mod embedded_only {
 
 /// Real etcd, real time.
 mod etcd_only {
-    /// Issue 16's quota test, shortened to two runs of `CHANWATCH_UPKEEP_SECS` (default 60)
-    /// of churn each: run with `--ignored --nocapture` to see the numbers.
+    /// The small-quota test (without compaction etcd reaches NOSPACE, with it never), two runs
+    /// of `CHANWATCH_UPKEEP_SECS` (default 60) of churn each: run with `--ignored --nocapture` to see the numbers.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "two minutes of churn on real etcd; .ci/run runs it on its own"]
     async fn a_small_quota_without_auto_compaction_fills_only_without_compaction(

@@ -774,7 +774,7 @@ pub async fn a_node_whose_keepalives_fail_stops_its_channels_before_its_lease_ex
 /// Embedded only (paused clock): a node whose watch silently stops delivering (keepalives and
 /// txns still work) is drained. It never sees the release requests; the leader must not move
 /// the channels beside it: it fences the node by revoking its lease, and the channels move
-/// only once the node has surely stopped them (issue 11 finding 1: before, the blind owner
+/// only once the node has surely stopped them (before, the blind owner
 /// ran them beside the new owner for ~6 s).
 pub async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_move() -> Result<()>
 {
@@ -853,7 +853,7 @@ pub async fn a_drained_node_with_a_stalled_watch_is_fenced_before_its_channels_m
 }
 
 /// Embedded only (paused clock): a node whose watch stalls silently while its keepalives
-/// succeed notices by itself (issue 11, "blindness by watch progress"): its watch does not
+/// succeed notices by itself, by watch progress: its watch does not
 /// reach the revision its keepalive answers name, so within `ttl − margin` it pauses its
 /// channels, relists (a fresh watch) and resumes. Nothing moves and it never registers again.
 pub async fn a_node_whose_watch_stalls_pauses_by_itself_and_nothing_moves() -> Result<()> {
@@ -949,7 +949,7 @@ pub async fn an_operators_lease_revoke_stops_the_nodes_channels_before_they_run_
 /// or lost quorum: no leader, so no lease expires, and a new leader extends every lease),
 /// with a session TTL of 3 s. Static stability (DESIGN §6, invariant 9): every channel is
 /// paused, none is reassigned, no node registers again, and every channel runs again, on the
-/// node it was on, within a second of the store's return (issue 11 finding 2: before, every
+/// node it was on, within a second of the store's return (before, every
 /// node fenced, stopped everything and came back under a new ID).
 pub async fn an_etcd_outage_pauses_channels_and_they_resume_in_place() -> Result<()> {
     use chanwatch_store::{EmbeddedStore, MetaStore};

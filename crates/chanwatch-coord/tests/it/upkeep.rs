@@ -266,7 +266,8 @@ async fn quota_run(compact_interval: Duration, for_: Duration) -> Result<QuotaRu
     Ok(run)
 }
 
-/// Issue 16's upkeep test, shortened: `CHANWATCH_UPKEEP_SECS` (default 60) of churn per run.
+/// An 8 MiB quota and `CHANWATCH_UPKEEP_SECS` (default 60) of churn per run: NOSPACE never
+/// with compaction every 5 s, and sooner or later without it.
 pub async fn a_small_quota_without_auto_compaction_fills_only_without_compaction() -> Result<()> {
     let secs: u64 = std::env::var("CHANWATCH_UPKEEP_SECS")
         .ok()

@@ -1,5 +1,6 @@
 //! Bulk registration: many new channels placed at once and packed into as few txns as the
-//! store allows (DESIGN §7, issue 16 item 6).
+//! store allows (DESIGN §7): one call per channel cost many times the store's own floor
+//! (docs/BENCHMARKS.md, "Bulk registration and the failover replay floor").
 //!
 //! Owns: [`Planner::add_channels`] — every entry is checked against the view first (all or
 //! nothing: one refusal and no txn is planned), then each channel goes to the least-loaded

@@ -1,4 +1,4 @@
-//! The stream consumer handler (issue 12, DESIGN §7): runs each channel by reading it from a
+//! The stream consumer handler (DESIGN §7): runs each channel by reading it from a
 //! [`chanwatch_stream::Log`], folding every message into a small [`StreamState`], and
 //! committing `(position, state)` by fenced txn through the run's [`ChannelContext`].
 //!

@@ -1,4 +1,4 @@
-//! Fenced checkpoints end to end on the embedded store (issue 12, DESIGN §4): a run resumes
+//! Fenced checkpoints end to end on the embedded store (DESIGN §4): a run resumes
 //! from the last commit, a moved channel's old run can no longer commit, and removing the
 //! channel deletes its checkpoint.
 

@@ -1,5 +1,5 @@
 //! The stream consumer end to end on the embedded store, with the file log and with a real
-//! nats-server (issue 12): messages are consumed while a channel moves and a node stops (and,
+//! nats-server: messages are consumed while a channel moves and a node stops (and,
 //! on NATS, while the server restarts), and every channel's committed state is exactly the
 //! messages up to its committed position — none lost, none folded twice.
 

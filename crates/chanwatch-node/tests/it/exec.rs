@@ -1,4 +1,4 @@
-//! The exec handler in a node on the embedded store (issue 14): a worker process sees the
+//! The exec handler in a node on the embedded store: a worker process sees the
 //! node's pause through `GET /state` — `paused` while the store is away, `running` again after
 //! — and the node stops it when the node stops; a worker's `POST /fail` before `/ready` ends
 //! its load at once.

@@ -1,7 +1,7 @@
 //! One channel, two folds: the Rust stream consumer (`--handler stream`) and the Python
 //! worker (`examples/workers/consumer.py agent` through `--exec`) resume each other's
-//! checkpoints on NATS, so `audit` judges both as one (issue 14; the chaos run mixes them
-//! under faults, this proves the handover deterministically).
+//! checkpoints on NATS, so `audit` judges both as one (the chaos run mixes them under faults;
+//! this proves the handover deterministically).
 
 use super::*;
 

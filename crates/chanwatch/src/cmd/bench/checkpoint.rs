@@ -164,7 +164,7 @@ pub async fn run(args: &BenchCheckpointArgs) -> Result<()> {
     let node_txns = med(|f| f.node_txns_per_sec);
     let etcd_txns =
         (args.store == StoreKind::Etcd).then(|| med(|f| f.etcd_txns_per_sec.unwrap_or(0.0)));
-    // The yardstick: one txn per node per commit round.
+    // The target's yardstick (docs/BENCHMARKS.md): one txn per node per commit round.
     let per_round = args.nodes as f64 * rate;
     // What the store's limits allow at best: a node's commits of one round need
     // ceil(channels per node x 2 guards / (max ops - 1 for the session guard)) txns.

@@ -1,4 +1,4 @@
-//! `bench exec` (issue 14): the cost of `--exec` workers, in process with one coordinator and
+//! `bench exec`: the cost of `--exec` workers, in process with one coordinator and
 //! one node, on the embedded store or (`--store etcd`) on etcd, where a commit costs what it
 //! costs in production and the agent's overhead is measured against that.
 //!

@@ -240,7 +240,7 @@ pub fn lists(lines: &[Line]) -> Vec<&[Line]> {
 /// plans and queues lists that arrive meanwhile; but on the shared 2-core machine 2 and 4
 /// lists at once kept etcd so busy that it timed out requests ("waiting for the applied
 /// index took too long"): nodes' keepalives failed, the leader lost its lease, and queued
-/// calls ran past `--timeout` (docs/BENCHMARKS.md, issue 16). One at a time lets etcd catch
+/// calls ran past `--timeout` (docs/BENCHMARKS.md, "Bulk lists off the leader's loop"). One at a time lets etcd catch
 /// up between lists; raise it only with an etcd that has cores of its own.
 pub const LISTS_IN_FLIGHT: usize = 1;
 
