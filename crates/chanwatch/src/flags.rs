@@ -374,8 +374,9 @@ pub struct HandlerArgs {
     /// …or this long after its last commit, whichever comes first.
     #[arg(long, env = "CHANWATCH_COMMIT_INTERVAL", value_parser = humantime_secs, default_value = "1s")]
     pub commit_interval: Duration,
-    /// Run a worker process per channel instead of a built-in handler: `/bin/sh -c CMD` (shell
-    /// text: quote it as one argument; prefix `exec` so the worker is the direct child). It gets
+    /// Run a worker process per channel instead of a built-in handler: CMD is shell text (quote
+    /// it as one argument; no `exec` needed: the node keeps the whole process tree, and it dies
+    /// with the node). It gets
     /// CHANWATCH_CHANNEL, CHANWATCH_EPOCH, CHANWATCH_NODE, CHANWATCH_VCHANNEL (JSON),
     /// CHANWATCH_RESUME_POSITION, CHANWATCH_RESUME_STATE (JSON), CHANWATCH_AGENT_URL,
     /// CHANWATCH_AGENT_TOKEN and CHANWATCH_AGENT_SOCKET (the same API on a Unix socket), and

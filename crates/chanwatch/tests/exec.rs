@@ -1,4 +1,4 @@
-//! `chanwatch node --exec` through the real binary (issue 14): real etcd, a real coordinator,
+//! `chanwatch node --exec` through the real binary: real etcd, a real coordinator,
 //! nodes as processes and their workers as real child processes, judged from outside — `ctl
 //! --json`, `etcdctl`, the nodes' logs, the workers' own files and `/proc`.
 //!
@@ -8,7 +8,8 @@
 //! on a node's shutdown answered at once: `exec/shutdown.rs`; a worker that hangs up mid-commit
 //! not fenced by its own write: `exec/hangup.rs`; a node cut off from etcd counted paused by the
 //! leader's summary: `exec/summary.rs`; a worker's wrong requests answered with JSON errors:
-//! `exec/errors.rs`.
+//! `exec/errors.rs`; workers started without `exec` (the node's death, SIGTERM and the grace
+//! reaching the whole tree): `exec/tree.rs`.
 //!
 //! Over 600 lines: nine scenarios on one harness (`World`: etcd, a coordinator, nodes and
 //! ctl; `/proc` scans; a TCP proxy that partitions a node), which they share; split it into a
@@ -35,6 +36,8 @@ mod shutdown;
 mod sigterm;
 #[path = "exec/summary.rs"]
 mod summary;
+#[path = "exec/tree.rs"]
+mod tree;
 
 use chanwatch_testkit::free_port;
 

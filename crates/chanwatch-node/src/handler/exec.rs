@@ -1,6 +1,6 @@
-//! The exec handler (issue 14, DESIGN §7): workers in any language. For every channel the
-//! node starts, it spawns one child process — `/bin/sh -c COMMAND`, so the command is shell
-//! text (quote as in a shell; prefix `exec` to make the worker itself the direct child) — with
+//! The exec handler (DESIGN §7): workers in any language. For every channel the
+//! node starts, it spawns one child process — a guard shell that runs COMMAND as shell text
+//! (quote as in a shell; `exec` is not needed: the guard keeps the whole tree in hand) — with
 //! the channel's assignment and resume point in its environment, and supervises it; the child
 //! talks to its node through the local [agent API](crate::agent).
 //!
@@ -29,11 +29,10 @@
 //!   released before its load completed (a cancelled load, or one a pause caught), and for
 //!   every worker of a session that fenced itself without a pause first (the store said its
 //!   lease is gone: another node may start the channel any moment, and no commit can land).
-//! - **the node's death**, even by `kill -9`: each child is spawned with `PR_SET_PDEATHSIG =
-//!   SIGKILL` from spawner threads that live as long as the process, so the kernel kills the
-//!   direct child when the node dies. Processes the child forked itself are killed with the
-//!   group on release and on the child's exit, but not by the kernel when the node dies:
-//!   `exec` the worker (or have it set its own death signal on its children).
+//! - **the node's death**, even by `kill -9`: each child is a guard shell (`GUARD_SCRIPT`)
+//!   spawned with `PR_SET_PDEATHSIG = SIGUSR2` from spawner threads that live as long as the
+//!   process; when the node dies the kernel signals the guard, which kills the worker's whole
+//!   process group — whatever the command forked, with or without `exec`.
 //!
 //! The child inherits the node's environment except the node's own `CHANWATCH_*` variables
 //! (they may hold etcd credentials or the admin token): only those of the table are set.
@@ -65,7 +64,7 @@ mod sys;
 /// Settings of an [`ExecHandler`].
 #[derive(Debug, Clone)]
 pub struct ExecOptions {
-    /// The worker command, run as `/bin/sh -c COMMAND` once per channel.
+    /// The worker command, shell text, run under a guard shell once per channel.
     pub command: String,
     /// How long a released worker gets between `SIGTERM` and `SIGKILL` (default 10 s).
     pub stop_grace: Duration,
@@ -244,8 +243,16 @@ impl ExecHandler {
         let mut fenced_in_grace = false;
         let stopped = !paused && {
             sys::signal_group(run.pgid, libc::SIGTERM);
+            // The whole group, not only the direct child: under a guard shell the worker's
+            // own processes may outlive the shells in front of them by their grace.
+            let gone = async {
+                let _ = exited.wait_for(Option::is_some).await;
+                while sys::signal_group(run.pgid, 0) {
+                    clock.sleep(Duration::from_millis(20)).await;
+                }
+            };
             tokio::select! {
-                r = exited.wait_for(Option::is_some) => r.is_ok(),
+                () = gone => true,
                 () = clock.sleep(grace) => false,
                 () = session_closed => {
                     fenced_in_grace = true;
@@ -297,8 +304,9 @@ impl ChannelHandler for ExecHandler {
                 cmd.env_remove(&key);
             }
         }
+        let launch = Launch::of(&self.options.command);
         cmd.arg("-c")
-            .arg(&self.options.command)
+            .args(&launch.args)
             .env("CHANWATCH_CHANNEL", ctx.info.channel.as_str())
             .env("CHANWATCH_EPOCH", ctx.info.epoch.0.to_string())
             .env("CHANWATCH_NODE", ctx.node.0.to_string())
@@ -321,7 +329,7 @@ impl ChannelHandler for ExecHandler {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        sys::die_with_node(&mut cmd);
+        sys::die_with_node(&mut cmd, launch.death_signal);
         let spawning = std::time::Instant::now();
         let mut proc = spawn(cmd)
             .await
@@ -409,6 +417,83 @@ impl ChannelHandler for ExecHandler {
     }
 }
 
+/// How a worker's command is started: `/bin/sh -c ARGS…` and the signal the kernel sends the
+/// node's direct child when the node dies (`PR_SET_PDEATHSIG`).
+///
+/// A simple command (`python3 worker.py DIR`: words only) runs as `exec COMMAND`: the worker
+/// itself is the node's direct child and its group's leader, so the node's death kills it
+/// (`SIGKILL`), a release's `SIGTERM` reaches it and nothing else, and the stop grace and the
+/// exit status are its own. Anything else (`cd d && ./w`, a pipeline, a loop) runs under the
+/// guard shell [`GUARD_SCRIPT`], which the node's death reaches as `SIGUSR2`: its trap kills the
+/// whole process group, whatever the command forked.
+struct Launch {
+    args: Vec<String>,
+    death_signal: libc::c_int,
+}
+
+impl Launch {
+    fn of(command: &str) -> Launch {
+        if is_simple(command) {
+            let first = command.split_whitespace().next().unwrap_or_default();
+            let script = if first == "exec" {
+                command.to_owned()
+            } else {
+                format!("exec {command}")
+            };
+            Launch {
+                args: vec![script],
+                death_signal: libc::SIGKILL,
+            }
+        } else {
+            Launch {
+                args: vec![
+                    GUARD_SCRIPT.to_owned(),
+                    "chanwatch-worker".to_owned(),
+                    command.to_owned(),
+                ],
+                death_signal: libc::SIGUSR2,
+            }
+        }
+    }
+}
+
+/// Whether `command` is one simple command, which `exec` may prefix: no list or pipeline
+/// operator, no grouping (conservatively: none of those characters anywhere, quoted or not),
+/// and neither a keyword nor a variable assignment first (`exec VAR=x cmd` would run `VAR=x`).
+/// Quotes, expansions and redirections are fine: `exec` keeps them.
+fn is_simple(command: &str) -> bool {
+    const KEYWORDS: [&str; 14] = [
+        "if", "then", "else", "elif", "fi", "do", "done", "case", "esac", "while", "until", "for",
+        "!", "function",
+    ];
+    let Some(first) = command.split_whitespace().next() else {
+        return false;
+    };
+    !command.contains(|c| matches!(c, ';' | '&' | '|' | '\n' | '(' | ')' | '{' | '}'))
+        && !first.contains('=')
+        && !KEYWORDS.contains(&first)
+}
+
+/// The shell that runs a command that is not simple ([`Launch`]), `/bin/sh -c GUARD_SCRIPT
+/// chanwatch-worker COMMAND`, the node's direct child and its group's leader:
+/// - the node's death reaches the whole tree: the kernel sends this shell `SIGUSR2`, and its
+///   trap kills the process group, whatever the command forked;
+/// - a release's `SIGTERM` to the group reaches the command's processes while this shell
+///   goes on (`:` as its handler — not ignored, which the command would inherit); the node
+///   waits for the whole group to be gone, up to the stop grace, not only for this shell;
+/// - the command's exit status is the shell's (a signal's `128 + n`).
+///
+/// `wait` returns early when a trapped signal arrives; the loop waits again while the command
+/// is still there.
+const GUARD_SCRIPT: &str = r#"trap 'kill -KILL 0' USR2
+trap : TERM
+{ eval "$1"; } &
+w=$!
+while :; do
+  wait "$w"; s=$?
+  kill -0 "$w" 2>/dev/null || exit "$s"
+done"#;
+
 /// Waits for the worker to end; then kills what is left of its group, and fails the channel
 /// unless the node stopped it.
 async fn supervise(
@@ -427,8 +512,11 @@ async fn supervise(
         },
         Err(e) => format!("cannot wait for it: {e}"),
     };
-    // Whatever the worker forked and left behind goes with it.
-    sys::signal_group(pid, libc::SIGKILL);
+    // Whatever the worker forked and left behind goes with it — unless the node is stopping
+    // it: then the stop waits for the group within the grace and kills what is left after.
+    if !stopping.load(Ordering::SeqCst) {
+        sys::signal_group(pid, libc::SIGKILL);
+    }
     exited.send_replace(Some(how.clone()));
     if stopping.load(Ordering::SeqCst) {
         return;
@@ -521,4 +609,46 @@ async fn spawn(cmd: std::process::Command) -> std::io::Result<tokio::process::Ch
     answer
         .await
         .map_err(|_| std::io::Error::other("the spawner thread dropped the request"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_simple_command_is_execd_and_anything_else_runs_under_the_guard() {
+        for simple in [
+            "python3 worker.py /data",
+            "python3 'my worker.py' \"$CHANWATCH_CHANNEL\" > /tmp/log",
+            "exec python3 worker.py",
+        ] {
+            let l = Launch::of(simple);
+            assert_eq!(l.death_signal, libc::SIGKILL, "{simple}");
+            assert_eq!(l.args.len(), 1, "{simple}");
+            assert!(l.args[0].starts_with("exec "), "{simple}");
+            assert!(!l.args[0].starts_with("exec exec"), "{simple}");
+        }
+        for compound in [
+            "cd /data && python3 worker.py",
+            "python3 worker.py | tee log",
+            "env > f; exec sh worker.sh",
+            "VAR=1 python3 worker.py",
+            "while :; do sleep 1; done",
+            "python3 -c 'print(1)'",
+            "a\nb",
+            "",
+        ] {
+            let l = Launch::of(compound);
+            assert_eq!(l.death_signal, libc::SIGUSR2, "{compound:?}");
+            assert_eq!(
+                l.args,
+                vec![
+                    GUARD_SCRIPT.to_owned(),
+                    "chanwatch-worker".to_owned(),
+                    compound.to_owned()
+                ],
+                "{compound:?}"
+            );
+        }
+    }
 }

@@ -8,18 +8,20 @@
 
 use std::os::unix::process::CommandExt;
 
-/// Makes the child spawned by `cmd` receive `SIGKILL` when the thread that spawns it exits
+/// Makes the child spawned by `cmd` receive `signal` (`SIGKILL` for a worker exec'd directly,
+/// `SIGUSR2` for a guard shell, whose trap kills the worker's process group on it) when the
+/// thread that spawns it exits
 /// (`PR_SET_PDEATHSIG`: the kernel ties it to the forking *thread*, so the caller spawns from
 /// a thread that lives as long as the process), and refuses to exec when the node already died
 /// between the fork and the `prctl` (its parent is then no longer the node).
-pub(super) fn die_with_node(cmd: &mut std::process::Command) {
+pub(super) fn die_with_node(cmd: &mut std::process::Command, signal: libc::c_int) {
     let node = libc::pid_t::try_from(std::process::id()).unwrap_or(libc::pid_t::MAX);
     // SAFETY: the closure runs in the forked child before `exec`. It calls only `prctl` and
     // `getppid` (both async-signal-safe), builds errors without allocating, and touches no
     // lock or memory shared with the parent.
     unsafe {
         cmd.pre_exec(move || {
-            let sig = libc::c_ulong::try_from(libc::SIGKILL).unwrap_or(9);
+            let sig = libc::c_ulong::try_from(signal).unwrap_or(9);
             if libc::prctl(libc::PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -31,7 +33,8 @@ pub(super) fn die_with_node(cmd: &mut std::process::Command) {
     }
 }
 
-/// Sends `signal` (`libc::SIGTERM`, `libc::SIGKILL`) to every process of the group `pgid`;
+/// Sends `signal` (`libc::SIGTERM`, `libc::SIGKILL`, or 0: only whether any is left) to every
+/// process of the group `pgid`;
 /// false when no process is left in it (or the group ID does not fit a `pid_t`).
 pub(super) fn signal_group(pgid: u32, signal: libc::c_int) -> bool {
     let Ok(pgid) = libc::pid_t::try_from(pgid) else {
