@@ -469,7 +469,7 @@ fn is_simple(command: &str) -> bool {
     let Some(first) = command.split_whitespace().next() else {
         return false;
     };
-    !command.contains(|c| matches!(c, ';' | '&' | '|' | '\n' | '(' | ')' | '{' | '}'))
+    !command.contains([';', '&', '|', '\n', '(', ')', '{', '}'])
         && !first.contains('=')
         && !KEYWORDS.contains(&first)
 }
