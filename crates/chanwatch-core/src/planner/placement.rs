@@ -453,6 +453,32 @@ impl Planner {
         }
     }
 
+    /// Why `channel` (`want`) can go nowhere now: every node with room for it is in its
+    /// back-off for it (until when), or no node has room.
+    pub(super) fn nowhere(
+        &self,
+        loads: &Loads,
+        channel: &ChannelName,
+        want: Want<'_>,
+        now_ms: u64,
+    ) -> String {
+        match self.least_loaded(loads, want, None) {
+            Some(n) => {
+                let until = self
+                    .avoid
+                    .get(channel)
+                    .and_then(|a| a.get(&n))
+                    .copied()
+                    .unwrap_or(now_ms);
+                format!(
+                    "every node with room failed it lately; it waits out their back-off (node {n} for {} ms more)",
+                    until.saturating_sub(now_ms)
+                )
+            }
+            None => self.no_room(want),
+        }
+    }
+
     /// Whether balance may move `channel` to `to` now: not onto a node in a back-off for the
     /// channel or one that failed any channel lately, and not a channel in its cool-down.
     pub(super) fn balance_allows(&self, channel: &ChannelName, to: NodeId, now_ms: u64) -> bool {

@@ -71,16 +71,17 @@ impl Planner {
                 ChannelOwner::Node(_) => continue,
             };
             let want = Want::of(&e.info);
-            let target = self
-                .least_loaded_for(&loads, channel, want, None, now_ms)
-                .or_else(|| self.least_loaded(&loads, want, None));
-            match target {
+            // Back-offs hold here too: a node that failed the channel lately does not get it
+            // back early because it looks like the only candidate (with a stale view it may
+            // not be: a node registered meanwhile, found by the simulation). The channel
+            // waits under `remaining`, saying why, and comes back when a back-off ends.
+            match self.least_loaded_for(&loads, channel, want, None, now_ms) {
                 Some(target) => {
                     loads.add(target, want);
                     planned.push(reassign(e, ChannelOwner::Node(target), cause, now_ms));
                 }
                 None if cause == Cause::Failover => {
-                    planned.push(park(e, self.no_room(want)));
+                    planned.push(park(e, self.nowhere(&loads, channel, want, now_ms)));
                 }
                 None => {}
             }
@@ -168,6 +169,36 @@ mod tests {
             .all(|t| t.cause == Cause::Unpark));
         assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(3)));
         assert_eq!(w.owner_of("b"), (n(2), ChannelState::ToWatch, Epoch(4)));
+    }
+
+    /// A failover does not put a channel back on the node that failed it, inside its
+    /// back-off, even when that node is the only one left: the channel waits under
+    /// `remaining`, saying why, and goes there once the back-off ends.
+    #[test]
+    fn a_failover_waits_out_the_back_off_of_the_only_node_left_rather_than_go_back_early() {
+        let backoff = PlannerConfig::default().failed_node_backoff_ms;
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        w.settle(10);
+        assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
+        w.kill(2);
+        w.settle(20);
+        assert_eq!(
+            w.owner_of("a"),
+            (ChannelOwner::Remaining, ChannelState::ToWatch, Epoch(2)),
+            "node 1 failed it 10 ms ago: not back there"
+        );
+        let reason = w
+            .state
+            .entry(&name("a"))
+            .and_then(|e| e.info.reason.clone())
+            .unwrap_or_default();
+        assert!(reason.contains("back-off"), "{reason}");
+        assert!(w.settle(backoff).is_empty(), "still inside the back-off");
+        w.settle(backoff + 11);
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::ToWatch, Epoch(3)));
     }
 
     #[test]

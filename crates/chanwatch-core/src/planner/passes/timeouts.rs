@@ -186,9 +186,10 @@ impl Planner {
                 {
                     Some(pending.to)
                 } else {
+                    // Another node first, else back to its old owner; never onto a node in
+                    // its back-off for the channel.
                     self.least_loaded_for(&loads, channel, want, Some(from), now_ms)
-                        .or_else(|| self.least_loaded(&loads, want, Some(from)))
-                        .or_else(|| self.least_loaded(&loads, want, None))
+                        .or_else(|| self.least_loaded_for(&loads, channel, want, None, now_ms))
                 };
                 let change = match to {
                     Some(to) => {
@@ -197,7 +198,9 @@ impl Planner {
                     }
                     // Stopped, and no node has room under `--max-load`: it waits under
                     // `remaining`, saying why, until room appears.
-                    None if e.info.state == ChannelState::Released => park(e, self.no_room(want)),
+                    None if e.info.state == ChannelState::Released => {
+                        park(e, self.nowhere(&loads, channel, want, now_ms))
+                    }
                     None => continue,
                 };
                 done.push((channel.clone(), change));
