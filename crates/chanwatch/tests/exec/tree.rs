@@ -36,20 +36,29 @@ fn commands(dir: &Path) -> [(&'static str, String); 2] {
     ]
 }
 
+/// A node running `command` with `extra` flags, one channel `channel` added, Watched, and its
+/// worker's `SIGTERM` handler in place (its pid file written).
+fn run_one(w: &World, kind: &str, command: &str, extra: &[&str], channel: &str) -> Proc {
+    let mut flags = vec!["--ready-on-start"];
+    flags.extend_from_slice(extra);
+    let node = w.node(&format!("node-{kind}"), command, &flags);
+    w.add_channel(channel, &[]);
+    w.watched(channel, 30);
+    wait_for(
+        20,
+        || format!("{kind}: the worker runs: {}", node.output()),
+        || w.path(&format!("{channel}.pid")).exists().then_some(()),
+    );
+    node
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_killed_with_sigkill_leaves_no_process_of_a_worker_started_without_exec() {
     let w = World::start().await;
     let marker = w.dir.path().join("tree_worker.py").display().to_string();
     for (kind, command) in commands(w.dir.path()) {
-        let node = w.node(&format!("node-{kind}"), &command, &["--ready-on-start"]);
         let channel = format!("kill-{kind}");
-        w.add_channel(&channel, &[]);
-        w.watched(&channel, 30);
-        wait_for(
-            20,
-            || format!("{kind}: the worker runs: {}", node.output()),
-            || w.path(&format!("{channel}.pid")).exists().then_some(()),
-        );
+        let node = run_one(&w, kind, &command, &[], &channel);
         drop(node); // SIGKILL: no release, no SIGTERM.
         wait_for(
             3,
@@ -71,19 +80,8 @@ async fn a_released_worker_started_without_exec_gets_sigterm_itself_and_its_stop
     let w = World::start().await;
     let marker = w.dir.path().join("tree_worker.py").display().to_string();
     for (kind, command) in commands(w.dir.path()) {
-        let node = w.node(
-            &format!("node-{kind}"),
-            &command,
-            &["--ready-on-start", "--stop-grace=5s"],
-        );
         let channel = format!("release-{kind}");
-        w.add_channel(&channel, &[]);
-        w.watched(&channel, 30);
-        wait_for(
-            20,
-            || format!("{kind}: the worker runs: {}", node.output()),
-            || w.path(&format!("{channel}.pid")).exists().then_some(()),
-        );
+        let node = run_one(&w, kind, &command, &["--stop-grace=5s"], &channel);
         let removed = Instant::now();
         let (ok, _, err) = w.ctl(&["remove-channel", &channel]);
         assert!(ok, "{err}");
@@ -113,19 +111,8 @@ async fn a_worker_started_without_exec_that_ignores_sigterm_lives_until_the_grac
     let marker = w.dir.path().join("tree_worker.py").display().to_string();
     std::fs::write(w.path("stubborn"), "").expect("stubborn flag");
     for (kind, command) in commands(w.dir.path()) {
-        let node = w.node(
-            &format!("node-{kind}"),
-            &command,
-            &["--ready-on-start", "--stop-grace=3s"],
-        );
         let channel = format!("stubborn-{kind}");
-        w.add_channel(&channel, &[]);
-        w.watched(&channel, 30);
-        wait_for(
-            20,
-            || format!("{kind}: the worker runs: {}", node.output()),
-            || w.path(&format!("{channel}.pid")).exists().then_some(()),
-        );
+        let node = run_one(&w, kind, &command, &["--stop-grace=3s"], &channel);
         let removed = Instant::now();
         let (ok, _, err) = w.ctl(&["remove-channel", &channel]);
         assert!(ok, "{err}");
