@@ -22,6 +22,8 @@ pub struct Run {
     pub epoch: u64,
     pub from: u64,
     pub to: Option<u64>,
+    /// Begun by a `resume` (warm, after a pause), not a `start` (a load).
+    pub resumed: bool,
 }
 
 /// The runs in one handler log. Unknown kinds and malformed lines are errors; an incomplete
@@ -59,6 +61,7 @@ pub fn parse_log(text: &str) -> Result<Vec<Run>, String> {
                         epoch,
                         from: ms,
                         to: None,
+                        resumed: kind == Kind::Resume,
                     });
                 }
             }
@@ -92,8 +95,12 @@ pub struct Measured {
     pub not_running_during_ms: u64,
     pub not_running_after_ms: u64,
     pub interrupted: usize,
-    pub reassigned: usize,
-    pub reregistered: usize,
+    /// Channels whose key ends on another node or at another epoch.
+    pub reassigned: Vec<String>,
+    /// Channels loaded again (a `start`, not a `resume`) at or after the fault.
+    pub reloaded: Vec<String>,
+    /// Node IDs beyond the sessions from before (in the logs or the keys after).
+    pub reregistered: Vec<u64>,
     /// From etcd's return until every channel runs (and keeps running); None: some never did.
     pub recovery_ms: Option<u64>,
     /// From the fault until the first channel stopped or paused (None: none did).
@@ -123,8 +130,9 @@ pub fn measure(
         not_running_during_ms: 0,
         not_running_after_ms: 0,
         interrupted: 0,
-        reassigned: 0,
-        reregistered: 0,
+        reassigned: Vec::new(),
+        reloaded: Vec::new(),
+        reregistered: Vec::new(),
         recovery_ms: Some(0),
         first_stop_ms: runs
             .iter()
@@ -176,7 +184,10 @@ pub fn measure(
             None => m.recovery_ms = None,
         }
         if after.owners.get(channel) != before.owners.get(channel) {
-            m.reassigned += 1;
+            m.reassigned.push(channel.clone());
+        }
+        if rs.iter().any(|r| !r.resumed && r.from >= t_fault) {
+            m.reloaded.push(channel.clone());
         }
     }
     if m.recovery_ms.is_some() {
@@ -187,7 +198,7 @@ pub fn measure(
         .map(|r| r.node)
         .chain(after.sessions.iter().copied())
         .collect();
-    m.reregistered = ids.difference(&before.sessions).count();
+    m.reregistered = ids.difference(&before.sessions).copied().collect();
     m
 }
 
@@ -232,8 +243,13 @@ mod tests {
         assert_eq!(m.not_running_during_ms, 1000 + 500);
         assert_eq!(m.not_running_after_ms, 1000);
         assert_eq!(m.interrupted, 2);
-        assert_eq!(m.reassigned, 1);
-        assert_eq!(m.reregistered, 1);
+        assert_eq!(m.reassigned, vec!["b".to_owned()]);
+        assert_eq!(
+            m.reloaded,
+            vec!["b".to_owned()],
+            "b started again; a resumed"
+        );
+        assert_eq!(m.reregistered, vec![4]);
         assert_eq!(m.recovery_ms, Some(1000));
         assert_eq!(m.first_stop_ms, Some(500));
         assert_eq!(m.overlaps.len(), 1, "{:?}", m.overlaps);
