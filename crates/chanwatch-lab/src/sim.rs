@@ -174,10 +174,11 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 fn summarize(reports: &[Report], args: &Args, wall_secs: f64) -> Result<()> {
     let failed: Vec<&Report> = reports.iter().filter(|r| !r.passed()).collect();
+    // By name, so the line and the JSON list the kinds alphabetically.
     let mut faults: BTreeMap<&str, u64> = BTreeMap::new();
     for r in reports {
         for (k, v) in &r.faults {
-            *faults.entry(k).or_default() += v;
+            *faults.entry(k.name()).or_default() += v;
         }
     }
     let mut settle: Vec<u64> = reports.iter().filter_map(|r| r.settle_ms).collect();

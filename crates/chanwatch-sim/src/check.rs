@@ -257,21 +257,10 @@ impl Checker {
         }
     }
 
-    /// Whether this revision moves `channel` off a node whose session is gone.
-    fn failover(&self, channel: &ChannelName, events: &[WatchEvent]) -> bool {
-        events.iter().any(|e| {
-            e.kind == EventKind::Delete
-                && self.keys.parse_channel(&e.kv.key).is_ok_and(|ck| {
-                    &ck.channel == channel
-                        && matches!(ck.owner, ChannelOwner::Node(n) if !self.session_alive(n))
-                })
-        })
-    }
-
     /// No ping-pong (invariant 7): a coordinator does not put a channel back on a node that
-    /// failed it within the back-off while another live, non-draining node that has not
-    /// failed it could take it. (With every other node in its back-off, retrying on the
-    /// same node is allowed.)
+    /// failed it within the back-off — whether or not another node could take it (the
+    /// message says which could), and for a failover too. A failure from before the current
+    /// leader's term is excused (back-offs live in the leader's memory).
     fn check_churn(
         &mut self,
         rev: Revision,
@@ -280,7 +269,7 @@ impl Checker {
         events: &[WatchEvent],
     ) {
         // The planner dates a back-off when it plans, before its txn commits: up to the
-        // slowest store call of the simulation (the slow-store fault, 1.5 s) earlier.
+        // slowest store call of the simulation (`Fault::SlowStore`, 1.5 s) earlier.
         let backoff = self
             .failed_node_backoff
             .saturating_sub(std::time::Duration::from_millis(1_600));
@@ -325,29 +314,28 @@ impl Checker {
                 (Writer::Node(_), ChannelState::WatchFailed) => {
                     self.failed.insert((ck.channel.clone(), node), at);
                 }
-                // A failover (the channel's old node is dead) may fall back to a node in
-                // its back-off rather than leave the channel nowhere; it is not churn.
-                (Writer::Coord(_), ChannelState::ToWatch)
-                    if recent(&self.failed, node) && !self.failover(&ck.channel, events) =>
-                {
+                // Not even a failover goes back to a node inside its back-off for the
+                // channel, nor a channel whose every other candidate looks gone (with a stale
+                // view one may have registered meanwhile): the channel waits under
+                // `remaining` instead (DESIGN §6, invariant 7).
+                (Writer::Coord(_), ChannelState::ToWatch) if recent(&self.failed, node) => {
                     let draining = self.draining();
                     let other = self
                         .kv
                         .keys()
                         .filter_map(|k| self.keys.parse_session(k).ok())
                         .find(|n| *n != node && !draining.contains(n) && !recent(&self.failed, *n));
-                    if let Some(other) = other {
-                        let ago =
-                            at.saturating_duration_since(self.failed[&(ck.channel.clone(), node)]);
-                        self.violation(
-                            rev,
-                            format!(
-                                "ping-pong: {} put back on node {node} {} ms after it failed there, while node {other} could take it",
-                                ck.channel,
-                                ago.as_millis()
-                            ),
-                        );
-                    }
+                    let ago =
+                        at.saturating_duration_since(self.failed[&(ck.channel.clone(), node)]);
+                    self.violation(
+                        rev,
+                        format!(
+                            "ping-pong: {} put back on node {node} {} ms after it failed there ({})",
+                            ck.channel,
+                            ago.as_millis(),
+                            other.map_or("no other node could take it".to_owned(), |o| format!("node {o} could take it"))
+                        ),
+                    );
                 }
                 _ => {}
             }

@@ -4,9 +4,10 @@
 //! embedded store, all in one single-threaded tokio runtime with paused time, driven by a
 //! seeded RNG that injects faults (crashes, restarts, pauses past the TTL, a deposed leader
 //! that keeps running, lost and delayed keepalives, broken watches, compaction, failed txns,
-//! hung loads, channel adds and removes, drains and balances during failover). After every
-//! step the [`check::Checker`] checks the invariants of DESIGN.md §6 against every committed
-//! revision; after the faults stop, the run must settle within `session_ttl + settle`.
+//! hung loads, channel adds and removes, drains and balances during failover; every kind and
+//! how often it is drawn: [`Fault`]). After every step the [`check::Checker`] checks the
+//! invariants of DESIGN.md §6 against every committed revision; after the faults stop, the
+//! run must settle within `session_ttl + settle`.
 //!
 //! One seed fully determines a run: no wall clock (the clock is tokio's paused one with a
 //! fixed Unix base), no OS randomness (the RNG is seeded, and the runtimes' own jitter is
@@ -26,9 +27,11 @@
 
 pub mod check;
 mod departures;
+pub mod fault;
 mod memlog;
 mod world;
 
+pub use fault::Fault;
 pub use memlog::MemLog;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -92,8 +95,8 @@ pub struct Report {
     pub trace_hash: u64,
     /// Lines in the whole trace.
     pub trace_lines: u64,
-    /// Faults injected, by kind.
-    pub faults: BTreeMap<&'static str, u64>,
+    /// Faults injected (and admin requests made), by kind.
+    pub faults: BTreeMap<Fault, u64>,
     /// Simulated ms from the end of the faults until every invariant held.
     pub settle_ms: Option<u64>,
     /// Simulated ms of the whole run.

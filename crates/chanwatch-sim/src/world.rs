@@ -1,34 +1,39 @@
 //! The simulated cluster and the fault driver.
 //!
-//! Over 600 lines on purpose: every fault kind is a short arm of one driver, and the faults,
-//! their undo list and the settle phase share the world's state; the checks are in `check.rs`.
-//!
 //! Owns: the processes of one run (coordinators and nodes as pausable tasks started by the
 //! in-process harness, [`chanwatch_cluster`], each with its own [`FaultyStore`] over
-//! the shared embedded store), the seeded choice of the next fault,
-//! the undo list of timed faults, and the settle phase.
+//! the shared embedded store), each step's draw of a [`Fault`] and its dispatch to the
+//! kind's function (`process.rs`: the processes and their handlers; `store.rs`: their
+//! store; `requests.rs`: admin requests), the undo list of timed faults, and the settle
+//! phase (`settle.rs`). What the nodes run is `handlers.rs`.
 //! Must not: check invariants itself (the [`Checker`] does) or use anything but the seeded
 //! RNG and tokio's paused clock.
 
+mod handlers;
+mod process;
+mod requests;
+mod settle;
+mod store;
+
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chanwatch_cluster::{self as inproc, Timings};
 use chanwatch_coord::CoordHandle;
 use chanwatch_core::planner::Placement;
-use chanwatch_core::{ChannelName, Keys, NodeId, VChannelInfo};
-use chanwatch_node::handler::{ConsumerOptions, StreamConsumer};
+use chanwatch_core::{ChannelName, Keys, NodeId};
 use chanwatch_node::{Behaviour, ChannelHandler, RecordingHandler};
-use chanwatch_store::{Clock, EmbeddedStore, Faults, FaultyStore, MetaStore};
-use chanwatch_stream::Log;
+use chanwatch_store::{Clock, EmbeddedStore, Faults, FaultyStore};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 use tokio::time::Instant;
 
-use crate::check::{overlaps, Checker, Excuse, Scope, Writer, Writers};
-use crate::{MemLog, Report, SimOptions, Trace};
+use crate::check::{Checker, Excuse, Scope, Writer, Writers};
+use crate::fault::{self, Fault};
+use crate::{Report, SimOptions, Trace};
+use handlers::{Consuming, DataPlane, Sickly};
 
 /// Unix ms of simulated time zero (fixed, so values written to the store are identical).
 const BASE_MS: u64 = 1_800_000_000_000;
@@ -63,10 +68,6 @@ fn placement_of(seed: u64, name: &ChannelName) -> Placement {
 
 /// Most network latency of one store call (each picked from the seed).
 const LATENCY: Duration = Duration::from_millis(15);
-/// How long an admin request may take before its outcome counts as unknown.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// Data plane: the producer appends one message to every channel this often.
-const PRODUCE_EVERY: Duration = Duration::from_millis(200);
 
 struct NodeProc {
     slot: usize,
@@ -96,13 +97,6 @@ struct Undo {
     at: Instant,
     what: String,
     run: Box<dyn FnOnce()>,
-}
-
-/// What an admin request came to.
-enum Outcome {
-    Done,
-    Refused,
-    Unknown,
 }
 
 struct World {
@@ -140,71 +134,6 @@ struct World {
     data: Option<DataPlane>,
     /// Slots of the nodes leaving after a planned restart.
     leaving: BTreeSet<usize>,
-}
-
-/// The data plane of a run: the log, the consumer every node runs, and the producer.
-struct DataPlane {
-    log: MemLog,
-    consumer: Arc<StreamConsumer>,
-    /// Channels the producer appends to (every channel asked for, in name order).
-    channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>>,
-    /// Set when the producer must stop.
-    stop: Arc<AtomicBool>,
-}
-
-impl DataPlane {
-    fn new(seed: u64) -> Self {
-        let log = MemLog::new();
-        // Commits every 3 s (the node's default is 1 s): a run's first commit comes late
-        // enough that a remove often lands before it, the window in which only the
-        // assignment's create revision fences the release's last commit.
-        let consumer = Arc::new(StreamConsumer::new(
-            Arc::new(log.clone()),
-            ConsumerOptions {
-                commit_interval: Duration::from_secs(3),
-                ..ConsumerOptions::default()
-            },
-        ));
-        let channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>> = Arc::default();
-        let stop = Arc::new(AtomicBool::new(false));
-        tokio::spawn(produce(log.clone(), channels.clone(), stop.clone(), seed));
-        DataPlane {
-            log,
-            consumer,
-            channels,
-            stop,
-        }
-    }
-}
-
-/// The producer: every [`PRODUCE_EVERY`], one message to every channel, with the channel's
-/// next sequence number (big-endian, first 8 bytes) and bytes hashed from the seed.
-async fn produce(
-    log: MemLog,
-    channels: Arc<std::sync::Mutex<BTreeSet<ChannelName>>>,
-    stop: Arc<AtomicBool>,
-    seed: u64,
-) {
-    let mut seqs: std::collections::BTreeMap<ChannelName, u64> = Default::default();
-    while !stop.load(Ordering::SeqCst) {
-        let now: Vec<ChannelName> = channels
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .cloned()
-            .collect();
-        for c in now {
-            let seq = seqs.entry(c.clone()).or_default();
-            *seq += 1;
-            let mut payload = seq.to_be_bytes().to_vec();
-            let salt = chanwatch_node::handler::consumer::payload_hash(
-                format!("{seed}/{c}/{seq}").as_bytes(),
-            );
-            payload.extend_from_slice(&salt.to_be_bytes());
-            let _ = log.append(c.as_str(), payload.into()).await;
-        }
-        tokio::time::sleep(PRODUCE_EVERY).await;
-    }
 }
 
 pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
@@ -303,13 +232,20 @@ impl World {
         self.trace.push(t, text);
     }
 
-    fn fault(&mut self, kind: &'static str, text: &str) {
-        if kind != "node-restart" {
+    /// Counts one `kind` in the report and logs it.
+    fn fault(&mut self, kind: Fault, text: &str) {
+        if kind != Fault::NodeRestart {
             // A departure under way is no longer judged: this may move its channels again.
             self.checker.departures.disturb();
         }
-        *self.report.faults.entry(kind).or_default() += 1;
+        self.count(kind);
         self.log(&format!("fault {kind}: {text}"));
+    }
+
+    /// Counts one `kind` in the report, without a trace line (starts, adds and removes, which
+    /// log their own).
+    fn count(&mut self, kind: Fault) {
+        *self.report.faults.entry(kind).or_default() += 1;
     }
 
     /// Lets the cluster run for `d` of simulated time, then checks every new revision.
@@ -503,475 +439,41 @@ impl World {
         self.settle().await;
     }
 
-    fn next_name(&mut self) -> ChannelName {
-        let name = format!("ch-{:03}", self.next_channel);
-        self.next_channel += 1;
-        ChannelName::new(name).unwrap_or_else(|_| unreachable!("generated names are valid"))
-    }
-
-    /// Asks the leader to add `name`; a `Fail` behaviour is already set by the caller.
-    async fn add_channel(&mut self, name: ChannelName, behaviour: Behaviour) {
-        let failing = behaviour == Behaviour::Fail;
-        let behaviour = if failing {
-            Behaviour::Load {
-                delay: Duration::from_millis(100),
-            }
-        } else {
-            behaviour
-        };
-        self.behaviours.push((name.clone(), behaviour));
-        if !failing {
-            self.handler.set(name.as_str(), behaviour);
-        }
-        self.checker.requested_adds.insert(name.clone());
-        self.newest = Some(name.clone());
-        if let Some(d) = &self.data {
-            d.channels
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(name.clone());
-        }
-        let outcome = match self.leader() {
-            None => Outcome::Refused,
-            Some(h) => {
-                let n = name.clone();
-                self.log(&format!("request add {n}"));
-                let placement = placement_of(self.seed, &n);
-                let r = tokio::time::timeout(
-                    REQUEST_TIMEOUT,
-                    h.add_channel_with(n, VChannelInfo::default(), placement),
-                )
-                .await;
-                classify(r.map(|r| r.map(|_| ())))
-            }
-        };
-        self.record(&name, outcome, true);
-    }
-
-    async fn remove_channel(&mut self) {
-        let newest = self
-            .newest
-            .clone()
-            .filter(|n| self.data.is_some() && self.expected.contains(n));
-        let name = match newest {
-            Some(n) if self.rng.random_bool(0.5) => n,
-            _ => {
-                let candidates: Vec<ChannelName> = self.expected.iter().cloned().collect();
-                let Some(i) = self.pick(candidates.len()) else {
-                    return;
-                };
-                candidates[i].clone()
-            }
-        };
-        let Some(h) = self.leader() else { return };
-        self.checker.requested_removes.insert(name.clone());
-        self.log(&format!("request remove {name}"));
-        let r = tokio::time::timeout(REQUEST_TIMEOUT, h.remove_channel(name.clone())).await;
-        let outcome = classify(r.map(|r| r.map(|_| ())));
-        self.record(&name, outcome, false);
-    }
-
-    fn record(&mut self, name: &ChannelName, outcome: Outcome, add: bool) {
-        let word = match outcome {
-            Outcome::Done => "done",
-            Outcome::Refused => "refused",
-            Outcome::Unknown => "unknown",
-        };
-        self.log(&format!(
-            "{} {name}: {word}",
-            if add { "add" } else { "remove" }
-        ));
-        match (outcome, add) {
-            (Outcome::Done, true) => {
-                self.expected.insert(name.clone());
-            }
-            (Outcome::Done, false) => {
-                self.expected.remove(name);
-            }
-            (Outcome::Refused, _) => {}
-            (Outcome::Unknown, _) => {
-                self.expected.remove(name);
-                self.ambiguous.insert(name.clone());
-            }
-        }
-    }
-
-    /// One step: maybe one fault or request, chosen by the RNG.
+    /// One step: maybe one fault or request, drawn from the weight table
+    /// ([`Fault::weight`]) with the seeded RNG.
     async fn step(&mut self) {
         self.reap_departed();
-        let roll = self.rng.random_range(0..128u32);
-        match roll {
-            0..=37 => {}
-            38..=39 => self.planned_restart(),
-            40..=44 => {
-                // Crash: the process dies without revoking its lease.
-                if let Some(i) = self.pick(self.nodes.len()) {
-                    let node = self.nodes.remove(i);
-                    let id = node.id();
-                    node.proc.kill();
-                    if let Some(id) = id {
-                        self.handler.mark_dead(id);
-                    }
-                    self.fault("node-crash", &format!("proc{} (node {id:?})", node.slot));
-                    // Admin requests during the failover.
-                    match self.rng.random_range(0..4) {
-                        0 => self.drain().await,
-                        1 => self.balance().await,
-                        _ => {}
-                    }
-                }
-            }
-            45..=49 => {
-                if self.nodes.len() < self.options.max_nodes {
-                    *self.report.faults.entry("node-start").or_default() += 1;
-                    self.spawn_node();
-                }
-            }
-            50..=54 => {
-                // Frozen (SIGSTOP), often past the TTL: on waking it must not ack anything.
-                if let Some(i) = self.pick(self.nodes.len()) {
-                    let ttl = u64::try_from(SESSION_TTL.as_millis()).unwrap_or(4_000);
-                    let d = self.ms(1_000, 3 * ttl);
-                    let node = &self.nodes[i];
-                    if node.proc.paused() {
-                        return;
-                    }
-                    let (slot, id) = (node.slot, node.id());
-                    node.proc.pause(true);
-                    node.faults.hold(true);
-                    let (pause, faults) = (node.proc.pause_switch(), node.faults.clone());
-                    if let Some(id) = id {
-                        self.excuse(Scope::Node(id), d.as_millis() as u64 + ttl);
-                    }
-                    self.fault("node-pause", &format!("proc{slot} (node {id:?}) for {d:?}"));
-                    self.schedule(
-                        d,
-                        format!("pause of proc{slot}"),
-                        Box::new(move || {
-                            faults.hold(false);
-                            pause.send_replace(false);
-                        }),
-                    );
-                }
-            }
-            55..=57 => {
-                let Some(i) = self.leader_index() else { return };
-                let c = self.coords.remove(i);
-                c.proc.kill();
-                self.fault("coord-crash", &c.name);
-            }
-            58..=61 => {
-                if self.coords.len() < 2 {
-                    *self.report.faults.entry("coord-start").or_default() += 1;
-                    self.spawn_coord();
-                }
-            }
-            62..=64 => {
-                // A deposed leader: frozen past its TTL while a standby takes over, then
-                // running again with its old view.
-                let Some(i) = self.leader_index() else { return };
-                let d = self.ms(4_000, 12_000);
-                let c = &self.coords[i];
-                c.proc.pause(true);
-                c.faults.hold(true);
-                let (pause, faults) = (c.proc.pause_switch(), c.faults.clone());
-                let name = c.name.clone();
-                self.fault("coord-pause", &format!("{name} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("pause of {name}"),
-                    Box::new(move || {
-                        faults.hold(false);
-                        pause.send_replace(false);
-                    }),
-                );
-            }
-            65..=69 => {
-                let Some(i) = self.pick(self.nodes.len()) else {
-                    return;
-                };
-                let d = self.ms(500, 8_000);
-                let node = &self.nodes[i];
-                let (slot, faults) = (node.slot, node.faults.clone());
-                faults.fail_keepalives(true);
-                self.fault("keepalive-loss", &format!("proc{slot} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("keepalive loss of proc{slot}"),
-                    Box::new(move || faults.fail_keepalives(false)),
-                );
-            }
-            70..=72 => {
-                let (who, faults) = self.any_actor();
-                let Some(faults) = faults else { return };
-                let delay = self.ms(100, 2_000);
-                let d = self.ms(1_000, 8_000);
-                faults.delay_keepalives(delay);
-                self.fault("keepalive-delay", &format!("{who} by {delay:?} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("keepalive delay of {who}"),
-                    Box::new(move || faults.delay_keepalives(Duration::ZERO)),
-                );
-            }
-            73..=75 => {
-                self.store.break_watches();
-                self.fault("watch-break", "every watch stream");
-            }
-            76..=78 => {
-                let back = self.rng.random_range(0..20);
-                let rev = self.store.revision() - back;
-                let r = self.store.compact(rev).await;
-                self.fault(
-                    "compaction",
-                    &format!("at r{rev}: {}", if r.is_ok() { "ok" } else { "refused" }),
-                );
-            }
-            79..=82 => {
-                let (who, faults) = self.any_actor();
-                let Some(faults) = faults else { return };
-                let d = self.ms(200, 3_000);
-                faults.fail_txns(true);
-                self.fault("txn-failures", &format!("{who} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("txn failures of {who}"),
-                    Box::new(move || faults.fail_txns(false)),
-                );
-            }
-            83..=85 => {
-                let candidates: Vec<ChannelName> = self.expected.iter().cloned().collect();
-                let Some(i) = self.pick(candidates.len()) else {
-                    return;
-                };
-                let name = candidates[i].clone();
-                let d = self.ms(2_000, 15_000);
-                self.handler.set(name.as_str(), Behaviour::Hang);
-                self.fault("hung-load", &format!("{name} for {d:?}"));
-                let restore = self.behaviours.iter().find(|(n, _)| n == &name).map_or(
-                    Behaviour::Load {
-                        delay: Duration::ZERO,
-                    },
-                    |(_, b)| *b,
-                );
-                let handler = self.handler.clone();
-                self.schedule(
-                    d,
-                    format!("hung loads of {name}"),
-                    Box::new(move || handler.set(name.as_str(), restore)),
-                );
-            }
-            86..=90 => {
-                *self.report.faults.entry("channel-add").or_default() += 1;
-                let delay = self.ms(0, 800);
-                let name = self.next_name();
-                self.add_channel(name, Behaviour::Load { delay }).await;
-            }
-            91..=93 => {
-                *self.report.faults.entry("channel-remove").or_default() += 1;
-                self.remove_channel().await;
-            }
-            94..=96 => self.drain().await,
-            97..=99 => self.balance().await,
-            100..=104 => {
-                // A stalled connection: calls hang (neither fail nor land) while the process
-                // runs; its fencing must stop the channels before the lease can expire.
-                let Some(i) = self.pick(self.nodes.len()) else {
-                    return;
-                };
-                let d = self.ms(1_000, 12_000);
-                let node = &self.nodes[i];
-                if node.faults.held() {
-                    return;
-                }
-                let (slot, faults) = (node.slot, node.faults.clone());
-                faults.hold(true);
-                self.fault("node-stall", &format!("proc{slot} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("stall of proc{slot}"),
-                    Box::new(move || faults.hold(false)),
-                );
-            }
-            110..=115 => {
-                // A watch that silently stops delivering while keepalives and txns work (a
-                // proxy holding back one stream), then a drain of that node: its channels
-                // sit in ToRelease unseen. A forced move must fence it first (found from
-                // outside: a blind owner ran 7 channels beside their new owner for ~6 s).
-                let Some(i) = self.pick(self.nodes.len()) else {
-                    return;
-                };
-                let d = self.ms(6_000, 14_000);
-                let node = &self.nodes[i];
-                let (slot, id, faults) = (node.slot, node.id(), node.faults.clone());
-                faults.stall_watches(true);
-                self.fault(
-                    "watch-stall",
-                    &format!("proc{slot} (node {id:?}) for {d:?}"),
-                );
-                self.schedule(
-                    d,
-                    format!("watch stall of proc{slot}"),
-                    Box::new(move || faults.stall_watches(false)),
-                );
-                if let Some(id) = id {
-                    self.drain_node(Some(id)).await;
-                }
-            }
-            108..=109 => {
-                // The leader's watch stalls silently while its keepalives and txns work: it
-                // must find out from its keepalives' revisions (the resync is far off) and
-                // relist, not time out channels whose acks it cannot see.
-                let Some(i) = self.leader_index() else { return };
-                let d = self.ms(3_000, 12_000);
-                let (name, faults) = (self.coords[i].name.clone(), self.coords[i].faults.clone());
-                faults.stall_watches(true);
-                self.fault("leader-watch-stall", &format!("{name} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("watch stall of {name}"),
-                    Box::new(move || faults.stall_watches(false)),
-                );
-            }
-            116..=119 => {
-                // A sick node: every load fails there for a while. Its channels move off
-                // and must not be fed back to it by balance (found from outside: 601
-                // transitions in 7 s, epochs in the hundreds). Or (118, 119) every load
-                // there reports its channel broken while it loads, then succeeds: each such
-                // run must stop before it is acknowledged `WatchFailed` (found from outside:
-                // a worker's `/fail` before `/ready` was dropped as stale).
-                let Some(i) = self.pick(self.nodes.len()) else {
-                    return;
-                };
-                let d = self.ms(5_000, 20_000);
-                let node = &self.nodes[i];
-                let (kind, what, flag) = if roll >= 118 {
-                    ("breaking-node", "breaking", node.breaking.clone())
-                } else {
-                    ("sick-node", "sickness", node.sick.clone())
-                };
-                let slot = node.slot;
-                flag.store(true, Ordering::SeqCst);
-                self.fault(kind, &format!("proc{slot} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("{what} of proc{slot}"),
-                    Box::new(move || flag.store(false, Ordering::SeqCst)),
-                );
-            }
-            120..=121 => {
-                // The whole store goes away (etcd crash, restart, lost quorum): every call of
-                // every client fails, no lease expires, and on return every lease gets a
-                // whole TTL again. Channels pause; none may move and no node may register
-                // again (invariant 9). Other faults end first, so that what happens is
-                // the outage's doing.
-                let d = self.ms(1_000, 15_000);
-                self.run_due_undos(true);
-                self.checker.poll(&mut |_, _| {});
-                self.checker.outage_began(SESSION_TTL / 2);
-                self.store.set_outage(true);
-                self.fault("store-outage", &format!("for {d:?}"));
-                self.advance(d).await;
-                self.store.set_outage(false);
-                self.checker.outage_ended(Instant::now());
-                self.log("end store outage");
-            }
-            122..=123 => {
-                // NOSPACE: writes with a put and lease grants are refused, deletes pass.
-                let d = self.ms(1_000, 10_000);
-                self.store.set_nospace(true);
-                self.fault("nospace", &format!("for {d:?}"));
-                let store = self.store.clone();
-                self.schedule(
-                    d,
-                    "NOSPACE alarm".into(),
-                    Box::new(move || store.set_nospace(false)),
-                );
-            }
-            124..=125 => {
-                // An expired auth token: every call of one client but keepalives fails.
-                let (who, faults) = self.any_actor();
-                let Some(faults) = faults else { return };
-                let d = self.ms(500, 6_000);
-                faults.expire_auth(true);
-                self.fault("auth-expired", &format!("{who} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("expired token of {who}"),
-                    Box::new(move || faults.expire_auth(false)),
-                );
-            }
-            126..=127 => {
-                // A slow store for one process: every call takes up to 1.5 s (an etcd
-                // member under a compaction or a slow disk).
-                let (who, faults) = self.any_actor();
-                let Some(faults) = faults else { return };
-                let d = self.ms(2_000, 10_000);
-                let seed = self.seed ^ 0x5eed;
-                faults.latency(Duration::from_millis(1_500), seed);
-                self.fault("slow-store", &format!("{who} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("slow store of {who}"),
-                    Box::new(move || faults.latency(LATENCY, seed)),
-                );
-            }
-            _ => {
-                // Cut off from the store: every call fails and its watches end.
-                let Some(i) = self.pick(self.nodes.len()) else {
-                    return;
-                };
-                let d = self.ms(1_000, 12_000);
-                let node = &self.nodes[i];
-                let (slot, faults) = (node.slot, node.faults.clone());
-                faults.partition(true);
-                self.fault("node-partition", &format!("proc{slot} for {d:?}"));
-                self.schedule(
-                    d,
-                    format!("partition of proc{slot}"),
-                    Box::new(move || faults.partition(false)),
-                );
-            }
-        }
-    }
-
-    /// A planned restart (DESIGN §5): a node is asked to leave (SIGTERM) and a replacement
-    /// starts under a fresh ID; the leaving node ends by itself once the coordinator has
-    /// moved its channels off (`departures.rs` judges it).
-    fn planned_restart(&mut self) {
-        let Some(i) = self.pick(self.nodes.len()) else {
+        let Some(kind) = fault::draw(&mut self.rng) else {
             return;
         };
-        let node = &self.nodes[i];
-        let (slot, Some(id)) = (node.slot, node.id()) else {
-            return;
-        };
-        if node.proc.paused() || self.leaving.contains(&slot) {
-            return;
-        }
-        node.proc.leave();
-        self.leaving.insert(slot);
-        self.checker.planned_restart(id);
-        if !self.undo.is_empty() {
-            // A timed fault is still on: not judged.
-            self.checker.departures.disturb();
-        }
-        self.fault(
-            "node-restart",
-            &format!("proc{slot} (node {id}) leaves; a new node starts"),
-        );
-        self.spawn_node();
-    }
-
-    /// Forgets the nodes that left by themselves after a planned restart.
-    fn reap_departed(&mut self) {
-        let (gone, kept): (Vec<NodeProc>, Vec<NodeProc>) = std::mem::take(&mut self.nodes)
-            .into_iter()
-            .partition(|n| self.leaving.contains(&n.slot) && n.proc.is_finished());
-        self.nodes = kept;
-        for n in gone {
-            self.leaving.remove(&n.slot);
-            self.log(&format!("proc{} left", n.slot));
+        match kind {
+            Fault::NodeRestart => self.node_restart(),
+            Fault::NodeCrash => self.node_crash().await,
+            Fault::NodeStart => self.node_start(),
+            Fault::NodePause => self.node_pause(),
+            Fault::CoordCrash => self.coord_crash(),
+            Fault::CoordStart => self.coord_start(),
+            Fault::CoordPause => self.coord_pause(),
+            Fault::KeepaliveLoss => self.keepalive_loss(),
+            Fault::KeepaliveDelay => self.keepalive_delay(),
+            Fault::WatchBreak => self.watch_break(),
+            Fault::Compaction => self.compaction().await,
+            Fault::TxnFailures => self.txn_failures(),
+            Fault::HungLoad => self.hung_load(),
+            Fault::ChannelAdd => self.channel_add().await,
+            Fault::ChannelRemove => self.channel_remove().await,
+            Fault::Drain => self.drain().await,
+            Fault::Balance => self.balance().await,
+            Fault::NodeStall => self.node_stall(),
+            Fault::NodePartition => self.node_partition(),
+            Fault::LeaderWatchStall => self.leader_watch_stall(),
+            Fault::WatchStall => self.watch_stall().await,
+            Fault::SickNode => self.sick_node(),
+            Fault::BreakingNode => self.breaking_node(),
+            Fault::StoreOutage => self.store_outage().await,
+            Fault::Nospace => self.nospace(),
+            Fault::AuthExpired => self.auth_expired(),
+            Fault::SlowStore => self.slow_store(),
         }
     }
 
@@ -993,230 +495,5 @@ impl World {
             let c = &self.coords[i - self.nodes.len()];
             (c.name.clone(), Some(c.faults.clone()))
         }
-    }
-
-    async fn drain(&mut self) {
-        self.drain_node(None).await;
-    }
-
-    /// Drains `which` (if it is not draining yet) or a random node, leaving at least two
-    /// nodes that take channels (until nodes die later).
-    async fn drain_node(&mut self, which: Option<NodeId>) {
-        let draining = self.checker.draining();
-        let ids: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .filter_map(NodeProc::id)
-            .filter(|id| !draining.contains(id))
-            .collect();
-        if ids.len() < 3 {
-            return;
-        }
-        let Some(i) = (match which {
-            Some(id) => ids.iter().position(|n| *n == id),
-            None => self.pick(ids.len()),
-        }) else {
-            return;
-        };
-        let Some(h) = self.leader() else { return };
-        let r = tokio::time::timeout(REQUEST_TIMEOUT, h.drain(ids[i])).await;
-        let word = match r {
-            Ok(Ok(())) => "ok",
-            Ok(Err(_)) => "refused",
-            Err(_) => "timed out",
-        };
-        self.fault("drain", &format!("node {}: {word}", ids[i]));
-    }
-
-    async fn balance(&mut self) {
-        let Some(h) = self.leader() else { return };
-        let r = tokio::time::timeout(REQUEST_TIMEOUT, h.balance(false)).await;
-        let word = match r {
-            Ok(Ok(moves)) => format!("{} moves", moves.len()),
-            Ok(Err(_)) => "refused".into(),
-            Err(_) => "timed out".into(),
-        };
-        self.fault("balance", &word);
-    }
-
-    /// Ends every fault: timed ones are undone, a coordinator is running.
-    fn stop_faults(&mut self) {
-        self.log("faults stop");
-        if let Some(d) = &self.data {
-            d.stop.store(true, Ordering::SeqCst);
-        }
-        self.run_due_undos(true);
-        while self.coords.len() < 2 {
-            self.spawn_coord();
-        }
-        // The data plane must be consumed to catch up: with no node left that takes
-        // channels (none, or all draining), start one.
-        if self.data.is_some() {
-            let draining = self.checker.draining();
-            let takers = self
-                .nodes
-                .iter()
-                .filter(|n| n.id().map_or(true, |id| !draining.contains(&id)))
-                .count();
-            if takers == 0 {
-                self.spawn_node();
-            }
-        }
-        for (name, b) in &self.behaviours {
-            self.handler.set(name.as_str(), *b);
-        }
-    }
-
-    async fn settle(&mut self) {
-        let stopped = Instant::now();
-        let deadline = stopped + SESSION_TTL + SETTLE;
-        let mut last = None;
-        while Instant::now() < deadline {
-            self.advance(Duration::from_millis(250)).await;
-            self.reap_departed();
-            let expected = self.expected.clone();
-            last = self.checker.settled(&expected, &self.ambiguous);
-            if let (None, Some(d)) = (&last, &self.data) {
-                last = self.checker.data_behind(&d.log);
-            }
-            if last.is_none() {
-                if let Some(d) = &self.data {
-                    self.checker.check_data(&d.log);
-                }
-                let ms = u64::try_from(stopped.elapsed().as_millis()).unwrap_or(u64::MAX);
-                self.report.settle_ms = Some(ms);
-                self.log(&format!("settled after {ms} ms"));
-                return;
-            }
-        }
-        let why = last.unwrap_or_default();
-        self.log(&format!("not settled: {why}"));
-        self.report.violations.push(format!(
-            "not settled {:?} after the faults stopped: {why}",
-            SESSION_TTL + SETTLE
-        ));
-    }
-
-    fn finish(mut self) -> Report {
-        let judged = self.checker.departures.judged;
-        if judged > 0 {
-            self.log(&format!("planned restarts judged (undisturbed): {judged}"));
-        }
-        let overlap = overlaps(&self.handler.intervals(), &self.excuses);
-        for o in &overlap {
-            self.log(&format!("violation: {o}"));
-        }
-        // Invariant 10: no process gives up because the store misbehaved.
-        let exited: Vec<String> = self
-            .nodes
-            .iter()
-            .filter(|n| n.proc.is_finished())
-            .map(|n| format!("liveness: proc{} exited on its own", n.slot))
-            .chain(
-                self.coords
-                    .iter()
-                    .filter(|c| c.proc.is_finished())
-                    .map(|c| format!("liveness: {} exited on its own", c.name)),
-            )
-            .collect();
-        let mut report = self.report;
-        let mut violations = std::mem::take(&mut self.checker.violations);
-        violations.extend(exited);
-        violations.extend(overlap);
-        violations.append(&mut report.violations);
-        report.violations = violations;
-        report.sim_ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        report.revisions = self.checker.revision;
-        report.trace_hash = std::hash::Hasher::finish(&self.trace.hash);
-        report.trace_lines = self.trace.count;
-        report.trace = self.trace.lines.into_iter().collect();
-        for n in self.nodes {
-            n.proc.kill();
-        }
-        for c in self.coords {
-            c.proc.kill();
-        }
-        report
-    }
-}
-
-fn classify<E>(r: Result<Result<(), E>, tokio::time::error::Elapsed>) -> Outcome
-where
-    E: Into<chanwatch_coord::ApiError>,
-{
-    match r {
-        Ok(Ok(())) => Outcome::Done,
-        Ok(Err(e)) => match e.into() {
-            chanwatch_coord::ApiError::Admin(_) | chanwatch_coord::ApiError::NotLeader { .. } => {
-                Outcome::Refused
-            }
-            chanwatch_coord::ApiError::Store(_) => Outcome::Unknown,
-        },
-        Err(_) => Outcome::Unknown,
-    }
-}
-
-/// The recording handler (with the data plane: it, then the consumer), except that every
-/// load fails while `sick` is set, and reports its channel broken while `breaking` is.
-struct Sickly {
-    inner: Arc<dyn ChannelHandler>,
-    sick: Arc<AtomicBool>,
-    breaking: Arc<AtomicBool>,
-}
-
-#[async_trait::async_trait]
-impl ChannelHandler for Sickly {
-    async fn load(&self, ctx: chanwatch_node::ChannelContext) -> Result<(), String> {
-        if self.sick.load(Ordering::SeqCst) {
-            return Err("the node is sick (simulated)".into());
-        }
-        if self.breaking.load(Ordering::SeqCst) {
-            ctx.fail("the channel broke while it loaded (simulated)");
-        }
-        self.inner.load(ctx).await
-    }
-
-    async fn release(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
-        self.inner.release(node, info).await;
-    }
-
-    async fn pause(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
-        self.inner.pause(node, info).await;
-    }
-
-    async fn resume(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
-        self.inner.resume(node, info).await;
-    }
-}
-
-/// Data plane: the recording handler (load behaviour, intervals), then the stream consumer.
-struct Consuming {
-    recording: RecordingHandler,
-    consumer: Arc<StreamConsumer>,
-}
-
-#[async_trait::async_trait]
-impl ChannelHandler for Consuming {
-    async fn load(&self, ctx: chanwatch_node::ChannelContext) -> Result<(), String> {
-        self.recording.load(ctx.clone()).await?;
-        self.consumer.load(ctx).await
-    }
-
-    /// The recording's interval ends first: the consumer's release may spend up to 3 s on a
-    /// last commit (fenced, so harmless to the data, which the checkpoint invariants check),
-    /// and the overlap check is about when the node let the channel go.
-    async fn release(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
-        self.recording.release(node, info).await;
-        self.consumer.release(node, info).await;
-    }
-
-    async fn pause(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
-        self.consumer.pause(node, info).await;
-        self.recording.pause(node, info).await;
-    }
-
-    async fn resume(&self, node: NodeId, info: &chanwatch_core::ChannelInfo) {
-        self.consumer.resume(node, info).await;
-        self.recording.resume(node, info).await;
     }
 }

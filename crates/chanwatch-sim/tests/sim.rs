@@ -2,7 +2,7 @@
 //! handful of seeds (CI runs hundreds through `chanwatch sim`), and the checker catches
 //! each planted bug.
 
-use chanwatch_sim::{run_seed, PlannerBug, PlantedBug, SimOptions};
+use chanwatch_sim::{run_seed, Fault, PlannerBug, PlantedBug, SimOptions};
 
 fn options(steps: u32) -> SimOptions {
     SimOptions {
@@ -70,32 +70,8 @@ fn seeds_pass_and_inject_every_kind_of_fault() {
         assert!(r.settle_ms.is_some());
         kinds.extend(r.faults.keys().copied());
     }
-    for kind in [
-        "node-crash",
-        "node-pause",
-        "node-stall",
-        "node-partition",
-        "watch-stall",
-        "sick-node",
-        "breaking-node",
-        "store-outage",
-        "nospace",
-        "auth-expired",
-        "slow-store",
-        "coord-crash",
-        "coord-pause",
-        "keepalive-loss",
-        "keepalive-delay",
-        "watch-break",
-        "compaction",
-        "txn-failures",
-        "hung-load",
-        "channel-add",
-        "channel-remove",
-        "drain",
-        "balance",
-    ] {
-        assert!(kinds.contains(kind), "no {kind} in 6 seeds: {kinds:?}");
+    for kind in Fault::ALL {
+        assert!(kinds.contains(&kind), "no {kind} in 6 seeds: {kinds:?}");
     }
 }
 
