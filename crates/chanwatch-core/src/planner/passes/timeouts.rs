@@ -180,9 +180,16 @@ impl Planner {
                 // (The pending target counts the channel already: its room was checked
                 // when the move was picked.)
                 let want = Want::of(&e.info);
+                // The planted BalanceIgnoresBackoff (feature `planted-bugs`) ignores the
+                // target's back-off here too, as balance did when it picked it.
+                #[cfg(feature = "planted-bugs")]
+                let avoided = !self.config.planted(PlannerBug::BalanceIgnoresBackoff)
+                    && self.avoided(channel, pending.to, now_ms);
+                #[cfg(not(feature = "planted-bugs"))]
+                let avoided = self.avoided(channel, pending.to, now_ms);
                 let to = if self.nodes.contains_key(&pending.to)
                     && !self.draining.contains(&pending.to)
-                    && !self.avoided(channel, pending.to, now_ms)
+                    && !avoided
                 {
                     Some(pending.to)
                 } else {
