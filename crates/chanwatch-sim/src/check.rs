@@ -258,9 +258,12 @@ impl Checker {
     }
 
     /// No ping-pong (invariant 7): a coordinator does not put a channel back on a node that
-    /// failed it within the back-off — whether or not another node could take it (the
-    /// message says which could), and for a failover too. A failure from before the current
-    /// leader's term is excused (back-offs live in the leader's memory).
+    /// failed it within the back-off while another live, non-draining node that has not
+    /// failed it could take it — judged from the store's true state, so a leader whose view
+    /// is stale is not excused, and a failover is not either. (With every other node in its
+    /// back-off, retrying on the same node once the planner's back-off passed is allowed.) A
+    /// failure from before the current leader's term is excused (back-offs live in the
+    /// leader's memory).
     fn check_churn(
         &mut self,
         rev: Revision,
@@ -315,9 +318,10 @@ impl Checker {
                     self.failed.insert((ck.channel.clone(), node), at);
                 }
                 // Not even a failover goes back to a node inside its back-off for the
-                // channel, nor a channel whose every other candidate looks gone (with a stale
-                // view one may have registered meanwhile): the channel waits under
-                // `remaining` instead (DESIGN §6, invariant 7).
+                // channel while another live node could take it — though the leader may not
+                // see that node yet (a stale view): the channel waits under `remaining`
+                // instead (DESIGN §6, invariant 7). With truly no other candidate, a retry
+                // on the same node once the planner's back-off passed is allowed.
                 (Writer::Coord(_), ChannelState::ToWatch) if recent(&self.failed, node) => {
                     let draining = self.draining();
                     let other = self
@@ -325,17 +329,18 @@ impl Checker {
                         .keys()
                         .filter_map(|k| self.keys.parse_session(k).ok())
                         .find(|n| *n != node && !draining.contains(n) && !recent(&self.failed, *n));
-                    let ago =
-                        at.saturating_duration_since(self.failed[&(ck.channel.clone(), node)]);
-                    self.violation(
-                        rev,
-                        format!(
-                            "ping-pong: {} put back on node {node} {} ms after it failed there ({})",
-                            ck.channel,
-                            ago.as_millis(),
-                            other.map_or("no other node could take it".to_owned(), |o| format!("node {o} could take it"))
-                        ),
-                    );
+                    if let Some(other) = other {
+                        let ago =
+                            at.saturating_duration_since(self.failed[&(ck.channel.clone(), node)]);
+                        self.violation(
+                            rev,
+                            format!(
+                                "ping-pong: {} put back on node {node} {} ms after it failed there, while node {other} could take it",
+                                ck.channel,
+                                ago.as_millis()
+                            ),
+                        );
+                    }
                 }
                 _ => {}
             }
