@@ -308,7 +308,7 @@ impl<'a> Term<'a> {
                 .pacer
                 .due(self.since(self.clock.now()), blind.borrow().is_some())
             {
-                if let Err(why) = self.round().await {
+                if let Err(why) = self.round(stall.behind_since().is_some()).await {
                     return TermEnd::Lost(why);
                 }
             }
@@ -320,8 +320,9 @@ impl<'a> Term<'a> {
         at.saturating_duration_since(self.origin)
     }
 
-    /// One plan round: plan from the view, write the txns, book the outcome.
-    async fn round(&mut self) -> Result<(), String> {
+    /// One plan round: plan from the view, write the txns, book the outcome. `behind`: the
+    /// watch has not reached a revision a keepalive answer named (the view may miss a node).
+    async fn round(&mut self, behind: bool) -> Result<(), String> {
         let began = self.clock.now();
         self.pacer.round_begins(self.since(began));
         // While etcd refuses writes (NOSPACE) nodes cannot ack: their timers stand still,
@@ -335,6 +336,7 @@ impl<'a> Term<'a> {
         if self.bulk.len() > 0 {
             self.state.hold_balance(self.clock.unix_ms());
         }
+        self.state.set_behind(behind);
         let txns = self.state.plan(self.clock.unix_ms());
         let planned = (
             txns.len(),

@@ -60,6 +60,12 @@ impl StallCheck {
         }
     }
 
+    /// When the oldest renewal the watch has not reached yet was sent, as of the last poll
+    /// of [`StallCheck::stalled`]: how long the leader's view is known to be behind.
+    pub(crate) fn behind_since(&self) -> Option<tokio::time::Instant> {
+        self.unreached.oldest().map(|r| r.sent)
+    }
+
     /// Returns once the watch has not reached the revision of a renewal sent `limit` ago:
     /// that renewal. Forgets it and every later one (the caller relists, and a list reaches
     /// them all). Cancel-safe: what it has seen is kept in `self`.

@@ -25,6 +25,16 @@ impl Planner {
         self.quiet_since_ms = self.quiet_since_ms.max(now_ms);
     }
 
+    /// Tells the planner whether its view is known to be behind the store (the leader's
+    /// watch has not reached a revision its keepalive answers named). While it is, a channel
+    /// whose only candidate is the node that failed it is not retried there: another node
+    /// may have registered unseen (found by a sweep of the simulation's seeds: with the
+    /// leader's watch stalled, a channel went back to the node that had just failed it while
+    /// a new node could take it). It waits until the view catches up.
+    pub fn set_behind(&mut self, behind: bool) {
+        self.behind = behind;
+    }
+
     /// Registers every channel of `infos` (their `channel`, `vchannel` and unknown fields
     /// are kept; state, epoch and start time are set here) on the least-loaded nodes, or under
     /// `remaining` when no node takes channels. Each put is guarded by the key's absence, so

@@ -175,6 +175,9 @@ pub struct Planner {
     /// The last round that saw a node leaving on purpose (see `planned`): balance holds
     /// off for `move_cooldown_ms` after it.
     planned_at_ms: Option<u64>,
+    /// The runtime knows its view is behind the store (its watch has not reached a revision
+    /// the store named since): decisions that rest on "no other node can take it" wait.
+    behind: bool,
 }
 
 impl Planner {
@@ -207,6 +210,7 @@ impl Planner {
             timeouts_after_ms: 0,
             startup: planned::Startup::Unknown,
             planned_at_ms: None,
+            behind: false,
         }
     }
 

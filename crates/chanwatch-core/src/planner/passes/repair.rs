@@ -201,6 +201,26 @@ mod tests {
         assert_eq!(w.owner_of("a"), (n(1), ChannelState::ToWatch, Epoch(3)));
     }
 
+    /// A channel whose only candidate is the node that failed it is retried there once
+    /// that node's back-off passed — but not while the runtime says its view is behind (a
+    /// node may have registered unseen).
+    #[test]
+    fn a_retry_on_the_failing_node_waits_while_the_view_is_behind() {
+        let backoff = PlannerConfig::default().failed_node_backoff_ms;
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.put(n(1), info("a", ChannelState::WatchFailed, 1, 0));
+        assert!(
+            w.settle(10).is_empty(),
+            "no other node: it waits out node 1's back-off"
+        );
+        w.state.set_behind(true);
+        assert!(w.settle(backoff + 20).is_empty(), "behind: no retry");
+        w.state.set_behind(false);
+        w.settle(backoff + 30);
+        assert_eq!(w.owner_of("a"), (n(1), ChannelState::ToWatch, Epoch(2)));
+    }
+
     #[test]
     fn a_failovers_txns_each_put_under_as_few_nodes_as_the_packing_allows() {
         // 4 moves per txn (8 ops; one compare slot is the leader guard).

@@ -67,6 +67,9 @@ impl Planner {
                         if *until <= now_ms
                             && until.saturating_sub(backoff) >= e.info.start_time_ms =>
                     {
+                        if self.behind {
+                            continue; // "no other candidate" may be a stale view's
+                        }
                         node
                     }
                     Some(until) if *until > now_ms => continue,
