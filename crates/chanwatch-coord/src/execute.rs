@@ -56,6 +56,8 @@ pub(crate) struct Encoder {
     /// Compares (and reads) a txn may hold.
     room: usize,
     clock: Clock,
+    /// The mod revision of each live node's session as the view holds it.
+    session_revs: std::collections::BTreeMap<NodeId, i64>,
 }
 
 impl Encoder {
@@ -75,7 +77,17 @@ impl Encoder {
             }
         }));
         let sessions = self.session_guards(t);
-        compares.extend(sessions.iter().map(|n| Compare::exists(keys.session(*n))));
+        // The session as seen, not just any session: a node that announced `leaving`
+        // (rewriting its session) after this was planned must not get the put — it may be
+        // about to end its session with nothing under it (found by the simulation: a move
+        // landed on a node one revision before its planned restart revoked the lease).
+        compares.extend(sessions.iter().map(|n| {
+            let key = keys.session(*n);
+            match self.session_revs.get(n) {
+                Some(rev) => Compare::mod_revision(key, *rev),
+                None => Compare::exists(key),
+            }
+        }));
         // Deletes first, so one revision's events read "old key gone, new key there".
         let mut ops: Vec<TxnOp> = Vec::with_capacity(t.ops.len());
         for op in &t.ops {
@@ -158,6 +170,7 @@ impl Term<'_> {
                 .max_txn_ops
                 .min(self.store.limits().max_txn_ops),
             clock: self.clock,
+            session_revs: self.state.session_revisions().clone(),
         }
     }
 
@@ -195,10 +208,17 @@ impl Term<'_> {
             }
         }
         for (n, r) in self.encoder().session_guards(t).into_iter().zip(reads) {
-            if matches!(r, OpResponse::Get { kv: None }) && self.state.nodes().contains_key(&n) {
-                self.state
-                    .apply_delete(&self.config.keys.session(n), resp.revision);
-                self.session_gone(n, "a refused txn");
+            let key = self.config.keys.session(n);
+            match r {
+                OpResponse::Get { kv: None } if self.state.nodes().contains_key(&n) => {
+                    self.state.apply_delete(&key, resp.revision);
+                    self.session_gone(n, "a refused txn");
+                }
+                // Rewritten since (`leaving`): the view takes the new value now.
+                OpResponse::Get { kv: Some(kv) } => {
+                    self.state.apply_put(&key, &kv.value, kv.mod_revision);
+                }
+                _ => {}
             }
         }
         Ok(())

@@ -32,8 +32,19 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         // Each seed runs on a runtime of its own, on plain threads; thousands of simulated
-        // failures would log thousands of warnings, so nothing is logged.
-        Command::Sim(args) => sim::run(&args),
+        // failures would log thousands of warnings, so nothing is logged — except when one
+        // seed is replayed with RUST_LOG set (`RUST_LOG=chanwatch_node=debug ... --seed S
+        // --trace`): the processes' own log lines then go to stderr, between the trace's.
+        Command::Sim(args) => {
+            if args.seed.is_some() && std::env::var_os("RUST_LOG").is_some() {
+                tracing_subscriber::fmt()
+                    .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                    .with_writer(std::io::stderr)
+                    .without_time()
+                    .init();
+            }
+            sim::run(&args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -15,29 +15,31 @@ use tracing::warn;
 
 use crate::register::Registered;
 
-/// Writes the session of `reg` again with `leaving: true`. `true` once it landed.
+/// Writes the session of `reg` again with `leaving: true`. `Some(revision)` once it landed
+/// (`Some(0)` when our session key is gone: nothing can be put under us either); `None` when
+/// it is to be tried again.
 pub(crate) async fn announce_leaving(
     store: Arc<dyn MetaStore>,
     keys: Keys,
     reg: Registered,
-) -> bool {
+) -> Option<i64> {
     let key = keys.session(reg.id);
     let kv = match store.get(&key).await {
         Ok(Some(kv)) if kv.create_revision == reg.session_revision => kv,
         Ok(_) => {
             warn!(node = %reg.id, "node: leaving: our session key is gone; nothing to announce");
-            return false;
+            return Some(0);
         }
         Err(e) => {
             warn!(node = %reg.id, error = %e, "node: leaving: cannot read our session yet; retrying until the shutdown timeout");
-            return false;
+            return None;
         }
     };
     let mut session = match NodeSession::decode(&kv.value) {
         Ok(s) => s,
         Err(e) => {
             warn!(node = %reg.id, error = %e, "node: leaving: our session value does not decode; cannot announce, waiting for the shutdown timeout");
-            return false;
+            return None;
         }
     };
     session.set_leaving(true);
@@ -45,14 +47,14 @@ pub(crate) async fn announce_leaving(
         .when([Compare::create_revision(&key, reg.session_revision)])
         .and_then([TxnOp::put_with_lease(&key, session.encode(), reg.lease)]);
     match store.txn(txn).await {
-        Ok(r) if r.succeeded => true,
+        Ok(r) if r.succeeded => Some(r.revision),
         Ok(_) => {
             warn!(node = %reg.id, "node: leaving: our session changed under us; not announcing");
-            false
+            None
         }
         Err(e) => {
             warn!(node = %reg.id, error = %e, "node: leaving: cannot write our session yet; retrying until the shutdown timeout");
-            false
+            None
         }
     }
 }

@@ -153,7 +153,7 @@ impl Session {
     ) -> SessionEnd {
         // A planned restart in progress (`Stop::Leave`), and its announce writes' outcomes.
         let mut departure: Option<Departure> = None;
-        let (announced_tx, mut announced_rx) = mpsc::unbounded_channel::<bool>();
+        let (announced_tx, mut announced_rx) = mpsc::unbounded_channel::<Option<i64>>();
         let mut last_left = usize::MAX;
         let mut last_left_log = self.clock.now();
         let (renewed_tx, mut renewed) = mpsc::unbounded_channel();
@@ -184,6 +184,11 @@ impl Session {
             .keys
             .owner_prefix(chanwatch_core::ChannelOwner::Node(self.reg.id));
         let mut lw = ListWatch::spawn(self.store.clone(), prefix);
+        // The revision of the last full list applied: a leaving node is done only once it
+        // has applied a list read after its `leaving` write (a put committed just before it
+        // may still be on its way; the watch's `reached` will not do, it counts events still
+        // queued for this loop — found by the simulation).
+        let mut listed_at: i64 = 0;
         // Pausing runs beside the event loop, not in it: a store call that hangs in the loop
         // (an ack on a stalled connection) must not keep channels running past the lease
         // (found by the simulation). Runners follow `pause` themselves. A node also pauses
@@ -213,7 +218,7 @@ impl Session {
             let hold = self.hold_until;
             if let Some(d) = departure.as_mut() {
                 let held = self.machine.channels().len();
-                match d.step(self.clock.unix_ms(), held) {
+                match d.step(self.clock.unix_ms(), held, listed_at) {
                     DepartureStep::Announce => {
                         let (store, keys, reg, tx) = (
                             self.store.clone(),
@@ -242,6 +247,10 @@ impl Session {
                     }
                     DepartureStep::Done { after_ms } => {
                         info!(node = %self.reg.id, channels = d.initial, seconds = after_ms as f64 / 1000.0, "node: left: every channel moved off; revoking the lease");
+                        return self.stop_and_revoke().await;
+                    }
+                    DepartureStep::TimedOut { left: 0 } => {
+                        info!(node = %self.reg.id, timeout = ?self.shutdown_timeout, "node: leaving: shutdown timeout with no channel here; revoking the lease");
                         return self.stop_and_revoke().await;
                     }
                     DepartureStep::TimedOut { left } => {
@@ -273,8 +282,11 @@ impl Session {
                 Some(landed) = announced_rx.recv() => {
                     if let Some(d) = departure.as_mut() {
                         d.announce_done(landed, self.clock.unix_ms());
-                        if landed {
+                        if landed.is_some() {
                             info!(node = %self.reg.id, channels = self.machine.channels().len(), "node: leaving: announced; the coordinator drains us");
+                            // A fresh list, read after the write: once applied, our view
+                            // holds every put that can ever reach us.
+                            lw.relist();
                         }
                     }
                 }
@@ -364,6 +376,7 @@ impl Session {
                 }
                 update = lw.next() => match update {
                     Some(Update::Reset { kvs, revision }) => {
+                        listed_at = revision;
                         self.metrics.relists.inc();
                         debug!(node = %self.reg.id, keys = kvs.len(), revision, "node: listed own channels");
                         let list: Vec<_> = kvs.iter().filter_map(|kv| self.decode(&kv.key, &kv.value).map(|(i, _)| (i, kv.mod_revision))).collect();

@@ -42,11 +42,14 @@ impl Departures {
             .take_while(|(k, _)| k.starts_with(&prefix))
             .filter_map(|(k, _)| keys.parse_channel(k).ok().map(|ck| (ck.channel, 0)))
             .collect();
+        // A node whose session already ended (its lease expired during a partition that
+        // just healed) is failed over, not drained: not judged (seed 40001282 judged one).
+        let alive = kv.contains_key(&keys.session(node));
         self.active.insert(
             node,
             Departure {
                 held,
-                disturbed: false,
+                disturbed: !alive,
             },
         );
     }
@@ -151,13 +154,17 @@ mod tests {
         ChannelName::new(s).expect("valid")
     }
 
-    /// The store with `a` and `b` under node 1.
+    /// The store with node 1's session and `a` and `b` under node 1.
     fn store(keys: &Keys) -> BTreeMap<String, KeyValue> {
         let node = ChannelOwner::Node(NodeId(1));
-        [keys.channel(node, &ch("a")), keys.channel(node, &ch("b"))]
-            .into_iter()
-            .map(|k| (k.clone(), kv(k, 1)))
-            .collect()
+        [
+            keys.session(NodeId(1)),
+            keys.channel(node, &ch("a")),
+            keys.channel(node, &ch("b")),
+        ]
+        .into_iter()
+        .map(|k| (k.clone(), kv(k, 1)))
+        .collect()
     }
 
     #[test]
@@ -209,5 +216,19 @@ mod tests {
             .observe(&keys, &left, &[delete(keys.session(NodeId(1)))])
             .is_empty());
         assert_eq!(d.judged, 0);
+
+        // Asked to leave after its session had ended (expired in a partition): its
+        // channels fail over by design; moving them twice is not judged.
+        let mut d = Departures::default();
+        let no_session: BTreeMap<String, KeyValue> = kv0
+            .iter()
+            .filter(|(k, _)| **k != keys.session(NodeId(1)))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        d.begin(&keys, &no_session, NodeId(1));
+        assert!(d.observe(&keys, &no_session, &moved[..1]).is_empty());
+        assert!(d
+            .observe(&keys, &no_session, &[put(keys.channel(three, &ch("a")))])
+            .is_empty());
     }
 }

@@ -146,3 +146,83 @@ async fn the_leaders_txns_set_how_long_a_burst_is_waited_for() {
     lose(&mut term, 1, "c1", 20);
     assert_eq!(term.plan_at(now()), now() + Duration::from_millis(10));
 }
+
+/// A put planned onto a node from a view that does not yet hold its `leaving` write is
+/// refused by the store (the txn compares the session's mod revision as seen, not just that
+/// it exists), and the refusal's read-back puts `leaving` into the view: the put can never
+/// land on a node that is about to end its session with nothing under it.
+#[tokio::test]
+async fn a_put_planned_before_a_nodes_leaving_write_is_refused_and_the_view_learns_it() {
+    use chanwatch_core::planner::{Guard, Op, PlannedTxn};
+    use chanwatch_core::{ChannelInfo, ChannelOwner, Epoch, NodeSession};
+    let (config, status, store) = parts();
+    let keys = config.keys.clone();
+    let leader = store
+        .txn(
+            chanwatch_store::Txn::new()
+                .and_then([chanwatch_store::TxnOp::put(keys.leader(), "{}")]),
+        )
+        .await
+        .expect("the embedded store answers");
+    let id = NodeId(1);
+    let mut session = NodeSession {
+        id,
+        admin_addr: String::new(),
+        version: String::new(),
+        started_at_ms: 1,
+        capacity: 0,
+        name: String::new(),
+        extra: Default::default(),
+    };
+    let put_session = |s: &NodeSession| {
+        chanwatch_store::Txn::new()
+            .and_then([chanwatch_store::TxnOp::put(keys.session(id), s.encode())])
+    };
+    let first = store.txn(put_session(&session)).await.expect("answers");
+    let mut term = Term::new(
+        store.clone(),
+        &config,
+        Clock::system(),
+        leader.revision,
+        0x77,
+        &status,
+    );
+    term.state
+        .apply_put(&keys.session(id), &session.encode(), first.revision);
+    // The node announces `leaving`; the view has not seen it.
+    session.set_leaving(true);
+    store.txn(put_session(&session)).await.expect("answers");
+    let channel = ChannelName::new("c").expect("valid");
+    let put = |epoch| PlannedTxn {
+        guards: vec![Guard {
+            owner: ChannelOwner::Node(id),
+            channel: channel.clone(),
+            mod_revision: 0,
+        }],
+        ops: vec![Op::Put {
+            owner: ChannelOwner::Node(id),
+            info: Box::new(ChannelInfo::new(
+                channel.clone(),
+                Epoch(epoch),
+                1,
+                Default::default(),
+            )),
+        }],
+        transitions: Vec::new(),
+    };
+    assert_eq!(term.execute(vec![put(1)]).await, Ok(1), "refused");
+    let listed = store
+        .get(&keys.channel(ChannelOwner::Node(id), &channel))
+        .await;
+    assert!(matches!(listed, Ok(None)), "nothing landed: {listed:?}");
+    assert!(
+        term.state
+            .nodes()
+            .get(&id)
+            .is_some_and(NodeSession::leaving),
+        "the refusal's read-back shows the node leaving"
+    );
+    // With the view up to date, the same put lands (the planner would not plan it; the
+    // store guard alone is what this test is about).
+    assert_eq!(term.execute(vec![put(1)]).await, Ok(0), "committed");
+}

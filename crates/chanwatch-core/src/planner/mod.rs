@@ -98,6 +98,10 @@ pub struct Planner {
     keys: Keys,
     config: PlannerConfig,
     nodes: BTreeMap<NodeId, NodeSession>,
+    /// The mod revision of each live node's session key as seen: the coordinator's puts under
+    /// a node compare it, so a put planned before the node announced `leaving` (a session
+    /// rewrite) is refused rather than landing on a node about to end its session.
+    session_revs: BTreeMap<NodeId, i64>,
     /// Normally one entry per channel; more only if the store was edited by hand.
     channels: BTreeMap<ChannelName, Owners>,
     /// Entries and their total weight per node, kept in step with `channels`, so that
@@ -187,6 +191,7 @@ impl Planner {
             keys,
             config,
             nodes: BTreeMap::new(),
+            session_revs: BTreeMap::new(),
             channels: BTreeMap::new(),
             owned: BTreeMap::new(),
             grouped: BTreeMap::new(),

@@ -161,6 +161,11 @@ impl Planner {
         }
         match self.decode(key, value) {
             Decoded::Session(id, s) => {
+                let seen = self.session_revs.entry(id).or_insert(0);
+                if mod_revision < *seen {
+                    return None; // an older value than one a refused txn read back
+                }
+                *seen = mod_revision;
                 let new = self.nodes.insert(id, s).is_none();
                 self.disturbed |= new;
                 if new {
@@ -300,6 +305,7 @@ impl Planner {
         }
         if let Ok(id) = self.keys.parse_session(key) {
             let gone = self.nodes.remove(&id).is_some();
+            self.session_revs.remove(&id);
             self.disturbed |= gone;
             if gone {
                 self.remark(id);
@@ -352,6 +358,7 @@ impl Planner {
         let disturbed = self.disturbed;
         let fences = std::mem::take(&mut self.fences);
         self.nodes.clear();
+        self.session_revs.clear();
         self.channels.clear();
         self.owned.clear();
         self.grouped.clear();
@@ -448,6 +455,11 @@ impl Planner {
     /// Live nodes and their sessions.
     pub fn nodes(&self) -> &BTreeMap<NodeId, NodeSession> {
         &self.nodes
+    }
+
+    /// The mod revision of each live node's session key as seen.
+    pub fn session_revisions(&self) -> &BTreeMap<NodeId, i64> {
+        &self.session_revs
     }
 
     /// Every assignment entry, by channel.
