@@ -202,6 +202,11 @@ fn summarize(reports: &[Report], args: &Args, wall_secs: f64) -> Result<()> {
     );
     let list: Vec<String> = faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
     println!("sim: faults: {}", list.join(", "));
+    let judged: u64 = reports.iter().map(|r| r.departures_judged).sum();
+    println!(
+        "sim: planned restarts judged (undisturbed by other faults): {judged} of {}",
+        faults.get("node-restart").copied().unwrap_or(0)
+    );
     if args.json {
         let line = serde_json::json!({
             "seeds": reports.len(),
@@ -209,6 +214,7 @@ fn summarize(reports: &[Report], args: &Args, wall_secs: f64) -> Result<()> {
             "failed": failed.iter().map(|r| r.seed).collect::<Vec<_>>(),
             "steps": args.steps,
             "faults": faults,
+            "departures_judged": judged,
             "settle_ms_p50": percentile(&settle, 0.5),
             "settle_ms_p99": percentile(&settle, 0.99),
             "simulated_s": sim_secs,

@@ -103,6 +103,8 @@ pub struct Report {
     pub sim_ms: u64,
     /// Store revisions written.
     pub revisions: i64,
+    /// Planned restarts judged by the departure checks (undisturbed by other faults).
+    pub departures_judged: u64,
 }
 
 impl Report {

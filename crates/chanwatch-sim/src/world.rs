@@ -126,6 +126,10 @@ struct World {
     /// Load behaviour of each channel when it is not faulted.
     behaviours: Vec<(ChannelName, Behaviour)>,
     undo: Vec<Undo>,
+    /// When the last timed fault ended or a node last crashed: their effects (a lease that
+    /// expires a moment after a keepalive loss ends, a dead node's session) outlast them by up
+    /// to a session TTL.
+    last_undo_at: Option<Instant>,
     excuses: Vec<Excuse>,
     checker: Checker,
     trace: Trace,
@@ -168,6 +172,7 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
         ambiguous: BTreeSet::new(),
         behaviours: Vec::new(),
         undo: Vec::new(),
+        last_undo_at: None,
         leaving: BTreeSet::new(),
         excuses: Vec::new(),
         checker,
@@ -179,6 +184,7 @@ pub(crate) async fn simulate(seed: u64, options: SimOptions) -> Report {
             trace_lines: 0,
             faults: Default::default(),
             settle_ms: None,
+            departures_judged: 0,
             sim_ms: 0,
             revisions: 0,
         },
@@ -371,6 +377,9 @@ impl World {
             .into_iter()
             .partition(|u| all || u.at <= now);
         self.undo = later;
+        if !due.is_empty() {
+            self.last_undo_at = Some(now);
+        }
         for u in due {
             self.log(&format!("end {}", u.what));
             (u.run)();

@@ -263,7 +263,7 @@ impl Planner {
         if !self.nodes.contains_key(&to) {
             return Err(AdminError::UnknownNode(to));
         }
-        if self.draining.contains(&to) {
+        if self.draining.contains(&to) || self.is_leaving(to) {
             return Err(AdminError::Draining(to));
         }
         if self.moves.contains_key(channel) {

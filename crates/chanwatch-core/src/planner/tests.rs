@@ -63,6 +63,14 @@ impl World {
         let key = self.keys.session(NodeId(id));
         self.state.apply_put(&key, &session(id).encode(), self.rev);
     }
+    /// Node `id` announces that it is leaving (a planned restart): its session is rewritten.
+    pub(super) fn leaving(&mut self, id: u64) {
+        self.rev += 1;
+        let key = self.keys.session(NodeId(id));
+        let mut s = session(id);
+        s.set_leaving(true);
+        self.state.apply_put(&key, &s.encode(), self.rev);
+    }
     /// A node of `capacity` joins.
     pub(super) fn node_cap(&mut self, id: u64, capacity: u32) {
         self.rev += 1;

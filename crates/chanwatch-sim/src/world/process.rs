@@ -36,8 +36,14 @@ impl World {
         node.proc.leave();
         self.leaving.insert(slot);
         self.checker.planned_restart(id);
-        if !self.undo.is_empty() {
-            // A timed fault is still on: not judged.
+        let recent = self
+            .last_undo_at
+            .is_some_and(|at| at + SESSION_TTL > tokio::time::Instant::now());
+        if !self.undo.is_empty() || recent {
+            // A timed fault is still on, or ended (or a node crashed) less than a session TTL
+            // ago — a keepalive loss that just ended can still expire the lease (seed 2590),
+            // a crashed node's session still looks alive and may be picked as a target
+            // (seed 1516): not judged.
             self.checker.departures.disturb();
         }
         self.fault(
@@ -71,6 +77,8 @@ impl World {
         if let Some(id) = id {
             self.handler.mark_dead(id);
         }
+        // Its session lives on for up to a TTL: a leader may still pick it meanwhile.
+        self.last_undo_at = Some(tokio::time::Instant::now());
         self.fault(
             Fault::NodeCrash,
             &format!("proc{} (node {id:?})", node.slot),

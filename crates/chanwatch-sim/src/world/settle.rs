@@ -75,6 +75,7 @@ impl World {
 
     pub(super) fn finish(mut self) -> Report {
         let judged = self.checker.departures.judged;
+        self.report.departures_judged = judged;
         if judged > 0 {
             self.log(&format!("planned restarts judged (undisturbed): {judged}"));
         }

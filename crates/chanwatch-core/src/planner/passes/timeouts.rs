@@ -178,8 +178,8 @@ impl Planner {
                 continue;
             }
             if e.info.state == ChannelState::Released || stuck {
-                // The target may have died, started draining or failed the channel
-                // meanwhile: then the least loaded node not in a back-off for it.
+                // The target may have died, started draining or leaving, or failed the
+                // channel meanwhile: then the least loaded node not in a back-off for it.
                 // (The pending target counts the channel already: its room was checked
                 // when the move was picked.)
                 let want = Want::of(&e.info);
@@ -190,8 +190,12 @@ impl Planner {
                     && self.avoided(channel, pending.to, now_ms);
                 #[cfg(not(feature = "planted-bugs"))]
                 let avoided = self.avoided(channel, pending.to, now_ms);
+                // Leaving or being fenced counts as draining: a leaving node that emptied
+                // ends its session, and a put landing then fails over (found by the
+                // simulation, seed 2140: a balance picked a node that then began a planned
+                // restart, and the move completed onto it).
                 let to = if self.nodes.contains_key(&pending.to)
-                    && !self.draining.contains(&pending.to)
+                    && self.takes_new(pending.to)
                     && !avoided
                 {
                     Some(pending.to)
@@ -244,6 +248,30 @@ mod tests {
     use crate::planner::tests::{info, n, World};
     use crate::planner::*;
     use crate::types::{ChannelState, Epoch, Progress};
+
+    /// A move whose target begins a planned restart (or a drain) before the old owner has
+    /// released completes elsewhere: a leaving node that emptied ends its session, and the
+    /// put would fail over (seed 2140).
+    #[test]
+    fn a_move_whose_target_began_leaving_completes_on_another_node() {
+        let mut w = World::new(PlannerConfig::default());
+        w.node(1);
+        w.node(2);
+        w.node(3);
+        w.put(n(1), info("c", ChannelState::Watched, 1, 0));
+        w.move_to("c", 2);
+        assert_eq!(w.owner_of("c").1, ChannelState::ToRelease);
+        w.leaving(2);
+        w.put(n(1), info("c", ChannelState::Released, 1, 0));
+        w.settle(10);
+        assert_eq!(w.owner_of("c").0, n(3), "not onto the leaving node 2");
+        // And an operator's move to a leaving node is refused.
+        assert!(matches!(
+            w.state
+                .move_channel(&crate::planner::tests::name("c"), NodeId(2), 20),
+            Err(AdminError::Draining(_))
+        ));
+    }
 
     #[test]
     fn a_slow_load_reporting_progress_is_not_reassigned_but_a_hung_one_is() {
