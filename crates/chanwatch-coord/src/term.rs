@@ -449,7 +449,7 @@ impl<'a> Term<'a> {
                 self.state.caught_up(revision);
                 self.watched_rev = self.watched_rev.max(revision);
                 for (key, why) in self.state.corrupt() {
-                    error!(key, error = %why, "coord: value does not decode; leaving it alone");
+                    error!(key, error = %why, "coord: key not taken (its value does not decode, or it is refused); leaving it alone");
                 }
             }
             Update::Events(events) => {
@@ -473,7 +473,7 @@ impl<'a> Term<'a> {
                                 self.state
                                     .apply_put(&ev.kv.key, &ev.kv.value, ev.kv.mod_revision)
                             {
-                                error!(key = ev.kv.key, error = %why, "coord: value does not decode; leaving it alone");
+                                error!(key = ev.kv.key, error = %why, "coord: key not taken (its value does not decode, or it is refused); leaving it alone");
                             }
                         }
                         EventKind::Delete => {

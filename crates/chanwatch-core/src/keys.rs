@@ -42,6 +42,8 @@ pub enum KeyKind {
     Drain,
     /// `{root}/coord/fence/…`: a fence mark.
     Fence,
+    /// `{root}/id/name/…`: an ID block reserved for a node name.
+    IdName,
     /// Anything else.
     Other,
 }
@@ -65,6 +67,7 @@ pub struct Keys {
     drains: String,
     fences: String,
     channels: String,
+    id_names: String,
 }
 
 impl Keys {
@@ -102,6 +105,7 @@ impl Keys {
             drains: format!("{root}/coord/drain/"),
             fences: format!("{root}/coord/fence/"),
             channels: format!("{root}/channel/"),
+            id_names: format!("{root}/id/name/"),
             root,
         }
     }
@@ -117,6 +121,8 @@ impl Keys {
             KeyKind::Drain
         } else if key.starts_with(&self.fences) {
             KeyKind::Fence
+        } else if key.starts_with(&self.id_names) {
+            KeyKind::IdName
         } else {
             KeyKind::Other
         }
@@ -135,6 +141,39 @@ impl Keys {
     /// `{root}/id/node`: the last node ID handed out.
     pub fn node_id_counter(&self) -> String {
         format!("{}/id/node", self.root)
+    }
+
+    /// `{root}/id/name/`: the ID blocks reserved per node name ([`crate::idblock`]).
+    pub fn id_names_prefix(&self) -> String {
+        self.id_names.clone()
+    }
+
+    /// `{root}/id/name/{name}`: the number of the ID block reserved for node name `name`
+    /// (decimal), written by an administrator with the etcd role of that name.
+    pub fn id_name(&self, name: &str) -> String {
+        format!("{}{name}", self.id_names)
+    }
+
+    /// Parses `{root}/id/name/{name}` into the name.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the key is elsewhere or the name is not a valid node name.
+    pub fn parse_id_name<'k>(&self, key: &'k str) -> Result<&'k str, KeyError> {
+        let name = strip(key, &self.id_names)?;
+        if crate::idblock::valid_name(name) {
+            Ok(name)
+        } else {
+            Err(malformed(
+                key,
+                "node name is not 1-253 bytes of [A-Za-z0-9._-]",
+            ))
+        }
+    }
+
+    /// `{root}/id/block/{b:03}`: the last sequence number handed out in ID block `b`; only
+    /// the nodes of the block's name write it.
+    pub fn id_block_counter(&self, block: crate::IdBlock) -> String {
+        format!("{}/id/block/{:03}", self.root, block.number())
     }
 
     /// `{root}/session/node/`.

@@ -25,6 +25,7 @@
 //! - [`types`]: `NodeId`, `ChannelName`, `Epoch`, `ChannelState`, `ChannelInfo`,
 //!   `NodeSession`, `CoordSession`, `Checkpoint` and their JSON;
 //! - [`keys`]: the [`Keys`] layout, the only place a key is formatted or parsed;
+//! - [`idblock`]: node ID blocks reserved per node name (etcd roles bound to one node);
 //! - [`planner`]: the coordinator's [`planner::Planner`] — its view of the store (fed by store
 //!   events) and `plan(now)`, the transactions that bring the assignments where they should
 //!   be; admin commands and the rows `ctl` prints;
@@ -36,6 +37,7 @@
 //! plain `u64` of Unix milliseconds passed in by the caller.
 
 pub mod error;
+pub mod idblock;
 pub mod keys;
 pub mod natural;
 pub mod node;
@@ -44,6 +46,7 @@ pub mod status;
 pub mod types;
 
 pub use error::{DecodeError, KeyError, NameError};
+pub use idblock::IdBlock;
 pub use keys::{ChannelKey, ChannelOwner, KeyKind, Keys};
 pub use natural::natural;
 pub use status::StatusAnswer;

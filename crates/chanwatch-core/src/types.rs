@@ -44,7 +44,8 @@ pub const COORDINATOR_FIELDS: [&str; 8] = [
 /// (`weight`, `group`, and fields this build does not know, kept verbatim).
 pub const MAX_CHANNEL_EXTRA_BYTES: usize = 4 * 1024;
 
-/// A node's identity. Handed out once from the `{root}/id/node` counter and never reused, so a
+/// A node's identity. Handed out once from the `{root}/id/node` counter (or from the counter of
+/// the ID block reserved for the node's name, [`crate::idblock`]) and never reused, so a
 /// restarted node always starts with an empty prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]

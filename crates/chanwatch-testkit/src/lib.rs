@@ -430,7 +430,9 @@ impl EtcdFixture {
 
     /// Creates user `name` with `password` and a role of the same name holding `grants`:
     /// each is (`read` | `write` | `readwrite`, key or prefix ending in `/`; a trailing `/`
-    /// grants the prefix), as docs/OPERATING.md's "etcd users and roles" does.
+    /// grants the prefix, and so does a trailing `*`, which is dropped: `cw/channel/1007*` is
+    /// every key starting `cw/channel/1007`), as docs/OPERATING.md's "etcd users and roles"
+    /// and deploy/config/setup-auth.sh do.
     ///
     /// # Errors
     /// [`FixtureError::Etcdctl`] when a command fails (e.g. auth is off).
@@ -442,10 +444,12 @@ impl EtcdFixture {
     ) -> Result<(), FixtureError> {
         self.etcdctl(&["role", "add", name])?;
         for (perm, key) in grants {
-            let prefix = if key.ends_with('/') {
-                "--prefix=true"
+            let (prefix, key) = if let Some(stem) = key.strip_suffix('*') {
+                ("--prefix=true", stem)
+            } else if key.ends_with('/') {
+                ("--prefix=true", *key)
             } else {
-                "--prefix=false"
+                ("--prefix=false", *key)
             };
             self.etcdctl(&["role", "grant-permission", name, prefix, perm, key])?;
         }

@@ -2,6 +2,10 @@
 //! with auth on: a coordinator, a node and `ctl` run as real processes, each as its own
 //! user with its own role, and do their work; the node's user cannot write the leader key or
 //! drain marks, and `ctl`'s user cannot write at all; the coordinator compacts as its own user.
+//! NodeRestriction: two nodes, each with a user bound to the ID block of its name, register
+//! in their blocks; etcd itself refuses node A's user every write to node B's session,
+//! assignments and ID counter; a session A's user plants under another name in its own
+//! block is refused by the coordinator and never gets a channel.
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -26,6 +30,7 @@ const ROLES: &[(&str, &[(&str, &str)])] = &[
         "chanwatch-node",
         &[
             ("readwrite", "cw/id/node"),
+            ("read", "cw/id/name/"),
             ("readwrite", "cw/session/node/"),
             ("readwrite", "cw/channel/"),
             ("readwrite", "cw/worker/checkpoint/"),
@@ -83,6 +88,24 @@ async fn store_as(fixture: &EtcdFixture, user: &str) -> EtcdStore {
 async fn refused(store: &EtcdStore, key: &str) -> bool {
     let r = store.txn(Txn::new().and_then([TxnOp::put(key, "x")])).await;
     matches!(r, Err(StoreError::PermissionDenied { .. }))
+}
+
+async fn delete_refused(store: &EtcdStore, key: &str) -> bool {
+    let r = store.txn(Txn::new().and_then([TxnOp::delete(key)])).await;
+    matches!(r, Err(StoreError::PermissionDenied { .. }))
+}
+
+/// deploy/config/setup-auth.sh's role for node name `name` bound to ID block `block`, for
+/// `--root cw`. Keep in step with that script.
+fn node_role(name: &str, block: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("read", "cw/id/node".into()),
+        ("read", format!("cw/id/name/{name}")),
+        ("readwrite", format!("cw/id/block/{block:03}")),
+        ("readwrite", format!("cw/session/node/1{block:03}*")),
+        ("readwrite", format!("cw/channel/1{block:03}*")),
+        ("readwrite", "cw/worker/checkpoint/".into()),
+    ]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,4 +236,177 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
             })
             .then_some(())
     });
+}
+
+/// NodeRestriction (DESIGN §2, docs/OPERATING.md "One etcd user per node"): users
+/// `chanwatch-node-a` and `chanwatch-node-b`, bound to ID blocks 7 and 8 as
+/// deploy/config/setup-auth.sh binds them, run nodes `--name a` and `--name b`. Judged from
+/// outside: etcdctl shows each session in its block; etcd answers "permission denied" to
+/// every write of a's user to b's session, assignment keys, ID counter and block
+/// reservation (and to a's own reservation); a session a's user writes under name b in its
+/// own block is refused by the coordinator (its log) and gets none of 8 channels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_etcd_user_reaches_only_its_own_id_blocks_keys() {
+    let fixture = EtcdFixture::start_with(EtcdOptions {
+        root_password: Some("rootpw".into()),
+        ..EtcdOptions::default()
+    })
+    .await
+    .expect("etcd with auth");
+    for (user, grants) in ROLES {
+        fixture
+            .add_user_with_role(user, &format!("{user}-pw"), grants)
+            .expect("user and role");
+    }
+    for (name, block) in [("a", 7u16), ("b", 8)] {
+        let user = format!("chanwatch-node-{name}");
+        let grants = node_role(name, block);
+        let grants: Vec<(&str, &str)> = grants.iter().map(|(p, k)| (*p, k.as_str())).collect();
+        fixture
+            .add_user_with_role(&user, &format!("{user}-pw"), &grants)
+            .expect("user and role");
+        fixture
+            .etcdctl(&["put", &format!("{ROOT}/id/name/{name}"), &block.to_string()])
+            .expect("reserve the block");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = chanwatch_testkit::free_port();
+    let mut coord_args = vec!["coord".to_owned(), format!("--admin=127.0.0.1:{port}")];
+    coord_args.extend(common(&fixture, "chanwatch-coord"));
+    let mut coord = spawn(dir.path(), "coord", &coord_args);
+    let mut nodes: Vec<_> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let mut args = vec![
+                "node".to_owned(),
+                "--admin=127.0.0.1:0".to_owned(),
+                format!("--name={name}"),
+            ];
+            args.extend(common(&fixture, &format!("chanwatch-node-{name}")));
+            spawn(dir.path(), &format!("node-{name}"), &args)
+        })
+        .collect();
+    let (id_a, id_b) = ("1007000000000001", "1008000000000001");
+    let sessions = eventually(
+        "both sessions in their blocks",
+        Duration::from_secs(30),
+        || {
+            for n in &mut nodes {
+                assert!(n.running(), "node exited:\n{}", n.output());
+            }
+            let keys = fixture
+                .etcdctl(&[
+                    "get",
+                    "--prefix",
+                    "--keys-only",
+                    &format!("{ROOT}/session/node/"),
+                ])
+                .ok()?;
+            (keys.contains(id_a) && keys.contains(id_b)).then_some(keys)
+        },
+    );
+    assert_eq!(
+        sessions.split_whitespace().count(),
+        2,
+        "no other session: {sessions}"
+    );
+
+    let a = store_as(&fixture, "chanwatch-node-a").await;
+    // A session a's user may write (its own block's prefix) under b's name: an impostor.
+    let impostor = format!("{ROOT}/session/node/1007000000000099");
+    let value = r#"{"id":1007000000000099,"admin_addr":"127.0.0.1:1","version":"x","started_at_ms":1,"capacity":1,"name":"b"}"#;
+    a.txn(Txn::new().and_then([TxnOp::put(&impostor, value)]))
+        .await
+        .expect("a's user writes in its own block");
+    eventually(
+        "a leader accepting add-channel",
+        Duration::from_secs(30),
+        || {
+            assert!(coord.running(), "coordinator exited:\n{}", coord.output());
+            ctl(&fixture, &["add-channel", "c0"])
+                .status
+                .success()
+                .then_some(())
+        },
+    );
+    for i in 1..8 {
+        let out = ctl(&fixture, &["add-channel", &format!("c{i}")]);
+        assert!(out.status.success(), "add-channel c{i}: {out:?}");
+    }
+    let owners = eventually("8 channels Watched", Duration::from_secs(30), || {
+        let out = fixture
+            .etcdctl(&[
+                "get",
+                "--prefix",
+                "--keys-only",
+                &format!("{ROOT}/channel/"),
+            ])
+            .ok()?;
+        let keys: Vec<String> = out.split_whitespace().map(str::to_owned).collect();
+        let watched = fixture
+            .etcdctl(&[
+                "get",
+                "--prefix",
+                "--print-value-only",
+                &format!("{ROOT}/channel/"),
+            ])
+            .ok()?
+            .matches("\"Watched\"")
+            .count();
+        (keys.len() == 8 && watched == 8).then_some(keys)
+    });
+    for key in &owners {
+        assert!(
+            key.contains(&format!("/channel/{id_a}/"))
+                || key.contains(&format!("/channel/{id_b}/")),
+            "{key}: a channel not on node a or b (the impostor 1007000000000099?)"
+        );
+    }
+    eventually(
+        "the coordinator's refusal in its log",
+        Duration::from_secs(10),
+        || {
+            coord
+                .output()
+                .lines()
+                .any(|l| l.contains("1007000000000099") && l.contains("refused, not a node"))
+                .then_some(())
+        },
+    );
+    let b_channel = owners
+        .iter()
+        .find(|k| k.contains(id_b))
+        .unwrap_or_else(|| panic!("node b got no channel: {owners:?}"));
+
+    // What etcd refuses a's user.
+    for key in [
+        format!("{ROOT}/session/node/{id_b}"),
+        format!("{ROOT}/session/node/1008000000000002"),
+        format!("{ROOT}/channel/{id_b}/c-new"),
+        b_channel.clone(),
+        format!("{ROOT}/id/block/008"),
+        format!("{ROOT}/id/name/b"),
+        format!("{ROOT}/id/name/a"),
+        format!("{ROOT}/id/node"),
+        format!("{ROOT}/coord/leader"),
+    ] {
+        assert!(refused(&a, &key).await, "a's user may write {key}");
+    }
+    for key in [format!("{ROOT}/session/node/{id_b}"), b_channel.clone()] {
+        assert!(delete_refused(&a, &key).await, "a's user may delete {key}");
+    }
+    // And what it may: its own block's keys (here its counter, rewritten as it was).
+    let counter = format!("{ROOT}/id/block/007");
+    let own = a
+        .get(&counter)
+        .await
+        .expect("a reads its counter")
+        .expect("exists");
+    a.txn(Txn::new().and_then([TxnOp::put(&counter, own.value)]))
+        .await
+        .expect("a's user writes its own counter");
+    for n in &mut nodes {
+        assert!(n.running(), "node exited:\n{}", n.output());
+    }
+    assert!(coord.running(), "coordinator exited:\n{}", coord.output());
 }

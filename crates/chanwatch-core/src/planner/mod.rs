@@ -102,6 +102,9 @@ pub struct Planner {
     /// a node compare it, so a put planned before the node announced `leaving` (a session
     /// rewrite) is refused rather than landing on a node about to end its session.
     session_revs: BTreeMap<NodeId, i64>,
+    /// ID blocks reserved per node name (`{root}/id/name/{name}`, NodeRestriction): a
+    /// session in a reserved block's key prefix that is not that name's is refused.
+    blocks: BTreeMap<crate::IdBlock, String>,
     /// Normally one entry per channel; more only if the store was edited by hand.
     channels: BTreeMap<ChannelName, Owners>,
     /// Entries and their total weight per node, kept in step with `channels`, so that
@@ -192,6 +195,7 @@ impl Planner {
             config,
             nodes: BTreeMap::new(),
             session_revs: BTreeMap::new(),
+            blocks: BTreeMap::new(),
             channels: BTreeMap::new(),
             owned: BTreeMap::new(),
             grouped: BTreeMap::new(),

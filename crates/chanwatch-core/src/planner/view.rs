@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::keys::{ChannelOwner, KeyKind};
 use crate::types::{ChannelInfo, ChannelName, ChannelState, NodeId, NodeSession};
+use crate::IdBlock;
 
 use super::commands::Op;
 use super::{PlannedTxn, Planner};
@@ -94,6 +95,7 @@ enum Decoded {
     Drain(NodeId),
     Fence(NodeId),
     Channel(ChannelOwner, ChannelInfo),
+    IdName(String, IdBlock),
     Ignored,
 }
 
@@ -117,9 +119,27 @@ impl Planner {
                 .parse_session(key)
                 .map_err(|e| e.to_string())
                 .and_then(|id| {
-                    NodeSession::decode(value)
-                        .map(|s| Decoded::Session(id, s))
-                        .map_err(|e| e.to_string())
+                    let s = NodeSession::decode(value).map_err(|e| e.to_string())?;
+                    // NodeRestriction: a session where only its block's name may write.
+                    match crate::idblock::foreign(id, &s.name, &self.blocks) {
+                        Some(why) => Err(format!("refused, not a node: {why}")),
+                        None => Ok(Decoded::Session(id, s)),
+                    }
+                }),
+            KeyKind::IdName => self
+                .keys
+                .parse_id_name(key)
+                .map_err(|e| e.to_string())
+                .and_then(|name| {
+                    let block: IdBlock = std::str::from_utf8(value)
+                        .map_err(|_| "not UTF-8".to_owned())?
+                        .parse()?;
+                    match self.blocks.get(&block) {
+                        Some(other) if other != name => Err(format!(
+                            "ID block {block} is reserved for node name {other:?} already"
+                        )),
+                        _ => Ok(Decoded::IdName(name.to_owned(), block)),
+                    }
                 }),
             KeyKind::Channel => self
                 .keys
@@ -175,6 +195,12 @@ impl Planner {
             }
             Decoded::Drain(id) => {
                 self.draining.insert(id);
+                None
+            }
+            Decoded::IdName(name, block) => {
+                // Sessions seen before are checked against it at the next full list.
+                self.blocks.retain(|_, n| *n != name);
+                self.blocks.insert(block, name);
                 None
             }
             Decoded::Fence(id) => {
@@ -303,6 +329,12 @@ impl Planner {
         if kind == KeyKind::Channel && self.tombstones.get(key).is_some_and(|d| *d >= revision) {
             return; // the echo of our own txn's delete: already applied
         }
+        if kind == KeyKind::IdName {
+            if let Ok(name) = self.keys.parse_id_name(key) {
+                self.blocks.retain(|_, n| n != name);
+            }
+            return;
+        }
         if let Ok(id) = self.keys.parse_session(key) {
             let gone = self.nodes.remove(&id).is_some();
             self.session_revs.remove(&id);
@@ -359,6 +391,7 @@ impl Planner {
         let fences = std::mem::take(&mut self.fences);
         self.nodes.clear();
         self.session_revs.clear();
+        self.blocks.clear();
         self.channels.clear();
         self.owned.clear();
         self.grouped.clear();

@@ -87,3 +87,75 @@ fn an_unparsable_drain_key_is_reported_as_corrupt_and_drains_nothing() {
     w.state.apply_delete(key, 7);
     assert!(w.state.corrupt().is_empty());
 }
+
+/// NodeRestriction: with ID block 7 reserved for name `a`, a session in the block's key
+/// prefix is a node only if it is a block-7 ID under name `a`; anything else there (another
+/// name, a short ID such as 1007) is reported and never given a channel. A second name
+/// claiming the same block is reported too.
+#[test]
+fn sessions_in_a_reserved_id_block_must_be_the_blocks_name() {
+    use crate::types::NodeSession;
+    use crate::IdBlock;
+    let mut w = World::new(PlannerConfig::default());
+    let b7 = IdBlock::new(7).expect("block");
+    assert_eq!(w.state.apply_put(&w.keys.id_name("a"), b"7", 1), None);
+    let why = w.state.apply_put(&w.keys.id_name("b"), b"7", 2);
+    assert!(
+        why.as_deref()
+            .is_some_and(|w| w.contains("reserved for node name \"a\"")),
+        "{why:?}"
+    );
+    let session = |id: NodeId, name: &str| NodeSession {
+        id,
+        admin_addr: String::new(),
+        version: "t".into(),
+        started_at_ms: 0,
+        capacity: 0,
+        name: name.into(),
+        extra: Default::default(),
+    };
+    let own = b7.id(1).expect("id");
+    let impostor = b7.id(2).expect("id");
+    for (rev, (id, name)) in [
+        (own, "a"),
+        (impostor, "b"),
+        (NodeId(1007), "a"),
+        (NodeId(3), "b"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        w.state.apply_put(
+            &w.keys.session(id),
+            &session(id, name).encode(),
+            10 + rev as i64,
+        );
+    }
+    let nodes: Vec<NodeId> = w.state.nodes().keys().copied().collect();
+    assert_eq!(
+        nodes,
+        vec![NodeId(3), own],
+        "only the block's own and unreserved IDs"
+    );
+    for refused in [impostor, NodeId(1007)] {
+        let why = w.state.corrupt().get(&w.keys.session(refused));
+        assert!(
+            why.is_some_and(|w| w.starts_with("refused, not a node")),
+            "{refused}: {why:?}"
+        );
+    }
+    // Channels go only to the nodes.
+    for ch in ["c1", "c2", "c3", "c4"] {
+        let txn = w
+            .state
+            .add_channel(name(ch), Default::default(), 0)
+            .expect("add");
+        w.rev += 1;
+        w.state.applied(&txn, w.rev);
+        assert!(
+            matches!(w.owner_of(ch).0, crate::keys::ChannelOwner::Node(id) if id == own || id == NodeId(3)),
+            "{ch} went to {:?}",
+            w.owner_of(ch)
+        );
+    }
+}
