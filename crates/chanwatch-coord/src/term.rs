@@ -98,6 +98,8 @@ pub(crate) struct Term<'a> {
     /// The leader lease's renewals (set by the election): their revisions tell a quiet
     /// watch from a stalled one.
     pub(crate) renewals: Option<watch::Receiver<Renewal>>,
+    /// Whether the last round ran with the view known to be behind (for its log line).
+    was_behind: bool,
     /// Where committed transitions and node events are recorded (`events.rs`).
     pub(crate) events: Arc<crate::events::EventLog>,
     /// Bulk registrations whose txns are being written off the loop (`bulk.rs`).
@@ -135,6 +137,7 @@ impl<'a> Term<'a> {
                 Duration::from_millis(config.planner.watch_timeout_ms),
             ),
             renewals: None,
+            was_behind: false,
             events: Arc::new(crate::events::EventLog::new(clock)),
             bulk: crate::bulk::InFlight::default(),
             watched_rev: 0,
@@ -335,6 +338,10 @@ impl<'a> Term<'a> {
         }
         if self.bulk.len() > 0 {
             self.state.hold_balance(self.clock.unix_ms());
+        }
+        if behind != self.was_behind {
+            debug!(behind, "coord: the view is known to be behind the store (a keepalive answer named a revision the watch has not reached)");
+            self.was_behind = behind;
         }
         self.state.set_behind(behind);
         let txns = self.state.plan(self.clock.unix_ms());

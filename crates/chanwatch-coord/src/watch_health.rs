@@ -78,6 +78,7 @@ impl StallCheck {
                 let r = *rx.borrow_and_update();
                 if self.noted != Some(r) {
                     self.noted = Some(r);
+                    tracing::trace!(revision = r.revision, reached, "coord: keepalive answered");
                     self.unreached.renewed(r, reached);
                 }
             }

@@ -645,11 +645,29 @@ impl MetaStore for EtcdStore {
         let client = self.members.client(member).await?;
         // Opening the stream sends the first renewal and checks the lease exists.
         match client.lease_client().keep_alive(lease).await {
-            // etcd-client reads the first answer itself: its revision is not known here.
-            Ok(pair) => {
-                slot.stream = Some(pair);
+            // etcd-client reads the first answer itself, so its revision is not known here:
+            // renew once more on the new stream for an answer that names one. Without it,
+            // the first renewal of every lease (and of every stream opened after a member
+            // change) named no revision, and a leader whose watch stalled in that period could
+            // not tell (found from outside: a failed channel retried on its node while a node
+            // that had registered was not yet seen).
+            Ok((mut keeper, mut stream)) => {
+                let again = async {
+                    keeper.keep_alive().await?;
+                    stream.message().await
+                }
+                .await;
                 slot.answered = true;
-                Ok(0)
+                match again {
+                    Ok(Some(resp)) if resp.ttl() > 0 => {
+                        slot.stream = Some((keeper, stream));
+                        Ok(resp.header().map_or(0, |h| h.revision()))
+                    }
+                    Ok(Some(_)) => Err(StoreError::LeaseNotFound(lease)),
+                    // The opening renewal landed; this one did not: the revision stays
+                    // unknown, and the next renewal opens a new stream.
+                    Ok(None) | Err(_) => Ok(0),
+                }
             }
             Err(e) => Err(fix_lease(self.members.err(member, e).await, lease)),
         }

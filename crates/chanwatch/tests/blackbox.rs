@@ -508,6 +508,108 @@ async fn a_leader_whose_watch_stalls_notices_relists_and_moves_nothing() {
     keep(c);
 }
 
+/// The leader's view is behind (its watch held by a [`GrpcProxy`]) while a channel that failed
+/// on node a waits out a's back-off, and node b registers meanwhile — unseen. When the
+/// back-off is over, "no other candidate" is the stale view's: a leader that knows its view
+/// is behind (its keepalives named a revision its watch has not reached) must not retry the
+/// channel on a; once it sees b (the watch released), the channel goes to b. Judged from
+/// etcd: after its failure on a the channel is never assigned to a again, and it ends
+/// `Watched` on b. Timings: the coordinator's TTL of 12 s renews every 4 s and relists a
+/// stalled watch after 6 s; the back-off (`--watch-timeout`) is 5 s, so the view is known
+/// behind (≤ 4.3 s after the stall) before the back-off ends, and no stall relist (≥ 6.3 s)
+/// shows b before it ends. `--plant retry-while-behind` makes this test fail (CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_failed_on_a_node_is_not_retried_there_while_the_leaders_view_is_behind() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::new("chanwatch-blackbox-stale-view-").await;
+    let proxy = GrpcProxy::start(c.etcd.endpoint()).await.expect("proxy");
+    let planted = plant();
+    let mut flags: Vec<&str> = vec![
+        "--session-ttl=12s",
+        "--watch-timeout=5s",
+        "--resync-interval=300s",
+        "--balance-quiet=300s",
+    ];
+    flags.extend(planted.iter().map(String::as_str));
+    c.coord_via(&proxy.endpoint(), &flags);
+    let direct = c.etcd.endpoint().to_owned();
+    let ttl = format!("--session-ttl={TTL}s");
+    const Y: &str = "sv-y";
+    let fail = format!("--fail-load={Y}");
+    c.node("a", &direct, &[&ttl, &fail]);
+    let a = c.node_id("a").await;
+    c.wait_coord_nodes(1).await;
+    c.add_channels(&[Y.to_owned()]).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let t_fail = loop {
+        let failed = c.history.changes().into_iter().find(|ch| {
+            ch.channel == Y
+                && ch.node == Some(a)
+                && ch.state == Some(chanwatch_core::ChannelState::WatchFailed)
+        });
+        if let Some(ch) = failed {
+            break ch.at_ms;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{Y} never failed on a (node {a})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The leader has seen the failure (its watch was live); now it sees nothing more.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.stall_watches();
+    c.node("b", &direct, &[&ttl]);
+    let b = c.node_id("b").await;
+    // Past the back-off (5 s after the failure), short of the first possible stall relist.
+    let release_at = t_fail + 5_800;
+    tokio::time::sleep(Duration::from_millis(release_at.saturating_sub(unix_ms()))).await;
+    proxy.release_watches();
+    let settled = c
+        .wait_settled(1, Duration::from_secs(20), |ch, n| ch != Y || n == b)
+        .await;
+    // Every write of Y's keys: a retry on a rewrites a's key in place (a new epoch, not a
+    // new key), so assignments are told by their epoch, not by key creation.
+    let y: Vec<(u64, Option<u64>, Option<chanwatch_core::ChannelState>, u64)> = c
+        .history
+        .changes()
+        .into_iter()
+        .filter(|ch| ch.channel == Y)
+        .map(|ch| (ch.at_ms, ch.node, ch.state, ch.epoch))
+        .collect();
+    let back_on_a: Vec<_> = y
+        .iter()
+        .filter(|(_, n, state, epoch)| {
+            *n == Some(a) && *epoch > 1 && *state == Some(chanwatch_core::ChannelState::ToWatch)
+        })
+        .collect();
+    let coord_metrics = c.metrics(&c.admin).await;
+    println!(
+        "stale view: a={a} b={b}; {Y} failed on a at unix ms {t_fail}, watch held from ~{} ms \
+         after to {} ms after; its key's writes (unix ms, node, state, epoch): {}; stalls counted {:?}",
+        100,
+        release_at - t_fail,
+        few(&y
+            .iter()
+            .map(|(at, _, n, e)| (*at, *n, *e))
+            .collect::<Vec<_>>()),
+        Cluster::metric(&coord_metrics, "chanwatch_watch_stalls_total"),
+    );
+    let exits = c.exits();
+    if !back_on_a.is_empty() {
+        let dir = c.dir.keep();
+        panic!(
+            "{Y} was retried on a (node {a}) while the leader's view was behind (b = {b} had \
+             registered): {} (logs in {})",
+            few(&back_on_a),
+            dir.display()
+        );
+    }
+    assert!(settled.is_ok(), "{Y} not Watched on b: {settled:?}");
+    assert!(exits.is_empty(), "processes exited: {exits:?}");
+    keep(c);
+}
+
 /// `ctl add-channels --from-file`: a file of names and JSON objects with one bad line
 /// registers nothing and names the line (rc ≠ 0); the same file fixed registers every
 /// channel, all of them `Watched` (as `ctl channels -o json` shows) and running; a file naming

@@ -110,6 +110,8 @@ pub enum PlantArg {
     NoWatchStallCheck,
     /// The leader plans at the first session loss of a burst, not once the burst is over.
     NoLossHold,
+    /// A failed channel is retried on its node while the leader's view is known behind.
+    RetryWhileBehind,
 }
 
 #[cfg(feature = "planted-bugs")]
@@ -123,6 +125,7 @@ impl PlantArg {
             }
             PlantArg::NoWatchStallCheck => chanwatch_core::planner::PlannerBug::NoWatchStallCheck,
             PlantArg::NoLossHold => chanwatch_core::planner::PlannerBug::NoLossHold,
+            PlantArg::RetryWhileBehind => chanwatch_core::planner::PlannerBug::RetryWhileBehind,
         }
     }
 }
@@ -242,6 +245,7 @@ mod tests {
             ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
             ("no-watch-stall-check", PlannerBug::NoWatchStallCheck),
             ("no-loss-hold", PlannerBug::NoLossHold),
+            ("retry-while-behind", PlannerBug::RetryWhileBehind),
         ] {
             let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
             let Command::Coord(args) = cli.command else {

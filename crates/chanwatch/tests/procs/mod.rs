@@ -64,13 +64,17 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_chanwatch"))
 }
 
-/// Starts `chanwatch ARGS` with `RUST_LOG=info`, its output in `DIR/NAME.out`.
+/// Starts `chanwatch ARGS` with `RUST_LOG=info` (or the test's `CHANWATCH_TEST_RUST_LOG`, to
+/// debug a test), its output in `DIR/NAME.out`.
 pub fn spawn(dir: &Path, name: &str, args: &[String]) -> Proc {
     let out = dir.join(format!("{name}.out"));
     let file = std::fs::File::create(&out).expect("output file");
     let child = Command::new(bin())
         .args(args)
-        .env("RUST_LOG", "info")
+        .env(
+            "RUST_LOG",
+            std::env::var("CHANWATCH_TEST_RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
         .stdin(Stdio::null())
         .stdout(file.try_clone().expect("dup"))
         .stderr(file)

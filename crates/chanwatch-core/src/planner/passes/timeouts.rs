@@ -67,7 +67,12 @@ impl Planner {
                         if *until <= now_ms
                             && until.saturating_sub(backoff) >= e.info.start_time_ms =>
                     {
-                        if self.behind {
+                        #[cfg(feature = "planted-bugs")]
+                        let behind =
+                            self.behind && !self.config.planted(PlannerBug::RetryWhileBehind);
+                        #[cfg(not(feature = "planted-bugs"))]
+                        let behind = self.behind;
+                        if behind {
                             continue; // "no other candidate" may be a stale view's
                         }
                         node
