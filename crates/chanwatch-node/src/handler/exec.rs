@@ -484,10 +484,15 @@ fn is_simple(command: &str) -> bool {
 /// - the command's exit status is the shell's (a signal's `128 + n`).
 ///
 /// `wait` returns early when a trapped signal arrives; the loop waits again while the command
-/// is still there.
+/// is still there. The subshell that runs the command handles `SIGTERM` with `:` too, so it
+/// keeps waiting for what it runs in the foreground: a release's grace no longer leaves that
+/// process orphaned (outside this shell's reach) when the subshell died of the `SIGTERM` —
+/// the node's death during the grace then still kills it. (A shell *inside* the command, `sh
+/// -c '…'` of the user's own, dies of `SIGTERM` as before; its children stay in the group, so
+/// the grace's end still kills them, but the node's death during that grace does not.)
 const GUARD_SCRIPT: &str = r#"trap 'kill -KILL 0' USR2
 trap : TERM
-{ eval "$1"; } &
+{ trap : TERM; eval "$1"; } &
 w=$!
 while :; do
   wait "$w"; s=$?

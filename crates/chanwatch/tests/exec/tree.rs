@@ -1,8 +1,9 @@
 //! Workers started as most users write them — no `exec` in the command — judged from outside
 //! (`/proc`, the workers' own files): whatever the node's death, no process of a worker's tree
-//! outlives it; a released worker itself gets `SIGTERM` and its `--stop-grace`; one that
-//! ignores `SIGTERM` lives until the grace ends, then is killed. Each for a simple command
-//! (`python3 W DIR`) and a compound one (`cd DIR && python3 W DIR`, a shell in front).
+//! outlives it, not even when the node dies during a release's grace; a released worker
+//! itself gets `SIGTERM` and its `--stop-grace`; one that ignores `SIGTERM` lives until the
+//! grace ends, then is killed. Each for a simple command (`python3 W DIR`) and a compound one
+//! (`cd DIR && python3 W DIR`, a shell in front).
 
 use super::*;
 
@@ -139,5 +140,42 @@ async fn a_worker_started_without_exec_that_ignores_sigterm_lives_until_the_grac
             "{kind}: gone {lived:?} after the removal, before the 3 s grace"
         );
         drop(node);
+    }
+}
+
+/// The node is killed (`SIGKILL`) during a release's grace, while its worker, which ignores
+/// `SIGTERM`, still runs: nothing of the worker's tree may outlive the node (the guard's
+/// subshell used to die of the release's `SIGTERM`, leaving the worker outside its reach).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_during_a_release_grace_leaves_no_process_of_its_worker() {
+    let w = World::start().await;
+    let marker = w.dir.path().join("tree_worker.py").display().to_string();
+    std::fs::write(w.path("stubborn"), "").expect("stubborn flag");
+    for (kind, command) in commands(w.dir.path()) {
+        let channel = format!("grace-kill-{kind}");
+        let node = run_one(&w, kind, &command, &["--stop-grace=30s"], &channel);
+        let (ok, _, err) = w.ctl(&["remove-channel", &channel]);
+        assert!(ok, "{err}");
+        wait_for(
+            10,
+            || format!("{kind}: the worker never saw SIGTERM: {}", node.output()),
+            || w.path(&format!("{channel}.term")).exists().then_some(()),
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !procs_with(&marker).is_empty(),
+            "{kind}: the worker is gone before the node died (it ignores SIGTERM, 30 s grace)"
+        );
+        drop(node); // SIGKILL, in the grace
+        wait_for(
+            3,
+            || {
+                format!(
+                    "{kind}: left after the node's SIGKILL during the grace: {:?}",
+                    procs_with(&marker)
+                )
+            },
+            || procs_with(&marker).is_empty().then_some(()),
+        );
     }
 }
