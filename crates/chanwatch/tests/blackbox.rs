@@ -517,7 +517,7 @@ async fn a_leader_whose_watch_stalls_notices_relists_and_moves_nothing() {
 /// `Watched` on b. Timings: the coordinator's TTL of 12 s renews every 4 s and relists a
 /// stalled watch after 6 s; the back-off (`--watch-timeout`) is 5 s, so the view is known
 /// behind (≤ 4.3 s after the stall) before the back-off ends, and no stall relist (≥ 6.3 s)
-/// shows b before it ends. `--plant retry-while-behind` makes this test fail (CI).
+/// shows b before it ends. `--plant ignore-behind` makes this test fail (CI).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_channel_failed_on_a_node_is_not_retried_there_while_the_leaders_view_is_behind() {
     let _serial = SERIAL.lock().await;

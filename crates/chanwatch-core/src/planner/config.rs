@@ -68,10 +68,11 @@ pub enum PlannerBug {
     /// (read by the coordinator's term): a round may put channels on a node whose loss the
     /// next watch batch shows, and its txn is refused or the channels move twice.
     NoLossHold,
-    /// The planner retries a failed channel on the node that failed it (its back-off over,
-    /// no other candidate in view) even while the view is known to be behind the store: a
-    /// node that registered meanwhile is not seen, so "no other candidate" may be false.
-    RetryWhileBehind,
+    /// The planner ignores that its view is known to be behind the store: it retries a
+    /// failed channel on the node that failed it (its back-off over, no other candidate in
+    /// view: a node that registered meanwhile is not seen), and it times out loads and
+    /// releases whose acks the stale view may hide.
+    IgnoreBehind,
 }
 
 #[cfg(feature = "planted-bugs")]
@@ -91,7 +92,7 @@ impl PlannerBug {
             PlannerBug::BalanceIgnoresBackoff => "balance-ignores-backoff",
             PlannerBug::NoWatchStallCheck => "no-watch-stall-check",
             PlannerBug::NoLossHold => "no-loss-hold",
-            PlannerBug::RetryWhileBehind => "retry-while-behind",
+            PlannerBug::IgnoreBehind => "ignore-behind",
         }
     }
 }

@@ -110,8 +110,9 @@ pub enum PlantArg {
     NoWatchStallCheck,
     /// The leader plans at the first session loss of a burst, not once the burst is over.
     NoLossHold,
-    /// A failed channel is retried on its node while the leader's view is known behind.
-    RetryWhileBehind,
+    /// The planner ignores that the leader's view is known to be behind (retries a failed
+    /// channel on its node, times out loads and releases whose acks it may not have seen).
+    IgnoreBehind,
 }
 
 #[cfg(feature = "planted-bugs")]
@@ -125,7 +126,7 @@ impl PlantArg {
             }
             PlantArg::NoWatchStallCheck => chanwatch_core::planner::PlannerBug::NoWatchStallCheck,
             PlantArg::NoLossHold => chanwatch_core::planner::PlannerBug::NoLossHold,
-            PlantArg::RetryWhileBehind => chanwatch_core::planner::PlannerBug::RetryWhileBehind,
+            PlantArg::IgnoreBehind => chanwatch_core::planner::PlannerBug::IgnoreBehind,
         }
     }
 }
@@ -245,7 +246,7 @@ mod tests {
             ("balance-ignores-backoff", PlannerBug::BalanceIgnoresBackoff),
             ("no-watch-stall-check", PlannerBug::NoWatchStallCheck),
             ("no-loss-hold", PlannerBug::NoLossHold),
-            ("retry-while-behind", PlannerBug::RetryWhileBehind),
+            ("ignore-behind", PlannerBug::IgnoreBehind),
         ] {
             let cli = Cli::try_parse_from(["chanwatch", "coord", "--plant", flag]).expect("parses");
             let Command::Coord(args) = cli.command else {

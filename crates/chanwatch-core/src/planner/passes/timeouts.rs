@@ -19,7 +19,20 @@ use super::super::PlannerBug;
 use super::super::{PendingMove, Planner};
 
 impl Planner {
+    /// Whether the view is known to be behind the store (the runtime's `set_behind`): then
+    /// no decision rests on an ack *not* seen — a watch timeout, a release timeout — nor on
+    /// "no other candidate" (a node that registered may not be in view yet); the runtime
+    /// relists, and the timers pick up from a current view.
+    fn view_behind(&self) -> bool {
+        #[cfg(feature = "planted-bugs")]
+        if self.config.planted(PlannerBug::IgnoreBehind) {
+            return false;
+        }
+        self.behind
+    }
+
     pub(super) fn plan_timeouts(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let behind = self.view_behind();
         let mut loads = self.loads();
         let backoff = self.config.failed_node_backoff_ms;
         let mut planned = Vec::new();
@@ -40,7 +53,7 @@ impl Planner {
                 continue;
             }
             let timed_out = match e.info.state {
-                ChannelState::ToWatch if now_ms < self.timeouts_after_ms => false,
+                ChannelState::ToWatch if now_ms < self.timeouts_after_ms || behind => false,
                 ChannelState::ToWatch => {
                     let last = e.info.progress.as_ref().map_or(e.info.start_time_ms, |p| {
                         p.updated_at_ms.max(e.info.start_time_ms)
@@ -67,11 +80,6 @@ impl Planner {
                         if *until <= now_ms
                             && until.saturating_sub(backoff) >= e.info.start_time_ms =>
                     {
-                        #[cfg(feature = "planted-bugs")]
-                        let behind =
-                            self.behind && !self.config.planted(PlannerBug::RetryWhileBehind);
-                        #[cfg(not(feature = "planted-bugs"))]
-                        let behind = self.behind;
                         if behind {
                             continue; // "no other candidate" may be a stale view's
                         }
@@ -128,6 +136,7 @@ impl Planner {
 
     /// Finish moves whose channel is `Released`; force those stuck in `ToRelease`.
     pub(super) fn plan_releases(&mut self, now_ms: u64, changes: &mut Vec<Change>) {
+        let behind = self.view_behind();
         let mut loads = self.loads();
         let mut done = Vec::new();
         let mut adopt = Vec::new();
@@ -168,7 +177,10 @@ impl Planner {
                     m
                 }
             };
+            // A `Released` the stale view does not show yet would make a healthy node look
+            // stuck, and fencing it fails over every channel it holds.
             let stuck = e.info.state == ChannelState::ToRelease
+                && !behind
                 && now_ms.saturating_sub(pending.since_ms) > self.config.release_timeout_ms;
             #[cfg(feature = "planted-bugs")]
             let fence = stuck && !self.config.planted(PlannerBug::ForceWithoutFence);
@@ -253,6 +265,42 @@ mod tests {
     use crate::planner::tests::{info, n, World};
     use crate::planner::*;
     use crate::types::{ChannelState, Epoch, Progress};
+
+    /// While the runtime says the view is behind the store, no load times out and no
+    /// owner is fenced for a release it may have acked unseen; once the view is current,
+    /// both happen as before.
+    #[test]
+    fn a_view_known_to_be_behind_times_out_nothing_until_it_is_current() {
+        let cfg = PlannerConfig {
+            watch_timeout_ms: 1_000,
+            release_timeout_ms: 2_000,
+            ..PlannerConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("load", ChannelState::ToWatch, 1, 0));
+        w.put(n(1), info("rel", ChannelState::Watched, 1, 0));
+        w.move_to("rel", 2);
+        assert_eq!(w.owner_of("rel").1, ChannelState::ToRelease);
+        w.state.set_behind(true);
+        assert!(
+            w.state.plan(10_000).is_empty(),
+            "a stale view timed something out"
+        );
+        w.state.set_behind(false);
+        let txns = w.settle(10_000);
+        assert!(
+            txns.iter()
+                .any(|t| t.ops.iter().any(|op| matches!(op, Op::Fence { .. }))),
+            "the stuck release fences its owner once the view is current: {txns:?}"
+        );
+        assert_eq!(
+            w.owner_of("load").1,
+            ChannelState::ToRelease,
+            "the hung load is released"
+        );
+    }
 
     /// A move whose target begins a planned restart (or a drain) before the old owner has
     /// released completes elsewhere: a leaving node that emptied ends its session, and the
