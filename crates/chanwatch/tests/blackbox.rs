@@ -4,6 +4,9 @@
 //! chanwatch-testkit (a missing binary fails the test with install instructions), runs in
 //! well under a minute, and is part of `cargo test`.
 //!
+//! Over 600 lines: one flat list of independent fault scenarios; their shared harness is
+//! `blackbox/cluster.rs`.
+//!
 //! - A drained node whose watch stalls silently: the node reaches etcd through a
 //!   [`GrpcProxy`] that holds its watch responses while its keepalives pass, so it never sees
 //!   its `ToRelease`. Judged: no channel ever runs on two nodes at once; the node's session

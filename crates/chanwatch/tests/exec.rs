@@ -2,6 +2,9 @@
 //! nodes as processes and their workers as real child processes, judged from outside — `ctl
 //! --json`, `etcdctl`, the nodes' logs, the workers' own files and `/proc`.
 //!
+//! Over 600 lines: one flat list of independent scenarios sharing one small harness (`World`);
+//! the process-tree ones are in `exec/tree.rs`.
+//!
 //! The Rust consumer and the Python worker resuming each other's checkpoints: `exec/mixed.rs`;
 //! a node that fences itself killing its workers at once: `exec/fence.rs`; the Python worker
 //! exiting at once on SIGTERM while its commit hangs: `exec/sigterm.rs`; a worker's last commit

@@ -5,6 +5,9 @@
 //! `tools/protoc` finding protoc where it is, the Dockerfile as far as it can be judged without
 //! a container daemon, and `standalone`'s `/metrics`.
 //!
+//! Over 600 lines: one flat list of independent checks of deployable artifacts, sharing one
+//! harness.
+//!
 //! promtool comes with Debian's `prometheus` package, systemd-analyze with `systemd`; a
 //! missing tool fails its test with how to install it.
 //!

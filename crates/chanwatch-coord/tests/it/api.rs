@@ -1,6 +1,8 @@
 //! The admin HTTP API over a real socket on 127.0.0.1: status codes and JSON errors for bad
 //! input, and that a refused request writes nothing.
 //!
+//! Over 600 lines: one flat list of independent request/answer cases over one harness.
+//!
 //! Over 600 lines: one test per endpoint family on one small harness; split by endpoint, the
 //! files would share that harness and nothing else.
 

@@ -1,5 +1,8 @@
 //! The planner's view of the store and its ingest.
 //!
+//! Just over 600 lines: decoding, ingest and the indexes it keeps in step (counts, attention)
+//! change together; its tests are in `view/tests.rs`.
+//!
 //! Owns: decoding keys and values under the root (sessions, assignments, drain and fence
 //! marks; a key that does not decode is reported, never acted on), applying PUTs, DELETEs, a
 //! full relist and the planner's own committed txns, the tombstones that keep a lagging

@@ -1,5 +1,7 @@
 //! Unit tests of the agent API over a real socket: token checks, one child's token acting
 //! on that child only, revocation, the pause in `GET /state`, and `GET /read`.
+//!
+//! Just over 600 lines: one flat list of independent request cases over a real socket.
 use super::*;
 use crate::handler::RunnerEvent;
 use chanwatch_core::{ChannelInfo, ChannelName, Epoch, NodeId, VChannelInfo};

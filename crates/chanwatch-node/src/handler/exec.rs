@@ -4,6 +4,9 @@
 //! the channel's assignment and resume point in its environment, and supervises it; the child
 //! talks to its node through the local [agent API](crate::agent).
 //!
+//! Just over 600 lines: spawning, supervising and stopping a worker share the one child record
+//! and its signals; the agent API is `agent.rs`.
+//!
 //! | variable | value |
 //! |---|---|
 //! | `CHANWATCH_CHANNEL`, `CHANWATCH_EPOCH`, `CHANWATCH_NODE` | the assignment: channel name, epoch, node ID (decimal) |

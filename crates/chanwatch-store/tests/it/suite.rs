@@ -2,6 +2,8 @@
 //! backend. Bodies use only the trait and tokio time, so the embedded store runs them under a
 //! paused clock and etcd in real time.
 //!
+//! Over 600 lines: one body per documented guarantee, a flat list run on every backend.
+//!
 //! Over 600 lines: the suite is one list of guarantees that both backends must keep, read
 //! best in one place (each body short and independent).
 

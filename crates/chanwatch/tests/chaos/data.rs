@@ -6,6 +6,9 @@
 //! checkpoint commit from outside, and `chanwatch audit` at the end (with a planted loss and a
 //! planted duplicate it must catch).
 //!
+//! Over 600 lines: the data plane of one chaos run — producer, consumers, audit and the
+//! per-fault stream checks read the same records.
+//!
 //! Owns: the NATS fixture (and, for the node in the network namespace, a TCP forwarder from
 //! the veth's host end to it: the fixture binds only 127.0.0.1), the producer process, the
 //! checkpoint watch and what it measures, the audit's verdict. Must not: touch assignments
