@@ -195,6 +195,8 @@ impl<'a> Term<'a> {
         ));
         tokio::pin!(resync);
         let mut restarts_seen = 0;
+        // A stall relist asked for and its list not yet applied: the view is known behind.
+        let mut relist_pending = false;
         loop {
             let blinded = blind.borrow().is_some();
             let wake = self.pacer.wake_at(blinded).map(|at| self.origin + at);
@@ -205,6 +207,7 @@ impl<'a> Term<'a> {
                 update = lw.next() => {
                     let Some(update) = update else { return TermEnd::Lost("list-watch ended".into()) };
                     let relisted = matches!(update, Update::Reset { .. });
+                    relist_pending &= !relisted;
                     if let Err(why) = self.apply(update) {
                         return TermEnd::Lost(why);
                     }
@@ -250,6 +253,9 @@ impl<'a> Term<'a> {
                     self.config.metrics.watch_stalls.inc();
                     self.availability.unreachable(stalled.sent);
                     lw.relist();
+                    // Still behind until the list is applied: the stall check has forgotten
+                    // its renewals, but the view is as stale as it was.
+                    relist_pending = true;
                 }
                 written = self.bulk.next() => {
                     if let Err(why) = self.bulk_written(written) {
@@ -284,6 +290,7 @@ impl<'a> Term<'a> {
             }
             // Whatever this turn served, what the watch delivered meanwhile is applied now.
             while let Some(more) = lw.try_next() {
+                relist_pending &= !matches!(more, Update::Reset { .. });
                 if let Err(why) = self.apply(more) {
                     return TermEnd::Lost(why);
                 }
@@ -311,7 +318,10 @@ impl<'a> Term<'a> {
                 .pacer
                 .due(self.since(self.clock.now()), blind.borrow().is_some())
             {
-                if let Err(why) = self.round(stall.behind_since().is_some()).await {
+                if let Err(why) = self
+                    .round(stall.behind_since().is_some() || relist_pending)
+                    .await
+                {
                     return TermEnd::Lost(why);
                 }
             }

@@ -108,8 +108,8 @@ fn node_role(name: &str, block: u16) -> Vec<(&'static str, String)> {
     ]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_part_works_with_its_least_privilege_role_and_no_more() {
+/// An etcd with auth on and the users of [`ROLES`], each with the password `{user}-pw`.
+async fn etcd_with_roles() -> EtcdFixture {
     let fixture = EtcdFixture::start_with(EtcdOptions {
         root_password: Some("rootpw".into()),
         ..EtcdOptions::default()
@@ -121,6 +121,12 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
             .add_user_with_role(user, &format!("{user}-pw"), grants)
             .expect("user and role");
     }
+    fixture
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_part_works_with_its_least_privilege_role_and_no_more() {
+    let fixture = etcd_with_roles().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let port = chanwatch_testkit::free_port();
     let mut coord_args = vec![
@@ -247,17 +253,7 @@ async fn each_part_works_with_its_least_privilege_role_and_no_more() {
 /// own block is refused by the coordinator (its log) and gets none of 8 channels.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodes_etcd_user_reaches_only_its_own_id_blocks_keys() {
-    let fixture = EtcdFixture::start_with(EtcdOptions {
-        root_password: Some("rootpw".into()),
-        ..EtcdOptions::default()
-    })
-    .await
-    .expect("etcd with auth");
-    for (user, grants) in ROLES {
-        fixture
-            .add_user_with_role(user, &format!("{user}-pw"), grants)
-            .expect("user and role");
-    }
+    let fixture = etcd_with_roles().await;
     for (name, block) in [("a", 7u16), ("b", 8)] {
         let user = format!("chanwatch-node-{name}");
         let grants = node_role(name, block);

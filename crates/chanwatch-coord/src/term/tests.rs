@@ -65,12 +65,9 @@ impl Term<'_> {
     }
 }
 
-/// A node holding `channel` in `term`'s view, then its session gone.
-fn lose(term: &mut Term<'_>, node: u64, channel: &str, rev: i64) {
-    use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Epoch, NodeSession};
-    let keys = term.config.keys.clone();
-    let id = NodeId(node);
-    let session = NodeSession {
+/// A bare session of node `id`.
+fn session(id: NodeId) -> chanwatch_core::NodeSession {
+    chanwatch_core::NodeSession {
         id,
         admin_addr: String::new(),
         version: String::new(),
@@ -78,7 +75,15 @@ fn lose(term: &mut Term<'_>, node: u64, channel: &str, rev: i64) {
         capacity: 0,
         name: String::new(),
         extra: Default::default(),
-    };
+    }
+}
+
+/// A node holding `channel` in `term`'s view, then its session gone.
+fn lose(term: &mut Term<'_>, node: u64, channel: &str, rev: i64) {
+    use chanwatch_core::{ChannelInfo, ChannelOwner, ChannelState, Epoch};
+    let keys = term.config.keys.clone();
+    let id = NodeId(node);
+    let session = session(id);
     term.state
         .apply_put(&keys.session(id), &session.encode(), rev);
     if !channel.is_empty() {
@@ -165,15 +170,7 @@ async fn a_put_planned_before_a_nodes_leaving_write_is_refused_and_the_view_lear
         .await
         .expect("the embedded store answers");
     let id = NodeId(1);
-    let mut session = NodeSession {
-        id,
-        admin_addr: String::new(),
-        version: String::new(),
-        started_at_ms: 1,
-        capacity: 0,
-        name: String::new(),
-        extra: Default::default(),
-    };
+    let mut session = session(id);
     let put_session = |s: &NodeSession| {
         chanwatch_store::Txn::new()
             .and_then([chanwatch_store::TxnOp::put(keys.session(id), s.encode())])

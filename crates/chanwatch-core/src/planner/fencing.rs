@@ -152,6 +152,61 @@ mod tests {
         assert_eq!(w.owner_of("a"), (n(2), ChannelState::ToWatch, Epoch(2)));
     }
 
+    /// A fence mark this leader wrote survives a full list read before that txn committed
+    /// (the list lacks the mark): the fenced node's channels still wait `fence_wait_ms`
+    /// after its session is gone. Forgotten, they moved at once, beside a node that had not
+    /// yet noticed its revoked lease (simulation seed 123458222).
+    #[test]
+    fn a_fence_mark_survives_a_list_older_than_its_txn() {
+        let cfg = PlannerConfig {
+            release_timeout_ms: 1_000,
+            fence_wait_ms: 3_000,
+            ..PlannerConfig::default()
+        };
+        let mut w = World::new(cfg);
+        w.node(1);
+        w.node(2);
+        w.put(n(1), info("a", ChannelState::Watched, 1, 0));
+        w.put(n(1), info("b", ChannelState::Watched, 1, 0));
+        w.move_to("a", 2);
+        let txns = w.settle(1_500);
+        assert_eq!(txns[0].ops, vec![Op::Fence { node: NodeId(1) }]);
+        // A list from before the fence txn, with node 1's session already gone.
+        let a = info("a", ChannelState::ToRelease, 1, 0).encode();
+        let b = info("b", ChannelState::Watched, 1, 0).encode();
+        let s2 = {
+            let mut s = crate::types::NodeSession {
+                id: NodeId(2),
+                admin_addr: String::new(),
+                version: "t".into(),
+                started_at_ms: 0,
+                capacity: 0,
+                name: String::new(),
+                extra: Default::default(),
+            };
+            s.capacity = 1;
+            s.encode()
+        };
+        let (ka, kb, k2) = (
+            w.keys.channel(n(1), &name("a")),
+            w.keys.channel(n(1), &name("b")),
+            w.keys.session(NodeId(2)),
+        );
+        w.state.reset([
+            (ka.as_str(), a.as_slice(), 3),
+            (kb.as_str(), b.as_slice(), 4),
+            (k2.as_str(), s2.as_slice(), 2),
+        ]);
+        assert_eq!(w.state.fencing().collect::<Vec<_>>(), vec![NodeId(1)]);
+        assert!(
+            w.settle(2_000).is_empty(),
+            "node 1 may still run its channels"
+        );
+        assert!(w.settle(4_900).is_empty());
+        w.settle(5_000);
+        assert_eq!(w.owner_of("b").0, n(2));
+    }
+
     #[test]
     fn a_failed_revoke_is_asked_for_again() {
         let cfg = PlannerConfig {
