@@ -26,6 +26,10 @@ pub(crate) struct StoreAvailability {
     unreachable_since: Option<Instant>,
     /// Since when the store has refused our writes (NOSPACE).
     writes_refused_since: Option<Instant>,
+    /// When the last full list was taken: it shows the store as of then, so a failing
+    /// stretch reported as begun before it (the list-watch's `blind` mark stays set from the
+    /// list until its new watch runs) is already over.
+    listed_at: Option<Instant>,
 }
 
 impl StoreAvailability {
@@ -36,12 +40,20 @@ impl StoreAvailability {
             first_list_grace,
             unreachable_since: None,
             writes_refused_since: None,
+            listed_at: None,
         }
     }
 
     /// The list-watch has been failing since `since`. The earliest report of a stretch
     /// counts.
     pub(crate) fn unreachable(&mut self, since: Instant) {
+        // The old mark, still set for a moment after a relist: that stretch ended with the
+        // list. Counted again, it opened a stretch that only the next relist closed, and timers
+        // stood still for all of it (found by the simulation, seed 555001927: 53 s after a
+        // term's first list, so a hung load was never timed out before the run ended).
+        if self.listed_at.is_some_and(|listed| since < listed) {
+            return;
+        }
         self.unreachable_since.get_or_insert(since);
     }
 
@@ -49,6 +61,7 @@ impl StoreAvailability {
     /// long timers must stand still: the stretch it ends plus [`Self::reach_grace`], the
     /// first-list grace when there was no stretch, zero otherwise.
     pub(crate) fn relisted(&mut self, now: Instant, first: bool) -> Duration {
+        self.listed_at = Some(now);
         match self.unreachable_since.take() {
             Some(since) => now.saturating_duration_since(since) + self.reach_grace,
             None if first => self.first_list_grace,
@@ -105,6 +118,22 @@ mod tests {
             Duration::ZERO,
             "the stretch is over"
         );
+    }
+
+    /// The list-watch's blind mark stays set for a moment after a relist (until its new
+    /// watch runs); the tick reporting it then opens no new stretch: the list ended it.
+    #[test]
+    fn a_blind_mark_from_before_a_relist_opens_no_new_stretch() {
+        let t0 = Instant::now();
+        let mut a = tracker();
+        a.relisted(t0, true);
+        a.unreachable(t0 + S);
+        assert_eq!(a.relisted(t0 + 5 * S, false), 4 * S + TTL);
+        a.unreachable(t0 + S); // the same mark, reported once more after the list
+        assert_eq!(a.relisted(t0 + 60 * S, false), Duration::ZERO);
+        // A failure after the list is a stretch of its own.
+        a.unreachable(t0 + 61 * S);
+        assert_eq!(a.relisted(t0 + 63 * S, false), 2 * S + TTL);
     }
 
     #[test]
